@@ -1,0 +1,44 @@
+"""ampguard: safe fp16 mixed-precision training for PyTorch with one import line.
+
+    import ampguard   # the first line of an existing training script
+
+On import ampguard reads its ``AMPGUARD_*`` environment variables and applies
+its patches to torch (``ampguard patches`` lists them). The public API is small:
+
+* :func:`install` / :func:`uninstall` / :func:`status`: the patches;
+* :class:`SafeGradScaler`: the GradScaler every ``GradScaler(...)`` becomes;
+* :class:`ConfigError`, :class:`ScaleCollapseError`: what ampguard raises.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from ampguard.errors import ConfigError, ScaleCollapseError
+from ampguard.registry import PatchStatus, install, status, uninstall
+from ampguard.scaler import SafeGradScaler, ScalerStats
+
+__all__ = [
+    "ConfigError",
+    "PatchStatus",
+    "SafeGradScaler",
+    "ScaleCollapseError",
+    "ScalerStats",
+    "install",
+    "status",
+    "uninstall",
+]
+
+
+def _install_on_import() -> None:
+    try:
+        install()
+    except ConfigError:
+        raise
+    except Exception as error:  # ampguard must never be the reason a training run dies
+        from ampguard.log import logger
+
+        logger.warning("ampguard could not install (%s: %s); torch is left as it was.", type(error).__name__, error)
+
+
+_install_on_import()

@@ -1,0 +1,179 @@
+"""Every ``AMPGUARD_*`` environment variable, in one place.
+
+Each variable is a :class:`Setting`: its name, default, the words used to
+describe what it accepts, and a parser. :func:`load` reads them all at install
+time into a frozen :class:`Config`. A value that does not parse raises
+:class:`~ampguard.errors.ConfigError`; there is never a silent fallback.
+``docs/configuration.md`` documents the same table, and a test keeps the two in
+step.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any, Callable, Iterable, Mapping
+
+from ampguard.errors import ConfigError
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _parse_bool(variable: str, raw: str) -> bool:
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(variable, raw, "1/true/yes/on or 0/false/no/off")
+
+
+def _number_parser(kind: type, minimum: float, *, allow_zero: bool = False, describe: str) -> Callable[[str, str], Any]:
+    def parse(variable: str, raw: str) -> Any:
+        try:
+            value = kind(raw.strip())
+        except ValueError:
+            raise ConfigError(variable, raw, describe) from None
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(variable, raw, describe)
+        if not (value >= minimum or (allow_zero and value == 0)):
+            raise ConfigError(variable, raw, describe)
+        return value
+
+    return parse
+
+
+def _choice_parser(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+    def parse(variable: str, raw: str) -> str:
+        value = raw.strip().lower()
+        if value not in choices:
+            raise ConfigError(variable, raw, " or ".join(repr(c) for c in choices), _suggest(value, choices))
+        return value
+
+    return parse
+
+
+def _suggest(value: str, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
+    return f"Did you mean {close[0]!r}?" if close else ""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One environment variable: what it sets, its default and what it accepts."""
+
+    variable: str
+    attribute: str
+    default: Any
+    accepted: str
+    description: str
+    example: str
+    parse: Callable[[str, str], Any] = field(repr=False, compare=False)
+
+
+SETTINGS: tuple[Setting, ...] = (
+    Setting("AMPGUARD", "enabled", True, "1 or 0 (also true/false, yes/no, on/off)",
+            "Master switch. 0: `import ampguard` works but patches nothing.", "AMPGUARD=0", _parse_bool),
+    Setting("AMPGUARD_DISABLE", "disable", frozenset(), "comma-separated patch names",
+            "Patches not to apply (see `ampguard patches`).", "AMPGUARD_DISABLE=clip_grad,bf16_check", None),  # type: ignore[arg-type]
+    Setting("AMPGUARD_ENABLE", "enable", frozenset(), "comma-separated patch names",
+            "Opt-in patches to apply in addition to the default ones.", "AMPGUARD_ENABLE=anomaly", None),  # type: ignore[arg-type]
+    Setting("AMPGUARD_QUIET", "quiet", False, "1 or 0",
+            "1: no banner on import.", "AMPGUARD_QUIET=1", _parse_bool),
+    Setting("AMPGUARD_INIT_SCALE", "init_scale", None, "a number >= 1",
+            "Initial loss scale of every GradScaler, overriding even an explicit argument "
+            "(unset: 1024 unless the caller passes init_scale).", "AMPGUARD_INIT_SCALE=4096",
+            _number_parser(float, 1.0, describe="a finite number >= 1")),
+    Setting("AMPGUARD_GROWTH_INTERVAL", "growth_interval", None, "a whole number >= 1",
+            "Successful steps between scale growths, overriding even an explicit argument "
+            "(unset: 100 unless the caller passes growth_interval).", "AMPGUARD_GROWTH_INTERVAL=200",
+            _number_parser(int, 1, describe="a whole number >= 1")),
+    Setting("AMPGUARD_MAX_SCALE", "max_scale", 2.0**24, "a number >= 1",
+            "The loss scale never grows past this cap.", "AMPGUARD_MAX_SCALE=65536",
+            _number_parser(float, 1.0, describe="a finite number >= 1")),
+    Setting("AMPGUARD_MIN_SCALE", "min_scale", 1.0, "a number > 0, or 0 for no floor",
+            "The loss scale never falls below this floor.", "AMPGUARD_MIN_SCALE=0",
+            _number_parser(float, 1e-30, allow_zero=True, describe="a finite number > 0, or 0 for no floor")),
+    Setting("AMPGUARD_MAX_CONSECUTIVE_SKIPS", "max_consecutive_skips", 100, "a whole number >= 1",
+            "After this many consecutive skipped steps ampguard logs CRITICAL (or raises, see AMPGUARD_ON_STALL).",
+            "AMPGUARD_MAX_CONSECUTIVE_SKIPS=50", _number_parser(int, 1, describe="a whole number >= 1")),
+    Setting("AMPGUARD_ON_STALL", "on_stall", "warn", "warn or raise",
+            "What a stall does: log CRITICAL, or raise ampguard.ScaleCollapseError.", "AMPGUARD_ON_STALL=raise",
+            _choice_parser(("warn", "raise"))),
+    Setting("AMPGUARD_STATS_EVERY", "stats_every", 500, "a whole number >= 0",
+            "Optimizer steps between two stats lines on logger `ampguard` (0: never).", "AMPGUARD_STATS_EVERY=100",
+            _number_parser(int, 0, describe="a whole number >= 0")),
+    Setting("AMPGUARD_FP16_GRADS", "fp16_grads", "allow", "allow or error",
+            "fp16 parameters under a GradScaler: unscale them with a warning, or raise torch's ValueError.",
+            "AMPGUARD_FP16_GRADS=error", _choice_parser(("allow", "error"))),
+    Setting("AMPGUARD_BF16_FALLBACK", "bf16_fallback", "off", "off or fp16",
+            "bf16 autocast on a GPU without native bf16: only warn, or run the region in fp16.",
+            "AMPGUARD_BF16_FALLBACK=fp16", _choice_parser(("off", "fp16"))),
+)
+
+SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Config:
+    """The configuration in effect, as read from the environment by :func:`load`."""
+
+    enabled: bool = True
+    disable: frozenset[str] = frozenset()
+    enable: frozenset[str] = frozenset()
+    quiet: bool = False
+    init_scale: float | None = None
+    growth_interval: int | None = None
+    max_scale: float = 2.0**24
+    min_scale: float = 1.0
+    max_consecutive_skips: int = 100
+    on_stall: str = "warn"
+    stats_every: int = 500
+    fp16_grads: str = "allow"
+    bf16_fallback: str = "off"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            f.name: sorted(getattr(self, f.name)) if isinstance(getattr(self, f.name), frozenset) else getattr(self, f.name)
+            for f in fields(self)
+        }
+
+
+def _parse_names(variable: str, raw: str, known: Iterable[str]) -> frozenset[str]:
+    known = tuple(known)
+    names = frozenset(part.strip().lower() for part in raw.split(",") if part.strip())
+    for name in sorted(names):
+        if name not in known:
+            raise ConfigError(
+                variable, raw, "comma-separated names from: " + ", ".join(known), _suggest(name, known)
+            )
+    return names
+
+
+def load(
+    environ: Mapping[str, str] | None = None,
+    *,
+    patch_names: Iterable[str] = (),
+) -> Config:
+    """Read every ``AMPGUARD_*`` variable; raise ConfigError on the first bad one."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for setting in SETTINGS:
+        raw = environ.get(setting.variable)
+        if raw is None or raw.strip() == "":
+            continue
+        if setting.variable in ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"):
+            values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
+        else:
+            values[setting.attribute] = setting.parse(setting.variable, raw)
+    unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in SETTINGS_BY_VARIABLE)
+    if unknown:
+        name = unknown[0]
+        raise ConfigError(
+            name, environ[name], "no such variable; known: " + ", ".join(SETTINGS_BY_VARIABLE),
+            _suggest(name, SETTINGS_BY_VARIABLE),
+        )
+    return Config(**values)

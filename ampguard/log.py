@@ -1,0 +1,102 @@
+"""Logger ``ampguard``, rank awareness and rate limiting.
+
+ampguard never touches the root logger. Like transformers, it gives its own
+logger one handler when nobody else has (rich on a terminal, plain text
+otherwise) and does not propagate, so a training script that never configured
+logging still sees the banner and the stats lines. Attach your own handler to
+``logging.getLogger("ampguard")`` beforehand and ampguard adds none.
+
+In a process that is one of several (``RANK`` / ``LOCAL_RANK`` set, as torchrun
+does), only rank 0 prints below ERROR.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+
+logger = logging.getLogger("ampguard")
+
+_default_handler: logging.Handler | None = None
+
+
+def process_rank() -> int:
+    """This process's global rank: torch.distributed when initialised, else RANK / LOCAL_RANK, else 0."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None:
+        try:
+            if dist.is_available() and dist.is_initialized():
+                return int(dist.get_rank())
+        except Exception:  # an exotic backend must not break logging
+            pass
+    for variable in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(variable, "")
+        if value.strip().isdigit():
+            return int(value)
+    return 0
+
+
+def is_rank_zero() -> bool:
+    return process_rank() == 0
+
+
+class _RankZeroFilter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR or is_rank_zero()
+
+
+class _PlainFormatter(logging.Formatter):
+    """``ampguard: message`` for INFO and below, ``ampguard WARNING: message`` above."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = "" if record.levelno <= logging.INFO else f" {record.levelname}"
+        return f"ampguard{level}: {record.getMessage()}"
+
+
+def _on_terminal(stream: object) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # closed stream
+        return False
+
+
+def ensure_default_handler() -> None:
+    """Give logger ``ampguard`` a handler unless somebody already did."""
+    global _default_handler
+    if _default_handler is not None or logger.handlers:
+        return
+    handler: logging.Handler
+    if _on_terminal(sys.stderr):
+        from rich.logging import RichHandler
+
+        handler = RichHandler(show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]")
+        handler.setFormatter(logging.Formatter("%(message)s"))
+    else:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(_PlainFormatter())
+    handler.addFilter(_RankZeroFilter())
+    logger.addHandler(handler)
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.INFO)
+    logger.propagate = False
+    _default_handler = handler
+
+
+class RateLimiter:
+    """Lets an event through at most once per ``interval`` seconds (and always the first time)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self._last: float | None = None
+        self.suppressed = 0
+
+    def ready(self) -> bool:
+        now = time.monotonic()
+        if self._last is None or now - self._last >= self.interval:
+            self._last = now
+            return True
+        self.suppressed += 1
+        return False

@@ -1,0 +1,1 @@
+"""One module per patch; :mod:`ampguard.registry` lists them."""

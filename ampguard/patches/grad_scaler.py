@@ -1,0 +1,131 @@
+"""Patch ``grad_scaler``: every way of creating a GradScaler gives a SafeGradScaler.
+
+* ``torch.amp.GradScaler``, ``torch.GradScaler``, ``torch.amp.grad_scaler.GradScaler``
+  and every name bound to that class before ampguard was imported (including
+  ``functools.partial(torch.GradScaler, ...)``, as the coqui trainer holds) become
+  :class:`~ampguard.SafeGradScaler`.
+* ``torch.cuda.amp.GradScaler`` / ``torch.cpu.amp.GradScaler`` become
+  SafeGradScaler subclasses with the legacy signature (init_scale first).
+* FSDP's ``ShardedGradScaler``, whenever its module is imported, becomes a
+  subclass that adds SafeGradScaler's safety and keeps its cross-rank
+  all-reduce of found_inf.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ampguard.config import Config
+from ampguard.errors import PatchUnavailable
+from ampguard.patches.base import Patch
+from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler_class
+
+SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
+
+
+class CudaGradScaler(SafeGradScaler):
+    """``torch.cuda.amp.GradScaler`` under ampguard: ``SafeGradScaler("cuda")`` with the legacy signature."""
+
+    def __init__(
+        self,
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        **safe_options: Any,
+    ) -> None:
+        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+
+
+class CpuGradScaler(SafeGradScaler):
+    """``torch.cpu.amp.GradScaler`` under ampguard: ``SafeGradScaler("cpu")`` with the legacy signature."""
+
+    def __init__(
+        self,
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        **safe_options: Any,
+    ) -> None:
+        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+
+
+for _cls, _spelling in ((CudaGradScaler, "torch.cuda.amp"), (CpuGradScaler, "torch.cpu.amp")):
+    _cls.__name__ = "GradScaler"
+    _cls.__doc__ = f"``{_spelling}.GradScaler`` under ampguard. " + (SafeGradScaler.__doc__ or "")
+
+
+_hook_registered = False
+_active_patch: GradScalerPatch | None = None
+
+
+class GradScalerPatch(Patch):
+    name = "grad_scaler"
+    summary = "every GradScaler is a SafeGradScaler: init_scale 1024, growth every 100 steps, skip accounting"
+    requires_torch = ">=2.3"
+
+    def apply(self, config: Config) -> None:
+        global _active_patch
+        original = torch.amp.grad_scaler.GradScaler
+        if original is SafeGradScaler or not isinstance(original, type):
+            raise PatchUnavailable("torch.amp.grad_scaler.GradScaler is not torch's class")
+        if not hasattr(original, "_maybe_opt_step") or not hasattr(original, "_unscale_grads_"):
+            raise PatchUnavailable("torch's GradScaler no longer has _maybe_opt_step/_unscale_grads_")
+        self.bindings.rebind_names_of(original, SafeGradScaler)
+        self.bindings.rebind_names_of(torch.cuda.amp.GradScaler, CudaGradScaler)
+        cpu_legacy = getattr(torch.cpu.amp, "GradScaler", None)
+        if cpu_legacy is not None:
+            self.bindings.rebind_names_of(cpu_legacy, CpuGradScaler)
+        _active_patch = self
+        _register_sharded_hook()
+
+    def revert(self) -> None:
+        global _active_patch
+        _active_patch = None
+        super().revert()
+
+    def patch_sharded_module(self, module: Any) -> None:
+        """Give FSDP's ShardedGradScaler SafeGradScaler's safety (its module was just imported)."""
+        from ampguard.bindings import rebind_queued
+
+        sharded = module.ShardedGradScaler
+        stock = TorchGradScaler
+        if sharded.__bases__ == (SafeGradScaler,):
+            # Imported after install, it subclassed SafeGradScaler through the
+            # rebound name; give it torch's base back so that uninstall leaves it stock.
+            sharded.__bases__ = (stock,)
+            module.GradScaler = stock
+        self.bindings.rebind_names_of(sharded, safe_sharded_scaler_class(sharded))
+        if getattr(module, "GradScaler", None) is stock:
+            self.bindings.rebind_names_of(stock, SafeGradScaler)
+        rebind_queued([self.bindings])
+
+
+def _on_sharded_import(module: Any) -> None:
+    patch = _active_patch
+    if patch is None:
+        return
+    try:
+        patch.patch_sharded_module(module)
+    except Exception as error:  # never the cause of a crash
+        from ampguard.log import logger
+
+        logger.warning("ampguard could not patch FSDP's ShardedGradScaler (%r); it stays torch's.", error)
+
+
+def _register_sharded_hook() -> None:
+    global _hook_registered
+    if _hook_registered:
+        if SHARDED_MODULE in sys.modules:
+            _on_sharded_import(sys.modules[SHARDED_MODULE])
+        return
+    import wrapt
+
+    _hook_registered = True
+    wrapt.register_post_import_hook(_on_sharded_import, SHARDED_MODULE)

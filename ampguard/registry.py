@@ -1,0 +1,186 @@
+"""Which patches exist, and installing / uninstalling them.
+
+The registry is data: :data:`PATCHES` lists each patch class by import path, in
+the order they are applied. Everything else here is the machinery the public
+API (``install``, ``uninstall``, ``status``) runs on: a lock, the config read at
+install, and a status entry per patch.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, Mapping
+
+from ampguard import config as config_module
+from ampguard.bindings import rebind_queued
+from ampguard.errors import PatchUnavailable
+from ampguard.log import ensure_default_handler, is_rank_zero, logger
+from ampguard.patches.base import Patch, torch_release
+
+PATCHES: tuple[str, ...] = (
+    "ampguard.patches.autocast:AutocastPatch",
+    "ampguard.patches.grad_scaler:GradScalerPatch",
+)
+
+State = Literal["applied", "disabled", "unavailable"]
+
+
+@dataclass(frozen=True)
+class PatchStatus:
+    """One patch's state after install: ``applied``, ``disabled`` or ``unavailable``, and why."""
+
+    name: str
+    state: State
+    reason: str
+    summary: str
+
+    def __getitem__(self, key: str) -> Any:
+        return getattr(self, key)
+
+    def as_dict(self) -> dict[str, str]:
+        return asdict(self)
+
+
+class _Registry:
+    def __init__(self) -> None:
+        self.lock = threading.RLock()
+        self.patches: list[Patch] = [_load(path) for path in PATCHES]
+        self.installed = False
+        self.config: config_module.Config | None = None
+        self.statuses: dict[str, PatchStatus] = {}
+        self.banner_shown = False
+
+    def names(self) -> list[str]:
+        return [p.name for p in self.patches]
+
+
+def _load(path: str) -> Patch:
+    module_name, _, class_name = path.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)()
+
+
+_registry = _Registry()
+
+
+def patch_names() -> list[str]:
+    return _registry.names()
+
+
+def active_config() -> config_module.Config:
+    """The configuration read at install, or the environment's now when ampguard is not installed."""
+    with _registry.lock:
+        if _registry.config is not None:
+            return _registry.config
+    return config_module.load(patch_names=patch_names())
+
+
+def _decide(patch: Patch, config: config_module.Config) -> tuple[State, str] | None:
+    """Why ``patch`` is not to be applied, or None when it is."""
+    if not config.enabled:
+        return "disabled", "AMPGUARD=0"
+    if patch.name in config.disable:
+        return "disabled", "AMPGUARD_DISABLE"
+    if patch.opt_in and patch.name not in config.enable:
+        return "disabled", f"opt-in: set AMPGUARD_ENABLE={patch.name}"
+    if not patch.supports():
+        return "unavailable", f"needs torch {patch.requires_torch}, this is {torch_release()}"
+    return None
+
+
+def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
+    """Apply every enabled patch. Idempotent and thread-safe.
+
+    Reads the ``AMPGUARD_*`` variables from ``environ`` (default:
+    ``os.environ``); a bad value raises :class:`~ampguard.ConfigError` before
+    anything is patched. A patch that fails to apply is reported unavailable
+    and the rest go on.
+    """
+    with _registry.lock:
+        if _registry.installed:
+            return status()
+        config = config_module.load(environ, patch_names=_registry.names())
+        ensure_default_handler()
+        statuses: dict[str, PatchStatus] = {}
+        for patch in _registry.patches:
+            verdict = _decide(patch, config)
+            if verdict is None:
+                verdict = _apply(patch, config)
+            statuses[patch.name] = PatchStatus(patch.name, verdict[0], verdict[1], patch.summary)
+        applied = [p for p in _registry.patches if statuses[p.name].state == "applied"]
+        try:
+            rebind_queued([p.bindings for p in applied])
+        except Exception as error:  # never the cause of a crash: report and go on
+            logger.warning("ampguard could not rebind names bound before it was imported: %r", error)
+        _registry.config = config
+        _registry.statuses = statuses
+        _registry.installed = True
+        _show_banner(config, statuses)
+        return status()
+
+
+def _apply(patch: Patch, config: config_module.Config) -> tuple[State, str]:
+    try:
+        patch.apply(config)
+    except PatchUnavailable as reason:
+        _revert_quietly(patch)
+        return "unavailable", str(reason)
+    except Exception as error:
+        _revert_quietly(patch)
+        logger.warning(
+            "ampguard patch %r could not be applied and is off (%s: %s); training runs on without it.",
+            patch.name, type(error).__name__, error,
+        )
+        return "unavailable", f"failed to apply: {type(error).__name__}: {error}"
+    return "applied", ""
+
+
+def _revert_quietly(patch: Patch) -> None:
+    try:
+        patch.revert()
+    except Exception as error:
+        logger.warning("ampguard patch %r could not be reverted cleanly: %r", patch.name, error)
+
+
+def uninstall() -> None:
+    """Revert every applied patch, newest first, restoring the original objects."""
+    with _registry.lock:
+        if not _registry.installed:
+            return
+        for patch in reversed(_registry.patches):
+            if _registry.statuses.get(patch.name, None) and _registry.statuses[patch.name].state == "applied":
+                _revert_quietly(patch)
+        _registry.installed = False
+        _registry.config = None
+        _registry.statuses = {}
+
+
+def is_installed() -> bool:
+    return _registry.installed
+
+
+def status() -> list[PatchStatus]:
+    """One entry per patch, in registry order. Before install every patch reads ``disabled``."""
+    with _registry.lock:
+        return [
+            _registry.statuses.get(p.name) or PatchStatus(p.name, "disabled", "not installed", p.summary)
+            for p in _registry.patches
+        ]
+
+
+def _show_banner(config: config_module.Config, statuses: dict[str, PatchStatus]) -> None:
+    if config.quiet or _registry.banner_shown or not is_rank_zero():
+        return
+    _registry.banner_shown = True
+    from ampguard import __version__
+
+    applied = [name for name, s in statuses.items() if s.state == "applied"]
+    off = [f"{name} ({s.state})" for name, s in statuses.items() if s.state != "applied"]
+    message = f"{__version__} on torch {torch_release()}: " + (
+        "patched " + ", ".join(applied) if applied else "nothing patched"
+    )
+    if off:
+        message += "; off: " + ", ".join(off)
+    logger.log(logging.INFO, message)

@@ -1,0 +1,607 @@
+"""SafeGradScaler: torch's GradScaler with safe defaults, exact accounting and the classic crashes handled.
+
+How it stays free: torch's ``step()`` already reads the optimizer's found_inf
+flag on the host once (``_maybe_opt_step``). SafeGradScaler makes that same
+single read carry one more bit (was the loss itself non-finite?) and keeps all
+of its bookkeeping on the host from there: skip counts, a float32 mirror of the
+scale (the rule of ``torch._amp_update_scale_``, replayed exactly), the floor,
+the cap, collapse and stall detection. Nothing else is read from the device.
+
+Fused optimizers (``Adam(fused=True)`` ...) are stepped by torch without any
+host read. For an iteration with such an optimizer the bookkeeping moves to a
+few device tensors ("device mode"), which are read (one sync) only when a stats
+line is due or ``scaler.stats`` is asked for; the host mirror is refreshed then.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterable
+
+import torch
+from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+
+from ampguard import messages
+from ampguard.errors import ScaleCollapseError
+from ampguard.log import logger
+from ampguard.stats import ScalerStats, log_stats
+from ampguard.syncs import read_to_host
+
+if TYPE_CHECKING:
+    from ampguard.config import Config
+
+TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever names point to later
+
+DEFAULT_INIT_SCALE = 1024.0
+DEFAULT_GROWTH_INTERVAL = 100
+
+# Scalers that scaled a loss since their last update(); the clip patch reads it.
+scalers_in_iteration: weakref.WeakSet[SafeGradScaler] = weakref.WeakSet()
+
+_overrides_logged: set[str] = set()
+
+# Device types whose _amp_foreach_non_finite_check_and_unscale_ kernel has no
+# bfloat16 implementation (pytorch issue 127176).
+DEVICES_WITHOUT_BF16_UNSCALE = frozenset({"cuda"})
+
+
+def _f32(value: float) -> float:
+    """Round a Python float to float32, as torch stores the scale (inf when out of range)."""
+    return ctypes.c_float(value).value
+
+
+def next_scale(
+    scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float, growth_interval: int
+) -> tuple[float, int]:
+    """The host replay of ``torch._amp_update_scale_``: float32 scale, int growth tracker."""
+    if found_inf:
+        return _f32(scale * backoff_factor), 0
+    tracker += 1
+    if tracker == growth_interval:
+        grown = _f32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, tracker
+
+
+@dataclass
+class _Settings:
+    init_scale: float
+    growth_interval: int
+    min_scale: float
+    max_scale: float
+    max_consecutive_skips: int
+    on_stall: str
+    stats_every: int
+    fp16_grads: str
+
+
+def _resolve_settings(
+    init_scale: float | None,
+    growth_interval: int | None,
+    min_scale: float | None,
+    max_scale: float | None,
+    config: Config,
+) -> _Settings:
+    def pick(variable: str, from_env: Any, explicit: Any, default: Any) -> Any:
+        if from_env is None:
+            return default if explicit is None else explicit
+        if explicit is not None and explicit != from_env and variable not in _overrides_logged:
+            _overrides_logged.add(variable)
+            logger.info("%s=%g overrides the %g the code asked for.", variable, from_env, explicit)
+        return from_env
+
+    return _Settings(
+        init_scale=float(pick("AMPGUARD_INIT_SCALE", config.init_scale, init_scale, DEFAULT_INIT_SCALE)),
+        growth_interval=int(pick("AMPGUARD_GROWTH_INTERVAL", config.growth_interval, growth_interval, DEFAULT_GROWTH_INTERVAL)),
+        min_scale=float(config.min_scale if min_scale is None else min_scale),
+        max_scale=float(config.max_scale if max_scale is None else max_scale),
+        max_consecutive_skips=config.max_consecutive_skips,
+        on_stall=config.on_stall,
+        stats_every=config.stats_every,
+        fp16_grads=config.fp16_grads,
+    )
+
+
+def _optimizer_label(optimizer: Any) -> str:
+    return f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
+
+
+class _DeviceLedger:
+    """Counters kept on the scale's device for iterations the host did not see (fused optimizers)."""
+
+    def __init__(self, scale: torch.Tensor, consecutive: int) -> None:
+        self.skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
+        self.nonfinite_loss = torch.zeros((), dtype=torch.float32, device=scale.device)
+        self.skipped_iterations = torch.zeros((), dtype=torch.float32, device=scale.device)
+        self.consecutive = torch.full((), float(consecutive), dtype=torch.float32, device=scale.device)
+        self.min_scale = scale.detach().clone()
+        self.max_scale = scale.detach().clone()
+
+    def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> list[float]:
+        # The one host read of device mode: everything packed into one tensor.
+        packed = torch.stack([
+            self.skipped, self.nonfinite_loss, self.skipped_iterations, self.consecutive,
+            self.min_scale, self.max_scale, scale.float(), tracker.float(),
+        ])
+        return read_to_host(packed)
+
+
+class SafeGradScaler(TorchGradScaler):
+    """A drop-in :class:`torch.amp.GradScaler` that is safe for short fp16 fine-tunes.
+
+    Differences from torch's scaler, each visible in the logs:
+
+    * starts at ``init_scale=1024`` and grows every ``growth_interval=100`` steps
+      (torch: 65536 and 2000), unless the caller passes its own values;
+      ``AMPGUARD_INIT_SCALE`` / ``AMPGUARD_GROWTH_INTERVAL`` override even those;
+    * the scale stays within ``[min_scale, max_scale]`` (default ``[1, 2**24]``);
+    * counts steps, skipped steps, no-gradient steps and non-finite losses
+      (:attr:`stats`) without any host-device synchronisation beyond torch's own,
+      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps;
+    * logs CRITICAL when the scale collapses or steps stall, or raises
+      :class:`~ampguard.ScaleCollapseError` with ``AMPGUARD_ON_STALL=raise``;
+    * does not crash where torch's does: an optimizer without gradients,
+      float16 parameters, bfloat16 gradients on CUDA, a second ``unscale_()``.
+
+    Example::
+
+        scaler = ampguard.SafeGradScaler("cuda")
+        for batch in loader:
+            optimizer.zero_grad()
+            with torch.autocast("cuda", dtype=torch.float16):
+                loss = model(batch)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            scaler.step(optimizer)
+            scaler.update()
+        print(scaler.stats)
+
+    Args:
+        device: device type, as for torch's GradScaler ("cuda", "cpu", ...).
+        init_scale: initial scale; None means ampguard's default (1024).
+        growth_factor, backoff_factor, enabled: as torch's.
+        growth_interval: successful steps between growths; None means 100.
+        min_scale: floor (0: none); None means ``AMPGUARD_MIN_SCALE`` (default 1).
+        max_scale: cap; None means ``AMPGUARD_MAX_SCALE`` (default 2**24).
+    """
+
+    # The host replay of the scale update is exact for torch's update(); a
+    # subclass whose update() differs (ShardedGradScaler) sets this False and
+    # always keeps its bookkeeping on the device.
+    _host_mirror_exact = True
+
+    def __init__(
+        self,
+        device: str = "cuda",
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
+    ) -> None:
+        if not isinstance(device, (str, torch.device)):
+            raise TypeError(
+                f"SafeGradScaler's first argument is the device type (e.g. 'cuda'), got {device!r}. "
+                f"Did you mean init_scale={device!r}?"
+            )
+        from ampguard.registry import active_config
+
+        settings = _resolve_settings(init_scale, growth_interval, min_scale, max_scale, active_config())
+        super().__init__(
+            device,  # type: ignore[arg-type]
+            init_scale=settings.init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=settings.growth_interval,
+            enabled=enabled,
+        )
+        self._ampguard_setup(settings)
+
+    # -- state ------------------------------------------------------------------------
+
+    def _ampguard_setup(self, settings: _Settings) -> None:
+        self._settings = settings
+        self._min_scale = settings.min_scale
+        self._max_scale = settings.max_scale
+        self._steps = 0
+        self._skipped = 0
+        self._no_grad_steps = 0
+        self._nonfinite_loss = 0
+        self._consecutive = 0
+        self._skipped_at_last_report = 0
+        self._next_report = settings.stats_every or 0
+        self._mirror_scale: float | None = _f32(min(max(settings.init_scale, self._min_scale), self._max_scale))
+        self._mirror_tracker = 0
+        self._min_seen = self._max_seen = self._mirror_scale
+        self._ledger: _DeviceLedger | None = None
+        self._collapse_reported = False
+        self._stall_reported = False
+        self._warned_no_grad: set[int] = set()
+        self._warned_fp16 = False
+        self._reset_iteration()
+        if self._enabled and settings.init_scale != self._mirror_scale:
+            self._init_scale = self._mirror_scale
+
+    def _reset_iteration(self) -> None:
+        self._loss_finite: torch.Tensor | None = None
+        self._host_found: dict[int, bool] = {}
+        self._unscaled_optimizers: list[Any] = []
+        self._iteration_loss_nonfinite = False
+
+    # -- scale ------------------------------------------------------------------------
+
+    def scale(self, outputs):  # type: ignore[override]
+        """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite."""
+        scaled = super().scale(outputs)
+        if self._enabled:
+            if isinstance(outputs, torch.Tensor):
+                finite = torch.isfinite(outputs.detach()).all()
+                self._loss_finite = finite if self._loss_finite is None else self._loss_finite.logical_and_(finite)
+            scalers_in_iteration.add(self)
+        return scaled
+
+    # -- unscale ----------------------------------------------------------------------
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """As torch's ``unscale_()``, except that a second call in the same iteration is a no-op.
+
+        Libraries and users both call it (accelerate, Lightning manual
+        optimisation); the gradients are divided once.
+        """
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+            logger.debug("unscale_() called again for %s in one iteration: ignored.", _optimizer_label(optimizer))
+            return
+        super().unscale_(optimizer)
+        if self._enabled:
+            self._unscaled_optimizers.append(optimizer)
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        # torch's loop, plus: float16 parameters allowed (with one warning) and
+        # bfloat16 gradients unscaled without the CUDA kernel that lacks them.
+        if not allow_fp16 and self._settings.fp16_grads == "error":
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        saw_fp16 = False
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    grad = param.grad
+                    if grad is None:
+                        continue
+                    if grad.dtype == torch.float16:
+                        saw_fp16 = True
+                    if grad.is_sparse:
+                        if grad.dtype is torch.float16:
+                            param.grad = grad = grad.coalesce()
+                        grad = grad._values()
+                    grouped[grad.device][grad.dtype].append(grad)
+            for device, per_dtype in grouped.items():
+                for dtype, grads in per_dtype.items():
+                    if dtype == torch.bfloat16 and device.type in DEVICES_WITHOUT_BF16_UNSCALE:
+                        _unscale_without_kernel_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
+                    else:
+                        torch._amp_foreach_non_finite_check_and_unscale_(
+                            grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                        )
+        if saw_fp16 and not allow_fp16 and not self._warned_fp16:
+            self._warned_fp16 = True
+            logger.warning(messages.FP16_GRADIENTS.format(optimizer=_optimizer_label(optimizer)))
+        return per_device_found_inf._per_device_tensors
+
+    # -- step -------------------------------------------------------------------------
+
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """As torch's ``step()``; an optimizer without any gradient is stepped as in fp32 instead of raising."""
+        if not self._enabled or self._scale is None or "closure" in kwargs:
+            result = super().step(optimizer, *args, **kwargs)
+            self._steps += 1
+            return result
+        state = self._per_optimizer_states[id(optimizer)]
+        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
+        if not fused and state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        if not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+            self._note_no_gradients(optimizer)
+            result = optimizer.step(*args, **kwargs)
+            state["stage"] = OptState.STEPPED
+        else:
+            result = super().step(optimizer, *args, **kwargs)
+            if fused and not state["found_inf_per_device"]:
+                self._note_no_gradients(optimizer)
+        self._steps += 1
+        return result
+
+    def _note_no_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self._no_grad_steps += 1
+        if id(optimizer) not in self._warned_no_grad:
+            self._warned_no_grad.add(id(optimizer))
+            logger.warning(messages.NO_GRADIENTS.format(optimizer=_optimizer_label(optimizer)))
+
+    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        # The single host read torch makes here also carries "was the loss finite?".
+        found_infs = list(optimizer_state["found_inf_per_device"].values())
+        total = found_infs[0]
+        for other in found_infs[1:]:
+            total = total + other.to(total.device, non_blocking=True)
+        code = total.clamp(max=1.0)
+        if self._loss_finite is not None:
+            code = code.add(self._loss_finite.logical_not().to(code.device, non_blocking=True), alpha=2)
+        value = int(code.item())
+        found = bool(value & 1)
+        self._host_found[id(optimizer)] = found
+        if value & 2:
+            self._iteration_loss_nonfinite = True
+        if found:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    # -- update -----------------------------------------------------------------------
+
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """As torch's ``update()``, plus the floor and cap, accounting and reporting.
+
+        An iteration in which no optimizer had gradients leaves the scale as it
+        is (torch raises "No inf checks were recorded prior to update.").
+        """
+        if not self._enabled:
+            return super().update(new_scale)
+        states = self._per_optimizer_states
+        recorded = [s for s in states.values() if s["found_inf_per_device"]]
+        if self._scale is None:
+            return super().update(new_scale)  # torch's error: scale() was never called
+        try:
+            if new_scale is None and not recorded:
+                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+            elif new_scale is None and self._ledger is None and self._host_mirror_exact and all(
+                key in self._host_found for key, s in states.items() if s["found_inf_per_device"]
+            ):
+                self._update_in_host_mode()
+            else:
+                self._update_in_device_mode(states, new_scale)
+        finally:
+            self._end_iteration()
+
+    def _update_in_host_mode(self) -> None:
+        found = any(self._host_found.values())
+        skipped_steps = sum(self._host_found.values())
+        scale_before = self._mirror_scale
+        assert scale_before is not None
+        super().update()
+        scale, tracker = next_scale(
+            scale_before, self._mirror_tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+        )
+        bounded = min(max(scale, self._min_scale), self._max_scale)
+        if bounded != scale:
+            assert self._scale is not None
+            self._scale.fill_(bounded)
+        self._mirror_scale, self._mirror_tracker = bounded, tracker
+        self._min_seen = min(self._min_seen, bounded)
+        self._max_seen = max(self._max_seen, bounded)
+        self._skipped += skipped_steps
+        if self._iteration_loss_nonfinite:
+            self._nonfinite_loss += 1
+        if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, self._steps)
+        if found:
+            self._consecutive += 1
+            self._check_collapse(scale_before, scale)
+            self._check_stall()
+        else:
+            self._consecutive = 0
+            self._collapse_reported = self._stall_reported = False
+
+    def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
+        assert self._scale is not None and self._growth_tracker is not None
+        if self._ledger is None:
+            self._ledger = _DeviceLedger(self._scale, self._consecutive)
+        ledger = self._ledger
+        device = self._scale.device
+        per_optimizer = {
+            key: torch.stack([t.to(device, non_blocking=True) for t in s["found_inf_per_device"].values()]).sum().clamp(max=1.0)
+            for key, s in states.items()
+            if s["found_inf_per_device"]
+        }
+        if per_optimizer:
+            stepped = [flag for key, flag in per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
+            if stepped:
+                ledger.skipped.add_(torch.stack(stepped).sum())
+            found_iteration = torch.stack(list(per_optimizer.values())).amax()
+            ledger.skipped_iterations.add_(found_iteration)
+            ledger.consecutive.add_(1.0).mul_(found_iteration)
+            if self._loss_finite is not None:
+                ledger.nonfinite_loss.add_(self._loss_finite.logical_not().to(device))
+        super().update(new_scale)
+        if self._min_scale > 0 or math.isfinite(self._max_scale):
+            self._scale.clamp_(min=self._min_scale or None, max=self._max_scale)
+        torch.minimum(ledger.min_scale, self._scale, out=ledger.min_scale)
+        torch.maximum(ledger.max_scale, self._scale, out=ledger.max_scale)
+        self._mirror_scale = None
+
+    def _end_iteration(self) -> None:
+        scalers_in_iteration.discard(self)
+        self._reset_iteration()
+        if self._next_report and self._steps >= self._next_report:
+            every = self._settings.stats_every
+            self._next_report = (self._steps // every + 1) * every
+            self._report()
+
+    def _fold_device_ledger(self) -> None:
+        """Bring device-mode counters back to the host (one host read)."""
+        ledger = self._ledger
+        if ledger is None or self._scale is None or self._growth_tracker is None:
+            return
+        skipped, nonfinite, _, consecutive, low, high, scale, tracker = ledger.read(self._scale, self._growth_tracker)
+        self._ledger = None
+        self._skipped += int(skipped)
+        self._nonfinite_loss += int(nonfinite)
+        self._consecutive = int(consecutive)
+        self._min_seen = min(self._min_seen, low)
+        self._max_seen = max(self._max_seen, high)
+        self._mirror_scale, self._mirror_tracker = scale, int(tracker)
+        if self._consecutive:
+            if scale <= max(self._min_scale, 1.0):
+                self._check_collapse(scale, scale * self._backoff_factor)
+            self._check_stall()
+        else:
+            self._collapse_reported = self._stall_reported = False
+
+    # -- collapse, stall and reporting ------------------------------------------------
+
+    def _check_collapse(self, scale_before: float, unbounded_after: float) -> None:
+        at_floor = self._min_scale > 0 and scale_before <= self._min_scale
+        if (at_floor or unbounded_after < 1.0) and not self._collapse_reported:
+            self._collapse_reported = True
+            floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
+            logger.critical(messages.SCALE_COLLAPSE.format(step=self._steps, scale=scale_before, floor=floor))
+
+    def _check_stall(self) -> None:
+        limit = self._settings.max_consecutive_skips
+        if self._consecutive < limit or self._stall_reported:
+            return
+        self._stall_reported = True
+        message = messages.STALL.format(
+            count=self._consecutive,
+            step=self._steps,
+            scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
+            loss=messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else "",
+        )
+        if self._settings.on_stall == "raise":
+            raise ScaleCollapseError(message)
+        logger.critical(message)
+
+    def _report(self) -> None:
+        stats = self.stats
+        log_stats(stats, stats.skipped - self._skipped_at_last_report)
+        self._skipped_at_last_report = stats.skipped
+
+    @property
+    def stats(self) -> ScalerStats:
+        """A snapshot of the counters (reads the device only after fused-optimizer iterations)."""
+        self._fold_device_ledger()
+        scale = self._mirror_scale if self._enabled else 1.0
+        return ScalerStats(
+            steps=self._steps,
+            skipped=self._skipped,
+            no_grad_steps=self._no_grad_steps,
+            nonfinite_loss=self._nonfinite_loss,
+            scale=float(scale if scale is not None else self.get_scale()),
+            min_scale_seen=self._min_seen,
+            max_scale_seen=self._max_seen,
+            consecutive_skipped=self._consecutive,
+        )
+
+    # -- checkpoints ------------------------------------------------------------------
+
+    _COUNTER_KEYS = ("steps", "skipped", "no_grad_steps", "nonfinite_loss", "consecutive_skipped", "min_scale_seen", "max_scale_seen")
+
+    def state_dict(self) -> dict[str, Any]:
+        """torch's five keys, plus ``ampguard``: the counters, as plain Python numbers."""
+        state = super().state_dict()
+        if state:
+            state["ampguard"] = {key: value for key, value in self.stats.as_dict().items() if key in self._COUNTER_KEYS}
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a state saved by this class or by torch's GradScaler; never resets what it holds."""
+        super().load_state_dict(state_dict)
+        if not self._enabled:
+            return
+        self._ledger = None
+        self._mirror_scale = _f32(float(state_dict["scale"]))
+        bounded = min(max(self._mirror_scale, self._min_scale), self._max_scale)
+        if bounded != self._mirror_scale:
+            logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", self._mirror_scale, self._min_scale, self._max_scale, bounded)
+            self._mirror_scale = self._init_scale = bounded
+            if self._scale is not None:
+                self._scale.fill_(bounded)
+        self._mirror_tracker = int(state_dict["_growth_tracker"])
+        counters = state_dict.get("ampguard") or {}
+        self._steps = int(counters.get("steps", self._steps))
+        self._skipped = self._skipped_at_last_report = int(counters.get("skipped", self._skipped))
+        self._no_grad_steps = int(counters.get("no_grad_steps", self._no_grad_steps))
+        self._nonfinite_loss = int(counters.get("nonfinite_loss", self._nonfinite_loss))
+        self._consecutive = int(counters.get("consecutive_skipped", 0))
+        self._min_seen = float(counters.get("min_scale_seen", self._mirror_scale))
+        self._max_seen = float(counters.get("max_scale_seen", self._mirror_scale))
+        every = self._settings.stats_every
+        self._next_report = (self._steps // every + 1) * every if every else 0
+
+    def __getstate__(self) -> dict[str, Any]:
+        self._fold_device_ledger()
+        state = super().__getstate__()
+        state.update(_loss_finite=None, _unscaled_optimizers=[], _host_found={})
+        return state
+
+
+_sharded_classes: dict[type, type] = {}
+
+
+def safe_sharded_scaler_class(sharded: type) -> type:
+    """A subclass of FSDP's ``ShardedGradScaler`` with SafeGradScaler's safety (one per class)."""
+    if sharded in _sharded_classes:
+        return _sharded_classes[sharded]
+
+    class SafeShardedGradScaler(SafeGradScaler, sharded):  # type: ignore[misc, valid-type]
+        """FSDP's ``ShardedGradScaler`` under ampguard: its cross-rank found_inf all-reduce, SafeGradScaler's safety."""
+
+        _host_mirror_exact = False
+        _unscale_grads_ = sharded._unscale_grads_
+
+        def __init__(
+            self,
+            device: str = "cuda",
+            init_scale: float | None = None,
+            backoff_factor: float = 0.5,
+            growth_factor: float = 2.0,
+            growth_interval: int | None = None,
+            enabled: bool = True,
+            process_group: Any = _DEFAULT_GROUP,
+            *,
+            min_scale: float | None = None,
+            max_scale: float | None = None,
+        ) -> None:
+            from ampguard.registry import active_config
+
+            settings = _resolve_settings(init_scale, growth_interval, min_scale, max_scale, active_config())
+            extra = {} if process_group is _DEFAULT_GROUP else {"process_group": process_group}
+            sharded.__init__(
+                self, device, init_scale=settings.init_scale, backoff_factor=backoff_factor,
+                growth_factor=growth_factor, growth_interval=settings.growth_interval, enabled=enabled, **extra,
+            )
+            self._ampguard_setup(settings)
+
+    SafeShardedGradScaler.__name__ = "ShardedGradScaler"
+    _sharded_classes[sharded] = SafeShardedGradScaler
+    return SafeShardedGradScaler
+
+
+_DEFAULT_GROUP = object()
+
+
+def _unscale_without_kernel_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
+    """What ``_amp_foreach_non_finite_check_and_unscale_`` does, with ops that accept bfloat16 everywhere."""
+    finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
+    found_inf.copy_(torch.where(finite, found_inf, torch.ones_like(found_inf)))
+    torch._foreach_mul_(grads, inv_scale)
+
+
+def params_of(optimizers: Iterable[Any]) -> set[int]:
+    """ids of every parameter the optimizers hold."""
+    return {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}

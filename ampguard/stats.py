@@ -1,0 +1,77 @@
+"""What ampguard counts, and the one-line stats record it logs.
+
+:class:`ScalerStats` is the snapshot ``SafeGradScaler.stats`` returns.
+:data:`process_counters` holds what is counted outside any scaler (steps the
+clip guard skipped in bf16 / fp32 training); it appears in every stats line.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from ampguard.log import is_rank_zero, logger
+
+
+@dataclass(frozen=True)
+class ScalerStats:
+    """A snapshot of one scaler's counters.
+
+    Attributes:
+        steps: optimizer steps requested through ``step()``.
+        skipped: steps skipped because the gradients held inf/NaN.
+        no_grad_steps: steps of an optimizer none of whose parameters had a gradient.
+        nonfinite_loss: iterations whose loss, as passed to ``scale()``, was itself inf/NaN
+            (a forward-pass problem: no loss scale can fix it).
+        scale: the current loss scale.
+        min_scale_seen, max_scale_seen: the extremes the scale took since the scaler was made.
+        consecutive_skipped: iterations skipped in a row, up to now.
+    """
+
+    steps: int
+    skipped: int
+    no_grad_steps: int
+    nonfinite_loss: int
+    scale: float
+    min_scale_seen: float
+    max_scale_seen: float
+    consecutive_skipped: int
+
+    @property
+    def skipped_percent(self) -> float:
+        return 100.0 * self.skipped / self.steps if self.steps else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class ProcessCounters:
+    """Counters that belong to no scaler."""
+
+    clip_skipped: int = 0
+
+
+process_counters = ProcessCounters()
+
+
+def _g(value: float) -> str:
+    return f"{value:g}"
+
+
+def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
+    """One greppable line: ``stats step=... scale=... skipped=...``."""
+    return (
+        f"stats step={stats.steps} scale={_g(stats.scale)} "
+        f"skipped={skipped_in_interval} skipped_total={stats.skipped} ({stats.skipped_percent:.2f}%) "
+        f"no_grad={stats.no_grad_steps} nonfinite_loss={stats.nonfinite_loss} "
+        f"consecutive_skipped={stats.consecutive_skipped} "
+        f"scale_range={_g(stats.min_scale_seen)}..{_g(stats.max_scale_seen)} "
+        f"clip_skipped={process_counters.clip_skipped}"
+    )
+
+
+def log_stats(stats: ScalerStats, skipped_in_interval: int) -> None:
+    if is_rank_zero() and logger.isEnabledFor(logging.INFO):
+        logger.info(stats_line(stats, skipped_in_interval))
