@@ -1,0 +1,55 @@
+"""The ``ampguard`` command (also ``python -m ampguard``).
+
+Each subcommand lives in its own module, which provides
+``add_arguments(parser)`` and ``main(args) -> int``; :data:`COMMANDS` lists them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Sequence
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "patches": ("ampguard.commands.patches", "show each patch: applied, disabled or unavailable, and why"),
+    "run": ("ampguard.commands.run", "run a training script (or -m module) with ampguard installed first"),
+    "doctor": ("ampguard.commands.doctor", "check this machine and recommend a precision setup"),
+    "bench": ("ampguard.commands.bench", "measure ampguard's overhead against plain torch AMP"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from ampguard import __version__
+
+    parser = argparse.ArgumentParser(prog="ampguard", description="Safe fp16 mixed-precision training for PyTorch.")
+    parser.add_argument("--version", action="version", version=f"ampguard {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module_name, help_text) in COMMANDS.items():
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # a command still being built
+            continue
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(sub)
+        sub.set_defaults(_module=module)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv and argv[0] == "run":
+        # Everything after the script or module belongs to it, not to us.
+        from ampguard.commands import run
+
+        return run.main_from_argv(argv[1:])
+    args = parser.parse_args(argv)
+    if not getattr(args, "_module", None):
+        parser.print_help()
+        return 2
+    return int(args._module.main(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The subcommands of ``ampguard``: one module each (see :mod:`ampguard.cli`)."""

@@ -1,0 +1,52 @@
+"""Test fixtures.
+
+``import ampguard`` installs its patches, so the whole test process runs with
+ampguard installed in its default configuration; a test that needs stock torch
+or another configuration uses the fixtures below, and every test ends with the
+default installation back in place.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ["AMPGUARD_QUIET"] = "1"
+for _variable in [v for v in os.environ if v.startswith("AMPGUARD") and v != "AMPGUARD_QUIET"]:
+    del os.environ[_variable]
+
+import pytest  # noqa: E402
+
+import ampguard  # noqa: E402
+import ampguard.config  # noqa: E402
+import ampguard.registry  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _default_installation(monkeypatch: pytest.MonkeyPatch):
+    yield
+    monkeypatch.undo()
+    default = ampguard.config.load(patch_names=ampguard.registry.patch_names())
+    if not ampguard.registry.is_installed() or ampguard.registry._registry.config != default:
+        ampguard.uninstall()
+        ampguard.install()
+
+
+@pytest.fixture
+def stock_torch():
+    """torch exactly as without ampguard, for the length of the test."""
+    ampguard.uninstall()
+    yield
+    ampguard.install()
+
+
+@pytest.fixture
+def reinstall(monkeypatch: pytest.MonkeyPatch):
+    """``reinstall(AMPGUARD_X="1", ...)``: install again with these environment variables."""
+
+    def _reinstall(**variables: str) -> list[ampguard.PatchStatus]:
+        for name, value in variables.items():
+            monkeypatch.setenv(name, value)
+        ampguard.uninstall()
+        return ampguard.install()
+
+    return _reinstall
