@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from ampguard import messages
+from ampguard import diagnose, messages
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import logger
 from ampguard.stats import ScalerStats, log_stats
@@ -349,6 +349,7 @@ class SafeGradScaler(TorchGradScaler):
         if value & 2:
             self._iteration_loss_nonfinite = True
         if found:
+            diagnose.on_skipped_step(self, optimizer, loss_nonfinite=bool(value & 2), step=self._steps + 1)
             return None
         return optimizer.step(*args, **kwargs)
 
