@@ -119,27 +119,50 @@ SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}
 
 @dataclass(frozen=True)
 class Config:
-    """The configuration in effect, as read from the environment by :func:`load`."""
+    """The configuration in effect, as read from the environment by :func:`load` (defaults: :data:`SETTINGS`)."""
 
-    enabled: bool = True
-    disable: frozenset[str] = frozenset()
-    enable: frozenset[str] = frozenset()
-    quiet: bool = False
-    init_scale: float | None = None
-    growth_interval: int | None = None
-    max_scale: float = 2.0**24
-    min_scale: float = 1.0
-    max_consecutive_skips: int = 100
-    on_stall: str = "warn"
-    stats_every: int = 500
-    fp16_grads: str = "allow"
-    bf16_fallback: str = "off"
+    enabled: bool
+    disable: frozenset[str]
+    enable: frozenset[str]
+    quiet: bool
+    init_scale: float | None
+    growth_interval: int | None
+    max_scale: float
+    min_scale: float
+    max_consecutive_skips: int
+    on_stall: str
+    stats_every: int
+    fp16_grads: str
+    bf16_fallback: str
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            f.name: sorted(getattr(self, f.name)) if isinstance(getattr(self, f.name), frozenset) else getattr(self, f.name)
-            for f in fields(self)
-        }
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        return {name: sorted(value) if isinstance(value, frozenset) else value for name, value in values.items()}
+
+
+def default_text(setting: Setting) -> str:
+    """The default as docs/configuration.md shows it."""
+    value = setting.default
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    if value is None:
+        return "unset"
+    if isinstance(value, frozenset):
+        return "empty"
+    if isinstance(value, float):
+        return f"{value:g}" if value < 1e6 else f"{value:.0f} (2**{int(math.log2(value))})"
+    return str(value)
+
+
+def markdown_table() -> str:
+    """The table of docs/configuration.md, generated from :data:`SETTINGS`."""
+    lines = ["| variable | default | accepted values | what it does | example |", "|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        lines.append(
+            f"| `{setting.variable}` | {default_text(setting)} | {setting.accepted} | "
+            f"{setting.description} | `{setting.example}` |"
+        )
+    return "\n".join(lines)
 
 
 def _parse_names(variable: str, raw: str, known: Iterable[str]) -> frozenset[str]:
@@ -176,4 +199,4 @@ def load(
             name, environ[name], "no such variable; known: " + ", ".join(SETTINGS_BY_VARIABLE),
             _suggest(name, SETTINGS_BY_VARIABLE),
         )
-    return Config(**values)
+    return Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
