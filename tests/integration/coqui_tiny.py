@@ -1,0 +1,105 @@
+"""A tiny coqui ``trainer`` model and config, the shape XTTS fine-tuning has: a
+``TrainerModel`` with ``train_step`` / ``get_criterion`` / ``get_data_loader``,
+the optimizer and LR scheduler named in the config, dict batches.
+
+This module does not import ampguard, so that an import-order test can import
+``trainer`` (and this module) first and ampguard afterwards.
+"""
+
+# No "from __future__ import annotations": coqpit reads the config's field types at run time.
+import functools
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+import trainer.trainer
+from trainer import Trainer, TrainerArgs, TrainerConfig, TrainerModel
+
+SAMPLES = 32
+
+
+@dataclass
+class TinyConfig(TrainerConfig):
+    epochs: int = 1
+    batch_size: int = 4  # 8 steps an epoch
+    optimizer: str = "SGD"
+    lr: float = 0.05
+    lr_scheduler: str = "StepLR"
+    lr_scheduler_params: dict = field(default_factory=lambda: {"step_size": 1, "gamma": 0.9})
+    scheduler_after_epoch: bool = False  # stepped after every optimizer step: skip detection matters
+    # What XTTS users set for AMP; on CPU the coqui trainer only keeps a scaler through this flag
+    # (mixed_precision + fp16 yields a scaler only with CUDA).
+    use_grad_scaler: bool = True
+    run_eval: bool = False
+    save_step: int = 5
+    save_best_after: int = 1_000_000  # only checkpoint_<step>.pth: continue_path restores the one we check
+    print_step: int = 1000
+    dashboard_logger: str = "tensorboard"
+    training_seed: int = 1234
+
+
+class TinyModel(TrainerModel):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.net(x)
+
+    def train_step(self, batch: dict[str, Any], criterion: nn.Module, optimizer_idx: int | None = None):  # type: ignore[override]
+        out = self(batch["x"])
+        return {"model_outputs": out}, {"loss": criterion(out, batch["y"])}
+
+    def get_criterion(self) -> nn.Module:
+        return nn.MSELoss()
+
+    def get_data_loader(self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True):  # type: ignore[override]
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(SAMPLES, 8, generator=generator)
+        y = torch.randn(SAMPLES, 1, generator=generator)
+        return DataLoader([{"x": a, "y": b} for a, b in zip(x, y)], batch_size=config.batch_size)
+
+
+def cpu_grad_scaler_factory() -> functools.partial:
+    """What ``trainer.trainer.GradScaler`` creates, with ``device="cpu"`` instead of ``"cuda"``.
+
+    The coqui trainer binds ``GradScaler = functools.partial(torch.GradScaler, device="cuda")``
+    at import and calls ``GradScaler()`` in ``Trainer.__init__``; on a machine
+    without CUDA that scaler disables itself. Re-pointing only the device keeps
+    the class the partial holds now (SafeGradScaler once ampguard rebound it,
+    torch's class without ampguard) and the Trainer's own construction line.
+    """
+    current = trainer.trainer.GradScaler
+    assert isinstance(current, functools.partial), current
+    return functools.partial(current.func, *current.args, **{**current.keywords, "device": "cpu"})
+
+
+def build_trainer(
+    output_path: Path | str, *, continue_path: str = "", seed: int = 0, scaler_factory: Any = None, **config: Any
+) -> Trainer:
+    """A coqui Trainer on CPU whose own ``GradScaler()`` line makes a working CPU scaler.
+
+    ``scaler_factory`` replaces :func:`cpu_grad_scaler_factory` (e.g. torch's own class for a
+    comparison run).
+    """
+    torch.manual_seed(seed)
+    model = TinyModel()
+    previous = trainer.trainer.GradScaler
+    trainer.trainer.GradScaler = scaler_factory or cpu_grad_scaler_factory()
+    try:
+        return Trainer(
+            TrainerArgs(continue_path=continue_path),
+            TinyConfig(output_path=str(output_path), **config),
+            model=model,
+            parse_command_line_args=False,
+        )
+    finally:
+        trainer.trainer.GradScaler = previous
+
+
+def params_of(coqui_trainer: Trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in coqui_trainer.model.parameters()]

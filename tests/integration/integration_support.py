@@ -1,0 +1,132 @@
+"""Shared pieces of the integration tests (see README.md in this folder); imported as ``integration_support``.
+
+* :func:`require`: import a trainer library or skip the whole module with a
+  reason that says what is missing or why it does not import;
+* :class:`OverflowInjector`: makes one parameter's gradient inf on chosen
+  backward passes, the way an fp16 overflow looks to a GradScaler;
+* :func:`stock_torch`: a block run with ampguard uninstalled (torch's own
+  GradScaler), for "what would the library see with torch's scaler";
+* :func:`run_python`: a fresh interpreter for import-order tests and examples.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable, Iterable, Iterator
+
+import pytest
+import torch
+
+import ampguard
+
+# No hub downloads, no telemetry, no dashboards: every model is built from a config.
+for _variable, _value in {
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+    "HF_DATASETS_OFFLINE": "1",
+    "HF_HUB_DISABLE_TELEMETRY": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "WANDB_MODE": "disabled",
+    "PL_DISABLE_FORK": "1",
+}.items():
+    os.environ.setdefault(_variable, _value)
+
+REPO = Path(__file__).resolve().parents[2]
+INSTALL_HINT = "pip install -e '.[integration]' (see tests/integration/README.md)"
+
+
+def require(name: str) -> ModuleType:
+    """Import ``name`` or skip the calling test module with a clear reason.
+
+    ``pytest.importorskip`` covers a library that is not installed. A library
+    that is installed but cannot load (torchvision built for another torch
+    raises RuntimeError "operator torchvision::nms does not exist", which also
+    breaks ``import lightning`` and ``import timm``) is skipped too, with the
+    error in the reason, instead of failing collection.
+    """
+    try:
+        return pytest.importorskip(name, reason=f"{name} is not installed: {INSTALL_HINT}", exc_type=ImportError)
+    except Exception as error:  # pytest's Skipped is not an Exception: it passes through
+        pytest.skip(
+            f"{name} is installed but does not import next to torch {torch.__version__} "
+            f"({type(error).__name__}: {error}); {INSTALL_HINT}",
+            allow_module_level=True,
+        )
+
+
+class OverflowInjector:
+    """Makes ``param``'s gradient inf on the backward passes numbered in ``at`` (0-based).
+
+    A tensor hook on the parameter sees every backward pass that reaches it,
+    whichever library runs the backward (``scaler.scale(loss).backward()``,
+    ``accelerator.backward``, Lightning's closure), so the overflow arrives
+    exactly where a real fp16 overflow would: in the gradients the scaler
+    unscales.
+    """
+
+    def __init__(self, param: torch.nn.Parameter, at: Iterable[int]) -> None:
+        self.at = frozenset(at)
+        self.backward_passes = 0
+        self.injected = 0
+        self._handle = param.register_hook(self._hook)
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor | None:
+        index = self.backward_passes
+        self.backward_passes += 1
+        if index in self.at:
+            self.injected += 1
+            return torch.full_like(grad, float("inf"))
+        return None
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+
+@contextlib.contextmanager
+def stock_torch() -> Iterator[None]:
+    """torch exactly as without ampguard inside the block (the autouse fixture reinstalls too)."""
+    ampguard.uninstall()
+    try:
+        yield
+    finally:
+        ampguard.install()
+
+
+def assert_safe(scaler: Any, *, init_scale: float = 1024.0, growth_interval: int = 100) -> None:
+    """``scaler`` is a SafeGradScaler with ampguard's settings (an enabled one)."""
+    assert isinstance(scaler, ampguard.SafeGradScaler), type(scaler)
+    assert scaler.is_enabled()
+    assert scaler._init_scale == init_scale
+    assert scaler.get_growth_interval() == growth_interval
+
+
+@contextlib.contextmanager
+def cuda_reported_available(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """Inside the block torch believes CUDA is there, so that a library's
+    ``GradScaler("cuda")`` comes out enabled and shows its settings. Nothing in
+    the block may touch a CUDA tensor: GradScaler allocates on first ``scale()``.
+    """
+    with monkeypatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: True)
+        yield
+
+
+def run_python(args: list[str], *, cwd: Path | str | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` in a fresh interpreter (this one's), ampguard's env cleared except AMPGUARD_QUIET."""
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    environment["AMPGUARD_QUIET"] = "1"
+    environment["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), environment.get("PYTHONPATH", "")]))
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd or REPO, env=environment, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def assert_ran(result: subprocess.CompletedProcess[str]) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
