@@ -141,11 +141,11 @@ def _run_path(path: str, args: list[str]) -> int | None:
     if os.path.isdir(path) or (os.path.isfile(path) and _is_zip(path)):
         # A directory or zip with __main__.py: python puts it first on sys.path
         # and runs the __main__ module found there, in the __main__ namespace.
-        _set_path0(os.path.abspath(path))
+        _set_path0(_python_abspath(path))
         _fresh_main()
         _run_as_main("__main__", alter_argv=False)
         return None
-    absolute = os.path.abspath(path)
+    absolute = _python_abspath(path)
     try:
         with io.open_code(absolute) as handle:
             source = handle.read()
@@ -166,6 +166,11 @@ def _run_path(path: str, args: list[str]) -> int | None:
     )
     exec(code, main.__dict__)
     return None
+
+
+def _python_abspath(path: str) -> str:
+    """The absolute path python makes of its script argument: joined to the working directory, not normalised."""
+    return path if os.path.isabs(path) else os.path.join(os.getcwd(), path)
 
 
 def _is_zip(path: str) -> bool:
