@@ -23,6 +23,8 @@ from ampguard.patches.base import Patch, torch_release
 PATCHES: tuple[str, ...] = (
     "ampguard.patches.autocast:AutocastPatch",
     "ampguard.patches.grad_scaler:GradScalerPatch",
+    "ampguard.patches.bf16_check:Bf16CheckPatch",
+    "ampguard.patches.anomaly:AnomalyPatch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]
