@@ -23,6 +23,7 @@ from ampguard.patches.base import Patch, torch_release
 PATCHES: tuple[str, ...] = (
     "ampguard.patches.autocast:AutocastPatch",
     "ampguard.patches.grad_scaler:GradScalerPatch",
+    "ampguard.patches.clip_grad:ClipGradPatch",
     "ampguard.patches.bf16_check:Bf16CheckPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
 )

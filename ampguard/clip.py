@@ -1,0 +1,466 @@
+"""Safe gradient clipping: what ``torch.nn.utils.clip_grad_norm_`` does under ampguard.
+
+The documented AMP recipe is scale -> backward -> unscale_ -> clip -> step.
+Under ampguard the clip is right whatever the caller did:
+
+* **Still-scaled gradients** (``unscale_`` forgotten, Lightning manual
+  optimisation, a library that clips before stepping): when a
+  :class:`~ampguard.SafeGradScaler` scaled a loss this iteration and the
+  parameters are not owned by an optimizer it already unscaled, the total norm
+  is computed from the scaled gradients and divided by the scale on the device.
+  The clip coefficient is multiplied into the still-scaled gradients, and the
+  scaler's later ``unscale_`` divides them by the scale: the optimizer sees what
+  the recipe gives, the returned norm is the unscaled one, and nothing is ever
+  unscaled twice. Parameters already unscaled (accelerate, HF Trainer,
+  Lightning automatic optimisation, the coqui trainer) are clipped as they are;
+  a call may mix both kinds.
+* **Norms in float32** for float16 and bfloat16 gradients: torch computes them
+  in the gradients' dtype, so a float16 norm above 65504 becomes inf, the
+  coefficient 0 and every gradient a finite zero that no scaler notices.
+* **Non-finite norms.** With a scaler in play the coefficient becomes NaN, so
+  every optimizer whose gradients were clipped skips its step (the scaler
+  records inf for still-scaled gradients at ``unscale_``; for optimizers it
+  already unscaled, the found-inf flag is raised on the device). No host read.
+  With no GradScaler in play (bf16 / fp32 training) the norm is read on the
+  host once; when it is inf/NaN the step is skipped by setting the clipped
+  parameters' ``.grad`` to None, so the optimizer changes no parameter and no
+  state. ``error_if_nonfinite=True`` raises as torch does.
+
+Only the float32 norms and the division by the scale differ from torch's
+algorithm: with float32 gradients, no scaler and finite norms the result is
+bit-identical to torch's.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import sys
+import types
+import warnings
+from typing import Any, Callable, Iterable, Sequence
+
+import torch
+import wrapt
+from torch import Tensor
+
+from ampguard.log import RateLimiter, logger
+from ampguard.scaler import SafeGradScaler, params_of, scalers_in_iteration
+from ampguard.stats import process_counters
+
+try:  # private torch helpers, present 2.3 .. 2.14; clip_grad_norm_ itself uses them
+    from torch.utils._foreach_utils import (
+        _device_has_foreach_support,
+        _group_tensors_by_device_and_dtype,
+        _has_foreach_support,
+    )
+except ImportError:  # pragma: no cover - a future torch
+    _group_tensors_by_device_and_dtype = None  # type: ignore[assignment]
+
+    def _device_has_foreach_support(device: torch.device) -> bool:  # type: ignore[misc]
+        return device.type in ("cpu", "cuda")
+
+    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:  # type: ignore[misc]
+        return _device_has_foreach_support(device) and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
+
+
+_WRAPT_DIR = os.path.dirname(wrapt.__file__)
+
+LOW_PRECISION = (torch.float16, torch.bfloat16)
+_PLAIN_TENSOR_TYPES = (Tensor, torch.nn.Parameter)
+
+SKIP_LOG_INTERVAL = 60.0  # seconds between two "step skipped" warnings
+
+NONFINITE_ERROR = (
+    "The total norm of order {norm_type} for gradients from "
+    "`parameters` is non-finite, so it cannot be clipped. To disable "
+    "this error and scale the gradients by the non-finite norm anyway, "
+    "set `error_if_nonfinite=False`"
+)
+
+SKIPPED_STEP = (
+    "clip_grad_norm_: the total gradient norm is {norm} and no GradScaler is in play (bf16/fp32 training): "
+    "this optimizer step is skipped (the gradients of the {count} clipped parameters are set to None, "
+    "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far "
+    "(ampguard.stats.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
+    "too high, an fp16 overflow in a model run without a GradScaler."
+)
+
+AMBIGUOUS_SCALERS = (
+    "clip_grad_norm_: {count} GradScalers scaled a loss in this iteration and some of the gradients being "
+    "clipped were not unscaled yet; ampguard cannot tell which scale they carry and clips them as torch would "
+    "(call scaler.unscale_(optimizer) before clipping to get the documented behaviour)."
+)
+
+FOREIGN_SCALER = (
+    "a GradScaler that is not ampguard's ({kind}, created before `import ampguard`?) scaled a loss: "
+    "clip_grad_norm_ can no longer tell fp16 steps from bf16/fp32 ones, so its no-scaler NaN guard is off "
+    "and it clips as torch does."
+)
+
+
+class _State:
+    """What the clip patch set up: read on every call, so plain attributes."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.original: Callable[..., Tensor] | None = None  # torch's clip_grad_norm_
+        self.deprecation: tuple[type[Warning], str] | None = None  # what torch's clip_grad_norm warns
+        # The no-scaler guard: on only when the grad_scaler patch is applied, so
+        # that every GradScaler is a SafeGradScaler and "none in
+        # scalers_in_iteration" means "no loss was scaled".
+        self.guard = False
+        self.foreign_scaler = False
+        self.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
+        self.warned_ambiguous = False
+
+
+state = _State()
+
+
+def activate(
+    original: Callable[..., Tensor], *, guard: bool, deprecation: tuple[type[Warning], str] | None = None
+) -> None:
+    """Turn the safe clip on (called by the clip_grad patch with torch's ``clip_grad_norm_``)."""
+    state.active = True
+    state.original = original
+    state.deprecation = deprecation
+    state.guard = guard
+    state.foreign_scaler = False
+    state.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
+    state.warned_ambiguous = False
+
+
+def deactivate() -> None:
+    """Turn it off: wrappers still held somewhere call torch's function unchanged."""
+    state.active = False
+    state.guard = False
+
+
+def guard_active() -> bool:
+    """Whether a non-finite norm with no scaler in play skips the step right now."""
+    return state.active and state.guard and not state.foreign_scaler
+
+
+# -- the wrappers ---------------------------------------------------------------------
+
+
+def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
+    """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
+    if not state.active or instance is not None or (
+        not scalers_in_iteration and not (state.guard and not state.foreign_scaler)
+    ):
+        # Idle: torch's own function, untouched (O(1) on top of it).
+        return wrapped(*args, **kwargs)
+    try:
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
+    except TypeError:  # torch raises its own error, or knows an argument this torch added
+        return wrapped(*args, **kwargs)
+    return safe_clip_grad_norm_(
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
+    )
+
+
+def deprecated_clip_grad_norm_wrapper(
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict
+) -> Tensor:
+    """wrapt wrapper of the deprecated ``torch.nn.utils.clip_grad_norm``.
+
+    torch's function warns, then calls ``clip_grad_norm_``. Calling it from
+    here would attribute its warning to this file, so the wrapper issues
+    torch's warning (as recorded by :func:`record_deprecation`) at the caller
+    and calls the safe ``clip_grad_norm_`` itself.
+    """
+    deprecation = state.deprecation
+    if not state.active or instance is not None or deprecation is None:
+        return wrapped(*args, **kwargs)
+    try:
+        _bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # torch's own error, from torch's own function
+    warnings.warn(deprecation[1], deprecation[0], stacklevel=_caller_stacklevel())
+    safe = torch.nn.utils.clip_grad.clip_grad_norm_
+    if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since: do what torch would
+        safe = state.original or safe
+        return clip_grad_norm_wrapper(safe, None, args, kwargs)
+    return safe(*args, **kwargs)
+
+
+def record_deprecation(deprecated: Callable[..., Tensor]) -> tuple[type[Warning], str] | None:
+    """The warning torch's deprecated ``clip_grad_norm`` issues (its category and message differ by release)."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            deprecated([], 1.0)  # no parameters: nothing is computed or changed
+        except Exception:
+            return None
+    for warning in caught:
+        if "deprecated" in str(warning.message):
+            return warning.category, str(warning.message)
+    return None
+
+
+def _caller_stacklevel() -> int:
+    """``stacklevel`` that makes a warning issued here point at the caller of the wrapper."""
+    level = 2
+    frame = sys._getframe(2)
+    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIR):  # wrapt without its C extension
+        frame = frame.f_back
+        level += 1
+    return level
+
+
+def _bind(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> tuple[Tensor | Iterable[Tensor], float, float, bool, bool | None]:
+    return parameters, max_norm, norm_type, error_if_nonfinite, foreach
+
+
+def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``GradScaler.scale`` of torch's class, noting a scaler that is not a SafeGradScaler."""
+
+    @functools.wraps(original)
+    def scale(self: Any, outputs: Any) -> Any:
+        if not state.foreign_scaler and state.active and getattr(self, "_enabled", False) and not isinstance(
+            self, SafeGradScaler
+        ):
+            state.foreign_scaler = True
+            if state.guard:
+                logger.warning(FOREIGN_SCALER.format(kind=f"{type(self).__module__}.{type(self).__qualname__}"))
+        return original(self, outputs)
+
+    return scale
+
+
+# -- the safe clip --------------------------------------------------------------------
+
+
+def safe_clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    torch_clip_grad_norm_: Callable[..., Tensor] | None = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` made safe (see the module docstring).
+
+    Arguments and return value are torch's; the returned norm is that of the
+    unscaled gradients, in float32 when they are float16/bfloat16.
+    ``torch_clip_grad_norm_`` is torch's original function, used where
+    ampguard has nothing to add (no gradient at all, tensor subclasses such as
+    DTensor, a GradScaler ampguard does not know).
+    """
+    torch_clip = torch_clip_grad_norm_ or _original_clip_grad_norm_()
+    params, for_torch = _materialize(parameters)
+    pairs = [(p, p.grad) for p in params if p.grad is not None]
+    if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
+        return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+    scalers = [s for s in scalers_in_iteration if getattr(s, "_scale", None) is not None]
+    if not scalers and not guard_active():
+        return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    with torch.no_grad():
+        if scalers:
+            return _clip_with_scaler(pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip_without_scaler(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_with_scaler(
+    pairs: list[tuple[Tensor, Tensor]],
+    scalers: list[SafeGradScaler],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """A SafeGradScaler scaled a loss this iteration: zero host reads (beyond torch's own)."""
+    unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]] = [
+        (scaler, optimizer, params_of([optimizer]))
+        for scaler in scalers
+        for optimizer in getattr(scaler, "_unscaled_optimizers", ())
+    ]
+    unscaled_ids: set[int] = set().union(*(ids for _, _, ids in unscaled_by)) if unscaled_by else set()
+    grads = [g for _, g in pairs]
+    if unscaled_ids:
+        unscaled = [g for p, g in pairs if id(p) in unscaled_ids]
+        scaled = [g for p, g in pairs if id(p) not in unscaled_ids]
+    else:
+        unscaled, scaled = [], grads
+    inv_scale: Tensor | None = None
+    if scaled:
+        if len(scalers) == 1:
+            # The reciprocal torch's unscale_ multiplies by, computed the same way.
+            inv_scale = scalers[0]._scale.double().reciprocal().float()
+        elif not state.warned_ambiguous:
+            state.warned_ambiguous = True
+            logger.warning(AMBIGUOUS_SCALERS.format(count=len(scalers)))
+    first_device = grads[0].device
+    total = _total_norm([(unscaled, None), (scaled, inv_scale)], first_device, norm_type, foreach)
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)
+    finite = torch.isfinite(total)
+    coefficient = torch.where(finite, _clip_coefficient(max_norm, total), torch.full_like(total, math.nan))
+    _multiply_(grads, coefficient, foreach)
+    clipped_ids = {id(p) for p, _ in pairs}
+    for scaler, optimizer, ids in unscaled_by:
+        if ids.isdisjoint(clipped_ids):
+            continue
+        # Already unscaled: its found_inf is recorded. A non-finite norm must
+        # skip its step too (its gradients are NaN now): raise the flag on the device.
+        optimizer_state = scaler._per_optimizer_states.get(id(optimizer))
+        if optimizer_state is None:
+            continue
+        nonfinite = finite.logical_not()
+        for found_inf in optimizer_state["found_inf_per_device"].values():
+            torch.maximum(found_inf, nonfinite.to(device=found_inf.device, dtype=found_inf.dtype), out=found_inf)
+    return total
+
+
+def _clip_without_scaler(
+    pairs: list[tuple[Tensor, Tensor]],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """No loss was scaled (bf16 / fp32 training): a non-finite norm skips the step. One host read."""
+    grads = [g for _, g in pairs]
+    total = _total_norm([(grads, None)], grads[0].device, norm_type, foreach)
+    if error_if_nonfinite:
+        _raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
+        _multiply_(grads, _clip_coefficient(max_norm, total), foreach)
+        return total
+    # Queue the multiplication before reading, so that on a GPU it overlaps the read.
+    _multiply_(grads, _clip_coefficient(max_norm, total), foreach)
+    norm = float(total)
+    if not math.isfinite(norm):
+        _skip_step(pairs, norm)
+    return total
+
+
+def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
+    for param, _ in pairs:
+        param.grad = None
+    process_counters.clip_skipped += 1
+    limiter = state.skip_log
+    suppressed_before = limiter.suppressed
+    if limiter.ready():
+        suppressed = f"; {suppressed_before} similar message(s) suppressed" if suppressed_before else ""
+        limiter.suppressed = 0
+        logger.warning(
+            SKIPPED_STEP.format(norm=norm, count=len(pairs), total=process_counters.clip_skipped, suppressed=suppressed)
+        )
+
+
+# -- torch's algorithm, with float32 norms and scaled parts ---------------------------
+
+
+def _total_norm(
+    parts: Sequence[tuple[list[Tensor], Tensor | None]],
+    first_device: torch.device,
+    norm_type: float,
+    foreach: bool | None,
+) -> Tensor:
+    """The norm of all gradients of ``parts``; a part's norms are multiplied by its inverse scale, if any.
+
+    With a single part without scale this is torch's computation op for op.
+    """
+    vectors: list[Tensor] = []
+    for grads, inv_scale in parts:
+        if not grads:
+            continue
+        norms: list[Tensor] = []
+        for (device, dtype), device_grads in _group(grads):
+            norms.extend(_norms(device_grads, device, dtype, norm_type, foreach))
+        vector = torch.stack([norm.to(first_device) for norm in norms])
+        if inv_scale is not None and norm_type != 0.0:  # the "0-norm" counts non-zeros: scale-free
+            vector = vector * inv_scale.to(first_device)
+        vectors.append(vector)
+    return torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+
+
+def _norms(grads: list[Tensor], device: torch.device, dtype: torch.dtype, norm_type: float, foreach: bool | None) -> list[Tensor]:
+    low = dtype in LOW_PRECISION
+    if (foreach is None and _has_foreach_support(grads, device)) or (foreach and _device_has_foreach_support(device)):
+        if not low:
+            return list(torch._foreach_norm(grads, norm_type))
+        if _foreach_norm_takes_dtype():
+            return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
+    elif foreach:
+        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+    if low:
+        return [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
+    return [torch.linalg.vector_norm(g, norm_type) for g in grads]
+
+
+def _clip_coefficient(max_norm: float, total: Tensor) -> Tensor:
+    # torch's expression: no branch, so no host read.
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def _multiply_(grads: list[Tensor], coefficient: Tensor, foreach: bool | None) -> None:
+    for (device, _), device_grads in _group(grads):
+        if (foreach is None and _has_foreach_support(device_grads, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            torch._foreach_mul_(device_grads, coefficient.to(device))
+        elif foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        else:
+            on_device = coefficient.to(device)
+            for g in device_grads:
+                g.mul_(on_device)
+
+
+def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
+    if torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(NONFINITE_ERROR.format(norm_type=norm_type))
+
+
+def _group(tensors: list[Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[Tensor]]]:
+    """``[((device, dtype), tensors)]`` in first-seen order, as torch groups them."""
+    if _group_tensors_by_device_and_dtype is not None:
+        grouped = _group_tensors_by_device_and_dtype([tensors])
+        return [(key, lists[0]) for key, (lists, _) in grouped.items()]
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.items())
+
+
+@functools.cache
+def _foreach_norm_takes_dtype() -> bool:
+    """``torch._foreach_norm(..., dtype=)`` exists from torch 2.4."""
+    try:
+        torch._foreach_norm([torch.ones(1, dtype=torch.float16)], 2.0, dtype=torch.float32)
+    except (TypeError, RuntimeError):
+        return False
+    return True
+
+
+def _materialize(parameters: Tensor | Iterable[Tensor]) -> tuple[Sequence[Tensor], Any]:
+    """The parameters as a sequence, and what to hand torch in their place.
+
+    A generator is read once; torch gets a fresh generator over the same
+    parameters (it warns about an empty generator, and only about a generator).
+    """
+    if isinstance(parameters, Tensor):
+        return [parameters], parameters
+    if isinstance(parameters, (list, tuple)):
+        return parameters, parameters
+    params = list(parameters)
+    if isinstance(parameters, types.GeneratorType):
+        return params, (p for p in params)
+    return params, params
+
+
+def _original_clip_grad_norm_() -> Callable[..., Tensor]:
+    return state.original if state.original is not None else torch.nn.utils.clip_grad.clip_grad_norm_

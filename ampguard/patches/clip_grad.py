@@ -1,0 +1,67 @@
+"""Patch ``clip_grad``: ``clip_grad_norm_`` always acts on unscaled gradients, with float32 norms.
+
+Wraps, with wrapt (signature, docstring and return value kept),
+``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.clip_grad.clip_grad_norm_``
+(two names of one function), the deprecated ``torch.nn.utils.clip_grad_norm``,
+and every name bound to them before ampguard was imported. The behaviour is
+:mod:`ampguard.clip`'s; docs/clipping.md describes it.
+
+When the grad_scaler patch is applied (it is applied before this one), every
+GradScaler is a SafeGradScaler, so "no SafeGradScaler scaled a loss" means "no
+loss was scaled" and the no-scaler NaN guard is on. To keep that true for a
+scaler of torch's own class that already existed (created before ``import
+ampguard``), torch's ``GradScaler.scale`` is wrapped to notice one; the guard
+then turns itself off.
+"""
+
+from __future__ import annotations
+
+import torch
+import wrapt
+
+from ampguard import clip
+from ampguard.config import Config
+from ampguard.errors import PatchUnavailable
+from ampguard.patches.base import Patch
+from ampguard.scaler import TorchGradScaler
+
+
+def _grad_scaler_patch_applied() -> bool:
+    from ampguard.patches import grad_scaler
+
+    return grad_scaler._active_patch is not None
+
+
+class ClipGradPatch(Patch):
+    name = "clip_grad"
+    summary = (
+        "clip_grad_norm_ clips unscaled gradients with float32 norms; "
+        "an inf/NaN norm skips the step (no GradScaler: grads set to None)"
+    )
+    requires_torch = ">=2.3"
+
+    def apply(self, config: Config) -> None:
+        module = torch.nn.utils.clip_grad
+        original = getattr(module, "clip_grad_norm_", None)
+        if not callable(original):
+            raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is missing")
+        if isinstance(original, wrapt.FunctionWrapper):
+            raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
+        self.bindings.rebind_names_of(original, wrapt.FunctionWrapper(original, clip.clip_grad_norm_wrapper))
+        deprecated = getattr(module, "clip_grad_norm", None)
+        deprecation = None
+        if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
+            deprecation = clip.record_deprecation(deprecated)
+            self.bindings.rebind_names_of(
+                deprecated, wrapt.FunctionWrapper(deprecated, clip.deprecated_clip_grad_norm_wrapper)
+            )
+        guard = _grad_scaler_patch_applied()
+        if guard:
+            scale = vars(TorchGradScaler).get("scale")
+            if scale is not None:
+                self.bindings.set_attribute(TorchGradScaler, "scale", clip.scale_wrapper(scale))
+        clip.activate(original, guard=guard, deprecation=deprecation)
+
+    def revert(self) -> None:
+        clip.deactivate()
+        super().revert()
