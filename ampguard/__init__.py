@@ -14,6 +14,7 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
+from ampguard.diagnose import watch
 from ampguard.errors import ConfigError, ScaleCollapseError
 from ampguard.registry import PatchStatus, install, status, uninstall
 from ampguard.scaler import SafeGradScaler, ScalerStats
@@ -27,6 +28,7 @@ __all__ = [
     "install",
     "status",
     "uninstall",
+    "watch",
 ]
 
 
