@@ -1,0 +1,75 @@
+"""The demo: the same XTTS-style fine-tuning script, without and with ampguard, side by side.
+
+    python examples/demo.py
+
+runs ``examples/xtts_style_finetune.py`` twice, at the same time:
+
+* ``python examples/xtts_style_finetune.py``: plain torch AMP;
+* ``python -m ampguard run examples/xtts_style_finetune.py``: the same file,
+  unedited, with ampguard installed first (stats line every 20 steps).
+
+It shows each run's own output, then a summary table. Takes well under a minute on a CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SCRIPT = Path(__file__).with_name("xtts_style_finetune.py")
+
+
+def launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def finish(title: str, process: subprocess.Popen[str]) -> dict:
+    output, _ = process.communicate()
+    lines = output.rstrip().splitlines()
+    print(f"\n===== {title} =====")
+    print("\n".join(line if len(line) < 220 else line[:217] + "..." for line in lines[:-1]))
+    if process.returncode != 0 or not lines:
+        raise SystemExit(f"{title} exited with {process.returncode}")
+    return json.loads(lines[-1])
+
+
+def cell(result: dict) -> str:
+    if result["outcome"] != "finished":
+        return result["outcome"].split(":")[0] + f" ({result['outcome'].split(': ')[1]})"
+    return f"{result['skipped_steps']} skipped, loss {result['final_loss']}, scale {result['final_scale']:g}"
+
+
+def main() -> int:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    plain = launch([sys.executable, str(SCRIPT)], base)
+    guarded = launch(
+        [sys.executable, "-m", "ampguard", "run", str(SCRIPT)],
+        {**base, "AMPGUARD_STATS_EVERY": "20"},
+    )
+    without = finish("plain torch AMP", plain)
+    with_ampguard = finish("with ampguard (python -m ampguard run, script unchanged)", guarded)
+
+    rows = [("scenario", "plain torch AMP", "with ampguard")]
+    for a, b in zip(without["results"], with_ampguard["results"]):
+        rows.append((a["scenario"], cell(a), cell(b)))
+    rows.append(("FutureWarnings", str(len(without["future_warnings"])), str(len(with_ampguard["future_warnings"]))))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    print("\n===== summary (60 optimizer steps per scenario) =====")
+    for index, row in enumerate(rows):
+        print("  ".join(text.ljust(width) for text, width in zip(row, widths)))
+        if index == 0:
+            print("  ".join("-" * width for width in widths))
+    print(
+        "\ncalibration: torch starts at scale 65536 and burns steps finding a scale; ampguard starts at 1024."
+        "\nstorm:       a burst of forward overflows halves torch's scale far below 1, where it stays (it grows"
+        "\n             only every 2000 steps); ampguard stops at 1, says the loss itself was inf, and grows every 100."
+        "\nno_grad:     an optimizer whose parameters got no gradient crashes torch's scaler; ampguard steps it as fp32 would."
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
