@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import contextlib
-import importlib
+import functools
 import os
 import subprocess
 import sys
@@ -96,6 +96,17 @@ def stock_torch() -> Iterator[None]:
         yield
     finally:
         ampguard.install()
+
+
+def torch_grad_scaler(**settings: Any) -> Callable[..., Any]:
+    """torch's own GradScaler class with these settings, ampguard installed or not.
+
+    Built on demand, never kept in a module global: ampguard's install rebinds
+    every module global (and partial) that holds torch's class, test modules included.
+    """
+    import ampguard.scaler
+
+    return functools.partial(ampguard.scaler.TorchGradScaler, **settings)
 
 
 def assert_safe(scaler: Any, *, init_scale: float = 1024.0, growth_interval: int = 100) -> None:
