@@ -112,20 +112,30 @@ def _optimizer_label(optimizer: Any) -> str:
 
 
 class _DeviceLedger:
-    """Counters kept on the scale's device for iterations the host did not see (fused optimizers)."""
+    """Counters kept on the scale's device for iterations the host did not see (fused optimizers).
+
+    ``stalls`` (streaks that reached the stall limit), ``max_consecutive`` and
+    ``collapsed`` remember stalls and collapses that happened, and perhaps
+    ended, between two reads.
+    """
 
     def __init__(self, scale: torch.Tensor, consecutive: int) -> None:
-        self.skipped = torch.zeros((), dtype=torch.float32, device=scale.device)
-        self.nonfinite_loss = torch.zeros((), dtype=torch.float32, device=scale.device)
-        self.skipped_iterations = torch.zeros((), dtype=torch.float32, device=scale.device)
+        def zero() -> torch.Tensor:
+            return torch.zeros((), dtype=torch.float32, device=scale.device)
+
+        self.skipped = zero()
+        self.nonfinite_loss = zero()
         self.consecutive = torch.full((), float(consecutive), dtype=torch.float32, device=scale.device)
+        self.max_consecutive = self.consecutive.clone()
+        self.stalls = zero()
+        self.collapsed = zero()
         self.min_scale = scale.detach().clone()
         self.max_scale = scale.detach().clone()
 
     def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> list[float]:
         # The one host read of device mode: everything packed into one tensor.
         packed = torch.stack([
-            self.skipped, self.nonfinite_loss, self.skipped_iterations, self.consecutive,
+            self.skipped, self.nonfinite_loss, self.consecutive, self.max_consecutive, self.stalls, self.collapsed,
             self.min_scale, self.max_scale, scale.float(), tracker.float(),
         ])
         return read_to_host(packed)
@@ -225,6 +235,7 @@ class SafeGradScaler(TorchGradScaler):
         self._ledger: _DeviceLedger | None = None
         self._collapse_reported = False
         self._stall_reported = False
+        self._stall_error: ScaleCollapseError | None = None
         self._warned_no_grad: set[int] = set()
         self._warned_fp16 = False
         self._reset_iteration()
@@ -360,6 +371,9 @@ class SafeGradScaler(TorchGradScaler):
 
         An iteration in which no optimizer had gradients leaves the scale as it
         is (torch raises "No inf checks were recorded prior to update.").
+        With ``AMPGUARD_ON_STALL=raise``, a stall raises
+        :class:`~ampguard.ScaleCollapseError` here, after the iteration is complete
+        (a stall found while folding device counters elsewhere waits for update()).
         """
         if not self._enabled:
             return super().update(new_scale)
@@ -378,6 +392,9 @@ class SafeGradScaler(TorchGradScaler):
                 self._update_in_device_mode(states, new_scale)
         finally:
             self._end_iteration()
+        error, self._stall_error = self._stall_error, None
+        if error is not None:
+            raise error
 
     def _update_in_host_mode(self) -> None:
         found = any(self._host_found.values())
@@ -402,37 +419,45 @@ class SafeGradScaler(TorchGradScaler):
             logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, self._steps)
         if found:
             self._consecutive += 1
-            self._check_collapse(scale_before, scale)
-            self._check_stall()
+            if self._in_collapse_zone(scale_before):
+                self._report_collapse(scale_before)
+            self._check_stall(self._consecutive)
         else:
             self._consecutive = 0
-            self._collapse_reported = self._stall_reported = False
+            self._stall_reported = False
+        if not self._in_collapse_zone(bounded):
+            self._collapse_reported = False
 
     def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
         assert self._scale is not None and self._growth_tracker is not None
         if self._ledger is None:
             self._ledger = _DeviceLedger(self._scale, self._consecutive)
         ledger = self._ledger
-        device = self._scale.device
-        per_optimizer = {
-            key: torch.stack([t.to(device, non_blocking=True) for t in s["found_inf_per_device"].values()]).sum().clamp(max=1.0)
+        scale = self._scale
+        found_per_optimizer = {
+            key: torch.stack([t.to(scale.device, non_blocking=True) for t in s["found_inf_per_device"].values()]).amax().clamp(max=1.0)
             for key, s in states.items()
             if s["found_inf_per_device"]
         }
-        if per_optimizer:
-            stepped = [flag for key, flag in per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
+        if found_per_optimizer:
+            stepped = [found for key, found in found_per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
             if stepped:
                 ledger.skipped.add_(torch.stack(stepped).sum())
-            found_iteration = torch.stack(list(per_optimizer.values())).amax()
-            ledger.skipped_iterations.add_(found_iteration)
-            ledger.consecutive.add_(1.0).mul_(found_iteration)
+            found = torch.stack(list(found_per_optimizer.values())).amax()
+            ledger.consecutive.add_(1.0).mul_(found)
+            torch.maximum(ledger.max_consecutive, ledger.consecutive, out=ledger.max_consecutive)
+            ledger.stalls.add_(ledger.consecutive == float(self._settings.max_consecutive_skips))
+            zone = scale * self._backoff_factor < 1.0
+            if self._min_scale > 0:
+                zone = zone | (scale <= self._min_scale)
+            torch.maximum(ledger.collapsed, found * zone, out=ledger.collapsed)
             if self._loss_finite is not None:
-                ledger.nonfinite_loss.add_(self._loss_finite.logical_not().to(device))
+                ledger.nonfinite_loss.add_(self._loss_finite.logical_not().to(scale.device))
         super().update(new_scale)
         if self._min_scale > 0 or math.isfinite(self._max_scale):
-            self._scale.clamp_(min=self._min_scale or None, max=self._max_scale)
-        torch.minimum(ledger.min_scale, self._scale, out=ledger.min_scale)
-        torch.maximum(ledger.max_scale, self._scale, out=ledger.max_scale)
+            scale.clamp_(min=self._min_scale or None, max=self._max_scale)
+        torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
+        torch.maximum(ledger.max_scale, scale, out=ledger.max_scale)
         self._mirror_scale = None
 
     def _end_iteration(self) -> None:
@@ -448,7 +473,9 @@ class SafeGradScaler(TorchGradScaler):
         ledger = self._ledger
         if ledger is None or self._scale is None or self._growth_tracker is None:
             return
-        skipped, nonfinite, _, consecutive, low, high, scale, tracker = ledger.read(self._scale, self._growth_tracker)
+        skipped, nonfinite, consecutive, max_consecutive, stalls, collapsed, low, high, scale, tracker = ledger.read(
+            self._scale, self._growth_tracker
+        )
         self._ledger = None
         self._skipped += int(skipped)
         self._nonfinite_loss += int(nonfinite)
@@ -456,36 +483,48 @@ class SafeGradScaler(TorchGradScaler):
         self._min_seen = min(self._min_seen, low)
         self._max_seen = max(self._max_seen, high)
         self._mirror_scale, self._mirror_tracker = scale, int(tracker)
-        if self._consecutive:
-            if scale <= max(self._min_scale, 1.0):
-                self._check_collapse(scale, scale * self._backoff_factor)
-            self._check_stall()
-        else:
-            self._collapse_reported = self._stall_reported = False
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug("loss scale %g at step %d (range %g..%g since the last report)", scale, self._steps, low, high)
+        # Collapses and stalls since the last read, even those that ended since.
+        if collapsed:
+            self._report_collapse(low)
+        if not self._in_collapse_zone(scale):
+            self._collapse_reported = False
+        if stalls:  # a streak reached the limit since the last read: not reported yet
+            self._stall_reported = False
+            self._check_stall(int(max_consecutive))
+        self._stall_reported = self._consecutive >= self._settings.max_consecutive_skips
 
     # -- collapse, stall and reporting ------------------------------------------------
 
-    def _check_collapse(self, scale_before: float, unbounded_after: float) -> None:
-        at_floor = self._min_scale > 0 and scale_before <= self._min_scale
-        if (at_floor or unbounded_after < 1.0) and not self._collapse_reported:
-            self._collapse_reported = True
-            floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
-            logger.critical(messages.SCALE_COLLAPSE.format(step=self._steps, scale=scale_before, floor=floor))
+    def _in_collapse_zone(self, scale: float) -> bool:
+        """An overflow at this scale means collapse: at the floor, or the scale would fall below 1."""
+        return (self._min_scale > 0 and scale <= self._min_scale) or scale * self._backoff_factor < 1.0
 
-    def _check_stall(self) -> None:
-        limit = self._settings.max_consecutive_skips
-        if self._consecutive < limit or self._stall_reported:
+    def _report_collapse(self, scale: float) -> None:
+        """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
+        if self._collapse_reported:
+            return
+        self._collapse_reported = True
+        at_floor = self._min_scale > 0 and scale <= self._min_scale
+        floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
+        logger.critical(messages.SCALE_COLLAPSE.format(step=self._steps, scale=scale, floor=floor))
+
+    def _check_stall(self, consecutive: int) -> None:
+        """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
+        if consecutive < self._settings.max_consecutive_skips or self._stall_reported:
             return
         self._stall_reported = True
         message = messages.STALL.format(
-            count=self._consecutive,
+            count=consecutive,
             step=self._steps,
             scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
             loss=messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else "",
         )
         if self._settings.on_stall == "raise":
-            raise ScaleCollapseError(message)
-        logger.critical(message)
+            self._stall_error = ScaleCollapseError(message)
+        else:
+            logger.critical(message)
 
     def _report(self) -> None:
         stats = self.stats
@@ -520,34 +559,58 @@ class SafeGradScaler(TorchGradScaler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this class or by torch's GradScaler; never resets what it holds."""
+        """Load a state saved by this class or by torch's GradScaler.
+
+        torch's five keys keep torch's meaning (a stock checkpoint's 65536 loads
+        as 65536), bounded by the floor and cap; ``AMPGUARD_GROWTH_INTERVAL``, when
+        set, still overrides the checkpoint's growth interval. ampguard's counters
+        are restored from the ``ampguard`` entry; a checkpoint without one (torch's)
+        leaves the counters this scaler already holds.
+        """
+        if self._enabled:
+            self._fold_device_ledger()  # counters the checkpoint may not replace
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
-        self._ledger = None
-        self._mirror_scale = _f32(float(state_dict["scale"]))
-        bounded = min(max(self._mirror_scale, self._min_scale), self._max_scale)
-        if bounded != self._mirror_scale:
-            logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", self._mirror_scale, self._min_scale, self._max_scale, bounded)
-            self._mirror_scale = self._init_scale = bounded
+        from ampguard.registry import active_config
+
+        env_interval = active_config().growth_interval
+        if env_interval is not None and env_interval != self._growth_interval:
+            logger.info("AMPGUARD_GROWTH_INTERVAL=%d overrides the checkpoint's growth_interval %d.", env_interval, self._growth_interval)
+            self._growth_interval = env_interval
+        loaded = _f32(float(state_dict["scale"]))
+        bounded = min(max(loaded, self._min_scale), self._max_scale)
+        if bounded != loaded:
+            logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", loaded, self._min_scale, self._max_scale, bounded)
+            self._init_scale = bounded
             if self._scale is not None:
                 self._scale.fill_(bounded)
+        self._mirror_scale = bounded
         self._mirror_tracker = int(state_dict["_growth_tracker"])
-        counters = state_dict.get("ampguard") or {}
-        self._steps = int(counters.get("steps", self._steps))
-        self._skipped = self._skipped_at_last_report = int(counters.get("skipped", self._skipped))
-        self._no_grad_steps = int(counters.get("no_grad_steps", self._no_grad_steps))
-        self._nonfinite_loss = int(counters.get("nonfinite_loss", self._nonfinite_loss))
-        self._consecutive = int(counters.get("consecutive_skipped", 0))
-        self._min_seen = float(counters.get("min_scale_seen", self._mirror_scale))
-        self._max_seen = float(counters.get("max_scale_seen", self._mirror_scale))
+        counters = state_dict.get("ampguard")
+        if counters:
+            self._steps = int(counters.get("steps", self._steps))
+            self._skipped = int(counters.get("skipped", self._skipped))
+            self._no_grad_steps = int(counters.get("no_grad_steps", self._no_grad_steps))
+            self._nonfinite_loss = int(counters.get("nonfinite_loss", self._nonfinite_loss))
+            self._consecutive = int(counters.get("consecutive_skipped", 0))
+            self._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
+            self._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
+        elif self._steps == 0:
+            self._min_seen = self._max_seen = bounded  # the init scale was never used
+        else:
+            self._min_seen, self._max_seen = min(self._min_seen, bounded), max(self._max_seen, bounded)
+        self._skipped_at_last_report = self._skipped
+        self._collapse_reported = False
+        self._stall_reported = self._consecutive >= self._settings.max_consecutive_skips
         every = self._settings.stats_every
         self._next_report = (self._steps // every + 1) * every if every else 0
 
     def __getstate__(self) -> dict[str, Any]:
-        self._fold_device_ledger()
+        if self._enabled:
+            self._fold_device_ledger()
         state = super().__getstate__()
-        state.update(_loss_finite=None, _unscaled_optimizers=[], _host_found={})
+        state.update(_loss_finite=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None)
         return state
 
 
