@@ -11,10 +11,16 @@ it imported first) may already hold an original under its own name::
     from torch.nn.utils import clip_grad_norm_               # a module global
     GradScaler = functools.partial(torch.GradScaler, device="cuda")   # coqui trainer
 
-:meth:`Bindings.replace_everywhere` rebinds such module globals to the
-replacement and re-targets ``functools.partial`` objects in place (so every
-holder of the partial sees the change), and records each so that uninstall
-rebinds them to the originals.
+:meth:`Bindings.rebind_names_of` and :func:`rebind_queued` rebind such
+module globals to the replacement and re-target ``functools.partial`` objects
+in place (so every holder of the partial sees the change), and record each so
+that uninstall rebinds them to the originals.
+
+Modules imported *while* ampguard is installed bind the replacements
+themselves (``from torch.amp import GradScaler`` gives SafeGradScaler).
+:func:`restore_imported_since` gives them the originals back at uninstall:
+every module global that holds a replacement under a name the original had
+(``GradScaler``, ``clip_grad_norm_``), and every partial built around one.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ class Bindings:
         self.owner = owner
         self._undo: list[_Undo] = []
         self._queued: dict[int, tuple[Any, Any]] = {}
+        # replacement id -> (replacement, original, names the original was bound under)
+        self._replacements: dict[int, tuple[Any, Any, set[str]]] = {}
 
     def __len__(self) -> int:
         return len(self._undo)
@@ -79,9 +87,11 @@ class Bindings:
         ``sys.modules`` for all patches together.
         """
         self._queued[id(original)] = (original, replacement)
+        self._replacements.setdefault(id(replacement), (replacement, original, set()))
 
     def _rebind_global(self, module: types.ModuleType, name: str, original: Any, replacement: Any) -> None:
         setattr(module, name, replacement)
+        self._replacements[id(replacement)][2].add(name)
 
         def undo() -> None:
             if getattr(module, name, None) is replacement:
@@ -108,6 +118,7 @@ class Bindings:
         self._queued.clear()
         while self._undo:
             self._undo.pop().action()
+        self._replacements.clear()
 
 
 def rebind_queued(all_bindings: list[Bindings]) -> int:
@@ -121,9 +132,43 @@ def rebind_queued(all_bindings: list[Bindings]) -> int:
         for key, (original, replacement) in bindings._queued.items():
             wanted[key] = (original, replacement, bindings)
         bindings._queued.clear()
-    if not wanted:
-        return 0
     changed = 0
+    for module, name, value, holds in _module_globals(wanted):
+        original, replacement, bindings = wanted[id(holds)]
+        if value is holds:
+            bindings._rebind_global(module, name, original, replacement)
+        else:
+            bindings._retarget_partial(value, replacement, f"{module.__name__}.{name}")
+        changed += 1
+    return changed
+
+
+def restore_imported_since(all_bindings: list[Bindings]) -> int:
+    """Give modules imported while installed the originals back (see the module docstring).
+
+    Call it before undoing the Bindings: it reads the replacements they know.
+    Returns the number of bindings changed.
+    """
+    known: dict[int, tuple[Any, Any, set[str]]] = {}
+    for bindings in all_bindings:
+        known.update(bindings._replacements)
+    changed = 0
+    for module, name, value, holds in _module_globals(known):
+        replacement, original, names = known[id(holds)]
+        if value is holds and name in names:
+            setattr(module, name, original)
+        elif value is not holds:
+            value.__setstate__((original, value.args, value.keywords, value.__dict__ or None))
+        else:
+            continue
+        changed += 1
+    return changed
+
+
+def _module_globals(wanted: dict[int, Any]):
+    """``(module, name, value, matched)`` for every module global that is, or is a partial around, a wanted object."""
+    if not wanted:
+        return
     for module_name, module in list(sys.modules.items()):
         if not isinstance(module, types.ModuleType) or module_name.partition(".")[0] == "ampguard":
             continue
@@ -135,13 +180,7 @@ def rebind_queued(all_bindings: list[Bindings]) -> int:
         except RuntimeError:  # another thread is importing into this module
             continue
         for name, value in items:
-            entry = wanted.get(id(value))
-            if entry is not None and value is entry[0]:
-                entry[2]._rebind_global(module, name, value, entry[1])
-                changed += 1
-            elif type(value) is functools.partial:
-                entry = wanted.get(id(value.func))
-                if entry is not None and value.func is entry[0]:
-                    entry[2]._retarget_partial(value, entry[1], f"{module_name}.{name}")
-                    changed += 1
-    return changed
+            if id(value) in wanted:
+                yield module, name, value, value
+            elif type(value) is functools.partial and id(value.func) in wanted:
+                yield module, name, value, value.func

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
 from ampguard import config as config_module
-from ampguard.bindings import rebind_queued
+from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
 from ampguard.log import ensure_default_handler, is_rank_zero, logger
 from ampguard.patches.base import Patch, torch_release
@@ -152,9 +152,13 @@ def uninstall() -> None:
     with _registry.lock:
         if not _registry.installed:
             return
-        for patch in reversed(_registry.patches):
-            if _registry.statuses.get(patch.name, None) and _registry.statuses[patch.name].state == "applied":
-                _revert_quietly(patch)
+        applied = [p for p in _registry.patches if _registry.statuses[p.name].state == "applied"]
+        try:
+            restore_imported_since([p.bindings for p in applied])
+        except Exception as error:  # never the cause of a crash
+            logger.warning("ampguard could not restore names bound while it was installed: %r", error)
+        for patch in reversed(applied):
+            _revert_quietly(patch)
         _registry.installed = False
         _registry.config = None
         _registry.statuses = {}

@@ -228,3 +228,22 @@ def test_a_handler_the_user_attached_is_respected():
 
 
 
+
+
+def test_modules_imported_while_installed_get_the_originals_back(stock_torch):
+    original_scaler, original_clip = torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_
+    ampguard.install()
+    module = types.ModuleType("imported_while_installed")
+    module.GradScaler = torch.amp.GradScaler  # what `from torch.amp import GradScaler` binds now
+    module.clip_grad_norm_ = torch.nn.utils.clip_grad_norm_
+    module.make_scaler = functools.partial(torch.GradScaler, device="cuda")
+    module.SafeGradScaler = ampguard.SafeGradScaler  # the user asked for ampguard's class by name: kept
+    sys.modules[module.__name__] = module
+    try:
+        ampguard.uninstall()
+        assert module.GradScaler is original_scaler
+        assert module.clip_grad_norm_ is original_clip
+        assert module.make_scaler.func is original_scaler and module.make_scaler.keywords == {"device": "cuda"}
+        assert module.SafeGradScaler is ampguard.SafeGradScaler
+    finally:
+        del sys.modules[module.__name__]
