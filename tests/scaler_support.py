@@ -183,3 +183,25 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Linear(4, 1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def iteration(scaler: Any, model: torch.nn.Module, *optimizers: torch.optim.Optimizer, fault: bool = False,
+              loss_factor: float = 1.0, update: bool = True) -> None:
+    """One fp16-autocast iteration; ``fault`` poisons a gradient, ``loss_factor=inf`` the loss itself."""
+    for opt in optimizers:
+        opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.ones(2, model.in_features))
+    loss = out.float().pow(2).mean() * 1e-4 * loss_factor  # small: no natural fp16 overflow below the cap
+    scaler.scale(loss).backward()
+    if fault:
+        next(model.parameters()).grad.view(-1)[0] = float("inf")
+    for opt in optimizers:
+        scaler.step(opt)
+    if update:
+        scaler.update()
