@@ -32,6 +32,7 @@ from integration_support import (
     cuda_reported_available,
     run_python,
     stock_torch,
+    torch_grad_scaler,
 )
 from integration_support import require
 
@@ -86,12 +87,9 @@ def test_fit_skips_and_counts_overflow_steps_and_holds_the_lr_scheduler(tmp_path
 
     # What the coqui trainer sees with torch's own GradScaler: the same skips, the same schedule,
     # the same weights (the scales differ only by powers of two, which unscale exactly).
-    # (torch's class named explicitly: trainer.trainer was imported after ampguard in this process, so
-    # its partial was built around SafeGradScaler and uninstall leaves it so; see the xfail below.)
     with stock_torch():
-        torch_cpu_scaler = functools.partial(torch.amp.grad_scaler.GradScaler, device="cpu")
-        stock, _ = _fit_with_overflows(tmp_path / "stock", at={2, 6}, scaler_factory=torch_cpu_scaler)
-        assert type(stock.scaler) is torch.amp.grad_scaler.GradScaler
+        stock, _ = _fit_with_overflows(tmp_path / "stock", at={2, 6})
+        assert type(stock.scaler) is torch_grad_scaler().func
     assert stock.scheduler[0].last_epoch == coqui.scheduler[0].last_epoch
     assert stock.scheduler[0].get_last_lr() == coqui.scheduler[0].get_last_lr()
     for ours, theirs in zip(coqui_tiny.params_of(coqui), coqui_tiny.params_of(stock)):
@@ -140,11 +138,9 @@ def test_a_nan_storm_below_the_floor_is_still_seen_by_coqui_skip_detection(tmp_p
     coqui, _ = _fit_with_overflows(tmp_path / "ampguard", at=storm, epochs=2)  # 16 steps
     assert coqui.scaler.stats.skipped == 12
     with stock_torch():
-        torch_same_settings = functools.partial(
-            torch.amp.grad_scaler.GradScaler, device="cpu", init_scale=1024.0, growth_interval=100
-        )
+        torch_same_settings = torch_grad_scaler(device="cpu", init_scale=1024.0, growth_interval=100)
         stock, _ = _fit_with_overflows(tmp_path / "stock", at=storm, epochs=2, scaler_factory=torch_same_settings)
-        assert type(stock.scaler) is torch.amp.grad_scaler.GradScaler
+        assert type(stock.scaler) is torch_grad_scaler().func
     assert stock.scheduler[0].last_epoch == 16 - 12  # torch: every skip seen
     assert coqui.scheduler[0].last_epoch == stock.scheduler[0].last_epoch
 
@@ -216,14 +212,9 @@ UNINSTALL_AFTER_IMPORTING_TRAINER = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason=(
-        "ampguard bug: uninstall() restores only the names it rebound at install; a module imported while "
-        "ampguard was installed (here the coqui trainer's GradScaler partial) keeps SafeGradScaler after uninstall"
-    ),
-)
 def test_uninstall_gives_a_trainer_imported_after_install_torch_s_scaler_back(tmp_path):
+    # The partial was built around SafeGradScaler (torch.GradScaler already was one): uninstall
+    # must still hand the coqui trainer torch's class back.
     result = run_python(["-c", UNINSTALL_AFTER_IMPORTING_TRAINER], cwd=tmp_path)
     assert_ran(result)
     assert "RESULT torch.amp.grad_scaler GradScaler" in result.stdout, result.stdout
