@@ -146,6 +146,42 @@ def guard_active() -> bool:
 # -- the wrappers ---------------------------------------------------------------------
 
 
+def safe_function_wrapper(original: Callable[..., Any], wrapper: Callable[..., Any]) -> wrapt.FunctionWrapper:
+    """``wrapt.FunctionWrapper(original, wrapper)``, made to behave under torch.compile, copy and pickle.
+
+    * A plain FunctionWrapper passes ``isinstance(w, types.FunctionType)`` (it
+      proxies ``__class__``), so dynamo takes it for torch's function, inlines
+      that code and then fails building a closure guard on the proxy ("Guard
+      failed on the same frame it was created"). This one reports its own
+      class; dynamo traces its ``__call__``, which, while compiling, is torch's
+      function itself: compiled code (fullgraph included) clips as torch does.
+    * ``copy``/``deepcopy`` return the wrapper itself and pickling stores a
+      reference to the module attribute, as for a function (wrapt refuses both).
+    """
+
+    class SafeFunctionWrapper(wrapt.FunctionWrapper):
+        @property  # type: ignore[misc]
+        def __class__(self) -> type:
+            return type(self)
+
+        def __call__(self, *args: Any, **kwargs: Any) -> Any:
+            if torch.compiler.is_compiling():
+                return original(*args, **kwargs)
+            return wrapt.FunctionWrapper.__call__(self, *args, **kwargs)
+
+        def __copy__(self) -> SafeFunctionWrapper:
+            return self
+
+        def __deepcopy__(self, memo: dict) -> SafeFunctionWrapper:
+            return self
+
+        def __reduce_ex__(self, protocol: Any) -> str:
+            return self.__wrapped__.__qualname__
+
+    SafeFunctionWrapper.__name__ = SafeFunctionWrapper.__qualname__ = "SafeFunctionWrapper"
+    return SafeFunctionWrapper(original, wrapper)
+
+
 def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
     if not state.active or instance is not None or (
@@ -181,7 +217,7 @@ def deprecated_clip_grad_norm_wrapper(
         return wrapped(*args, **kwargs)  # torch's own error, from torch's own function
     warnings.warn(deprecation[1], deprecation[0], stacklevel=_caller_stacklevel())
     safe = torch.nn.utils.clip_grad.clip_grad_norm_
-    if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since: do what torch would
+    if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since
         safe = state.original or safe
         return clip_grad_norm_wrapper(safe, None, args, kwargs)
     return safe(*args, **kwargs)
@@ -202,10 +238,11 @@ def record_deprecation(deprecated: Callable[..., Tensor]) -> tuple[type[Warning]
 
 
 def _caller_stacklevel() -> int:
-    """``stacklevel`` that makes a warning issued here point at the caller of the wrapper."""
-    level = 2
-    frame = sys._getframe(2)
-    while frame is not None and frame.f_code.co_filename.startswith(_WRAPT_DIR):  # wrapt without its C extension
+    """``stacklevel`` that makes a warning issued by a wrapper here point at the wrapper's caller."""
+    level = 1
+    frame = sys._getframe(1)
+    # Skip this module's frames and wrapt's (when it runs without its C extension).
+    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_WRAPT_DIR)):
         frame = frame.f_back
         level += 1
     return level

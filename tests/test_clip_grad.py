@@ -708,3 +708,38 @@ def test_two_scalers_with_still_scaled_gradients_clip_as_torch(ampguard_log: lis
     second.scale(torch.zeros((), requires_grad=True))
     assert torch.nn.utils.clip_grad_norm_([param], 1e9).item() == pytest.approx(5.0 * INIT_SCALE)
     assert any("GradScalers scaled a loss" in r.getMessage() for r in ampguard_log)
+
+
+def test_wrappers_copy_and_pickle_like_functions() -> None:
+    import copy
+    import pickle
+
+    for wrapper in (torch.nn.utils.clip_grad_norm_, torch.nn.utils.clip_grad_norm):
+        assert copy.copy(wrapper) is wrapper and copy.deepcopy({"clip": wrapper})["clip"] is wrapper
+        assert pickle.loads(pickle.dumps(wrapper)) is wrapper
+    assert b"ampguard" not in pickle.dumps(torch.nn.utils.clip_grad_norm_)  # loads without ampguard
+
+
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-break", "fullgraph"])
+def test_torch_compile_of_code_that_clips(fullgraph: bool) -> None:
+    """dynamo must not take the wrapper for torch's function (it crashed building guards on the proxy)."""
+
+    def clip(params: list[nn.Parameter]) -> torch.Tensor:
+        return torch.nn.utils.clip_grad_norm_(params, 1.0) * 2
+
+    def fresh() -> list[nn.Parameter]:
+        param = nn.Parameter(torch.zeros(2))
+        param.grad = torch.tensor([3.0, 4.0])
+        return [param]
+
+    torch._dynamo.reset()
+    with stock():
+        try:
+            expected = torch.compile(clip, backend="eager", fullgraph=fullgraph)(fresh())
+        except Exception as error:  # torch 2.3 cannot trace clip_grad_norm_ in one graph
+            pytest.skip(f"stock torch {torch_release()} cannot compile it either: {type(error).__name__}")
+    torch._dynamo.reset()
+    params = fresh()
+    assert torch.equal(torch.compile(clip, backend="eager", fullgraph=fullgraph)(params), expected)
+    torch.testing.assert_close(params[0].grad, torch.tensor([0.6, 0.8]))
+    torch._dynamo.reset()

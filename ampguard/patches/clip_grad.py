@@ -47,13 +47,13 @@ class ClipGradPatch(Patch):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is missing")
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
-        self.bindings.rebind_names_of(original, wrapt.FunctionWrapper(original, clip.clip_grad_norm_wrapper))
+        self.bindings.rebind_names_of(original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper))
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
             deprecation = clip.record_deprecation(deprecated)
             self.bindings.rebind_names_of(
-                deprecated, wrapt.FunctionWrapper(deprecated, clip.deprecated_clip_grad_norm_wrapper)
+                deprecated, clip.safe_function_wrapper(deprecated, clip.deprecated_clip_grad_norm_wrapper)
             )
         guard = _grad_scaler_patch_applied()
         if guard:
