@@ -103,3 +103,60 @@ def build_trainer(
 
 def params_of(coqui_trainer: Trainer) -> list[torch.Tensor]:
     return [p.detach().clone() for p in coqui_trainer.model.parameters()]
+
+
+@dataclass
+class TinyGANConfig(TinyConfig):
+    """Two optimizers sharing the one scaler, one ``update()`` after the last (coqui's GAN path)."""
+
+    grad_clip: list = field(default_factory=lambda: [0.0, 0.0])
+
+
+class TinyGAN(TrainerModel):
+    """coqui's GAN recipe (its own tests' shape): optimizer 0 the discriminator, 1 the generator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.generator = nn.Sequential(nn.Linear(4, 16), nn.Tanh(), nn.Linear(16, 8))
+        self.discriminator = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return self.generator(x)
+
+    def train_step(self, batch: dict[str, Any], criterion: nn.Module, optimizer_idx: int | None = None):  # type: ignore[override]
+        real, noise = batch["x"], batch["x"][:, :4]
+        ones, zeros = torch.ones(real.shape[0], 1), torch.zeros(real.shape[0], 1)
+        if optimizer_idx == 0:
+            fake = self.generator(noise).detach()
+            loss = (criterion(self.discriminator(real), ones) + criterion(self.discriminator(fake), zeros)) / 2
+            return {"model_outputs": fake}, {"loss": loss}
+        fake = self.generator(noise)
+        return {"model_outputs": fake}, {"loss": criterion(self.discriminator(fake), ones)}
+
+    def get_optimizer(self) -> list[torch.optim.Optimizer]:
+        return [
+            torch.optim.Adam(self.discriminator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
+            torch.optim.Adam(self.generator.parameters(), lr=1e-3, betas=(0.5, 0.999)),
+        ]
+
+    def get_scheduler(self, optimizer: list[torch.optim.Optimizer]) -> list[Any]:
+        return [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.9) for o in optimizer]
+
+    def get_criterion(self) -> nn.Module:
+        return nn.BCEWithLogitsLoss()
+
+    def get_data_loader(self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True):  # type: ignore[override]
+        generator = torch.Generator().manual_seed(0)
+        x = torch.randn(SAMPLES, 8, generator=generator)
+        return DataLoader([{"x": a} for a in x], batch_size=config.batch_size)
+
+
+def build_gan_trainer(output_path: Path | str, *, scaler_factory: Any = None) -> Trainer:
+    torch.manual_seed(0)
+    model = TinyGAN()
+    previous = trainer.trainer.GradScaler
+    trainer.trainer.GradScaler = scaler_factory or cpu_grad_scaler_factory()
+    try:
+        return Trainer(TrainerArgs(), TinyGANConfig(output_path=str(output_path)), model=model, parse_command_line_args=False)
+    finally:
+        trainer.trainer.GradScaler = previous

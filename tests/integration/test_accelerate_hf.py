@@ -84,6 +84,17 @@ def test_accelerate_s_grad_scaler_factory_makes_a_safe_grad_scaler(monkeypatch):
         assert_safe(get_grad_scaler(**kwargs), init_scale=4096.0, growth_interval=50)
 
 
+def test_init_scale_for_the_hf_trainer_comes_from_the_environment(monkeypatch, reinstall):
+    # The HF Trainer exposes no init_scale, and GradScalerKwargs(init_scale=65536) forwards nothing
+    # (it equals torch's default), so accelerate's scaler gets ampguard's 1024. The environment is
+    # the one way to choose, and it wins over whatever the code passed.
+    assert GradScalerKwargs(init_scale=65536.0).to_kwargs() == {}
+    reinstall(AMPGUARD_INIT_SCALE="65536", AMPGUARD_GROWTH_INTERVAL="2000")
+    with cuda_reported_available(monkeypatch):
+        assert_safe(get_grad_scaler(), init_scale=65536.0, growth_interval=2000)
+        assert_safe(get_grad_scaler(init_scale=8.0), init_scale=65536.0, growth_interval=2000)
+
+
 # -- a plain accelerate loop ----------------------------------------------------------------------
 
 

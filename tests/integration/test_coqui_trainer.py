@@ -124,6 +124,30 @@ def test_checkpoint_continue_round_trips_the_scaler_state(tmp_path):
     assert stats.scale == 256.0
 
 
+def _fit_gan(tmp_path, at, **options):
+    coqui = coqui_tiny.build_gan_trainer(tmp_path, **options)
+    injector = OverflowInjector(coqui.model.generator[0].weight, at=at)  # reached by the generator's steps only
+    coqui.fit()
+    injector.remove()
+    return coqui
+
+
+def test_gan_two_optimizers_one_scaler_skip_only_the_overflowing_one(tmp_path):
+    coqui = _fit_gan(tmp_path / "ampguard", {3})  # the generator's 4th step overflows
+    stats = coqui.scaler.stats
+    assert (stats.steps, stats.skipped, stats.scale) == (2 * STEPS, 1, 512.0)
+    discriminator_scheduler, generator_scheduler = coqui.scheduler
+    # coqui compares scales around each optimizer's step; the one update() follows the last optimizer.
+    assert (discriminator_scheduler.last_epoch, generator_scheduler.last_epoch) == (STEPS, STEPS - 1)
+
+    with stock_torch():
+        stock = _fit_gan(tmp_path / "stock", {3})
+        assert type(stock.scaler) is torch_grad_scaler().func
+    assert [s.last_epoch for s in stock.scheduler] == [s.last_epoch for s in coqui.scheduler]
+    for ours, theirs in zip(coqui_tiny.params_of(coqui), coqui_tiny.params_of(stock)):
+        torch.testing.assert_close(ours, theirs)
+
+
 @pytest.mark.xfail(
     strict=True,
     reason=(
