@@ -613,6 +613,24 @@ class SafeGradScaler(TorchGradScaler):
         state.update(_loss_finite=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None)
         return state
 
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        super().__setstate__(state)
+        if "_settings" in state:
+            return
+        # Pickled by torch's own GradScaler (before ampguard was installed), and
+        # unpickled as a SafeGradScaler through the patched name: torch's values,
+        # as load_state_dict would take them, and fresh ampguard bookkeeping.
+        from ampguard.registry import active_config
+
+        config = active_config()
+        settings = _resolve_settings(None, None, None, None, config)
+        settings.init_scale = float(state.get("_init_scale", settings.init_scale))
+        self._ampguard_setup(settings)
+        if self._enabled:
+            self._mirror_tracker = int(state.get("_init_growth_tracker", 0))
+            if config.growth_interval is not None:
+                self._growth_interval = config.growth_interval
+
 
 _sharded_classes: dict[type, type] = {}
 
