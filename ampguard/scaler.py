@@ -282,10 +282,10 @@ class SafeGradScaler(TorchGradScaler):
         found_inf: torch.Tensor,
         allow_fp16: bool,
     ) -> dict[torch.device, torch.Tensor]:
-        # torch's loop, plus: float16 parameters allowed (with one warning) and
-        # bfloat16 gradients unscaled without the CUDA kernel that lacks them.
-        if not allow_fp16 and self._settings.fp16_grads == "error":
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        # torch's loop, plus: float16 parameters allowed (with one warning, or
+        # torch's error with AMPGUARD_FP16_GRADS=error) and bfloat16 gradients
+        # unscaled without the CUDA kernel that lacks them.
+        refuse_fp16 = not allow_fp16 and self._settings.fp16_grads == "error"
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
@@ -297,6 +297,8 @@ class SafeGradScaler(TorchGradScaler):
                     if grad is None:
                         continue
                     if grad.dtype == torch.float16:
+                        if refuse_fp16:
+                            raise ValueError("Attempting to unscale FP16 gradients.")
                         saw_fp16 = True
                     if grad.is_sparse:
                         if grad.dtype is torch.float16:

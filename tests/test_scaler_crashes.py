@@ -322,3 +322,15 @@ def test_python_dash_o_behaves_the_same(tmp_path):
     assert plain == optimized
     stats = plain["stats"]
     assert (stats["steps"], stats["skipped"], stats["no_grad_steps"]) == (13, 1, 8)
+
+
+def test_fp16_grads_error_still_unscales_bf16_without_the_kernel(reinstall, monkeypatch):
+    reinstall(AMPGUARD_FP16_GRADS="error")
+    monkeypatch.setattr(ampguard.scaler, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)  # must not be reached
+    model = torch.nn.Linear(4, 1).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = safe()
+    iteration(scaler, model, opt)
+    iteration(scaler, model, opt, fault=True)
+    assert (scaler.stats.steps, scaler.stats.skipped) == (2, 1)
