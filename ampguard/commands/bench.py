@@ -1,0 +1,87 @@
+"""``ampguard bench``: ampguard's overhead against plain torch AMP, measured on this machine.
+
+Prints a table (rich on a terminal, plain text otherwise) or, with ``--json``,
+the dict :func:`ampguard.bench.run` returns; docs/performance.md documents its
+fields and the method. Exit status 0 whether or not the targets are met (the
+measurements are the output); 2 for a device this machine does not have.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"), default=None,
+                        help="where to train (default: cuda when available, else cpu)")
+    parser.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
+                        help="autocast dtype (default: float16 on cuda; bfloat16 on cpu, whose float16 matmuls are slow)")
+    parser.add_argument("--steps", type=int, default=200, metavar="N",
+                        help="timed training steps per variant (default: 200)")
+    parser.add_argument("--block-steps", type=int, default=5, metavar="N",
+                        help="steps per timed block; blocks of the two variants alternate (default: 5)")
+    parser.add_argument("--warmup-steps", type=int, default=10, metavar="N",
+                        help="untimed steps per variant first (default: 10)")
+    parser.add_argument("--fused", action="store_true",
+                        help="also time a fused optimizer (AdamW(fused=True)); its syncs are always counted")
+    parser.add_argument("--import-runs", type=int, default=5, metavar="N",
+                        help="fresh interpreters for the import-time measurement (default: 5; 0 skips it)")
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="torch CPU threads (default: torch's own choice); 1 is steadier on a busy machine")
+    parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
+
+
+def _positive(parser_error: str, value: int, minimum: int) -> None:
+    if value < minimum:
+        raise SystemExit(f"ampguard bench: {parser_error} must be >= {minimum}, got {value}")
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from ampguard import bench
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        print("ampguard bench: --device cuda, but torch sees no CUDA device.", file=sys.stderr)
+        return 2
+    _positive("--steps", args.steps, 1)
+    _positive("--block-steps", args.block_steps, 1)
+    _positive("--warmup-steps", args.warmup_steps, 0)
+    _positive("--import-runs", args.import_runs, 0)
+    if args.threads is not None:
+        _positive("--threads", args.threads, 1)
+        torch.set_num_threads(args.threads)
+    progress = None
+    if sys.stderr.isatty():
+        def progress(message: str) -> None:
+            print(f"ampguard bench: {message} ...", file=sys.stderr, flush=True)
+
+    options = bench.Options(
+        device=device,
+        dtype=args.dtype or bench.default_dtype(device),
+        steps=args.steps,
+        block_steps=args.block_steps,
+        warmup_steps=args.warmup_steps,
+        fused=args.fused,
+        import_runs=args.import_runs,
+        progress=progress,
+    )
+    result = bench.run(options)
+    if args.json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    from ampguard.console import print_table
+
+    environment = result["environment"]
+    title = (
+        f"ampguard bench: {environment['device']} ({environment['device_name']}), torch {environment['torch']}, "
+        f"{environment['torch_threads']} threads, load {environment['load_average_before']}"
+    )
+    print_table(title, ["measure", "torch", "ampguard", "result", "target", "met"], list(bench.iter_table_rows(result)))
+    if not result["clip_wrapped"]:
+        print("note: the clip_grad patch is not applied: both variants call torch's clip_grad_norm_.")
+    return 0

@@ -1,0 +1,223 @@
+"""``ampguard bench``: the synchronisation counts (deterministic, asserted) and the command end to end.
+
+No test here asserts a time: times depend on the machine and its load.
+docs/performance.md has the measured numbers and the method.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import pytest
+import torch
+
+import ampguard
+import ampguard.scaler
+from ampguard import bench, cli
+from ampguard.console import print_table
+
+TINY = bench.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=2, seq=8, batch=2)
+OPTIONS = bench.Options(device="cpu", model=TINY)
+FUSED_UNAVAILABLE = bench.fused_unavailable_reason("cpu")
+needs_fused = pytest.mark.skipif(FUSED_UNAVAILABLE is not None, reason=f"fused AdamW on CPU: {FUSED_UNAVAILABLE}")
+
+JSON_FIELDS = {
+    "schema", "environment", "settings", "patches", "clip_wrapped", "step_time", "syncs",
+    "clip_idle", "import_time", "targets", "checks",
+}
+STEP_TIME_FIELDS = {
+    "optimizer", "torch_ms_per_step", "ampguard_ms_per_step", "ratio", "ratio_min", "ratio_max",
+    "overhead_us_per_step", "blocks", "block_steps", "same_parameters",
+}
+SYNC_FIELDS = {
+    "optimizer", "torch_per_step", "ampguard_per_step", "extra_per_step", "ampguard_per_stats_report",
+    "optimizer_host_reads_per_step", "torch_ops_per_step", "ampguard_ops_per_step", "extra_ops_per_step",
+}
+CLIP_FIELDS = {
+    "tensors", "tensor_shape", "wrapped", "torch_us_per_call", "ampguard_us_per_call", "overhead",
+    "overhead_min", "overhead_max", "torch_syncs_per_call", "ampguard_syncs_per_call", "blocks",
+}
+IMPORT_FIELDS = {"runs", "bytecode_cache", "torch_ms", "ampguard_ms", "ampguard_ms_min", "ampguard_ms_max", "ampguard_terminal_ms"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """One torch thread: on a busy 2-core machine two threads spin against each other (slow, not wrong)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# -- the synchronisation counts ---------------------------------------------------------
+
+
+def test_plain_optimizer_one_sync_per_step_each_and_none_added():
+    counted = bench.count_syncs(OPTIONS, fused=False)
+    assert counted["torch_per_step"] == 1  # torch's own found_inf read in step()
+    assert counted["ampguard_per_step"] == 1  # the same read, carrying the loss bit too
+    assert counted["extra_per_step"] == 0
+    assert counted["ampguard_per_stats_report"] == 0  # host mode: the counters are already on the host
+    # AdamW reads its CPU step counters either way (no device sync, also on a GPU): same for both.
+    torch_host, ampguard_host = counted["optimizer_host_reads_per_step"]
+    assert torch_host == ampguard_host > 0
+
+
+@needs_fused
+def test_fused_optimizer_no_sync_per_step_and_one_per_stats_report():
+    counted = bench.count_syncs(OPTIONS, fused=True)
+    assert counted["torch_per_step"] == 0
+    assert counted["ampguard_per_step"] == 0
+    assert counted["extra_per_step"] == 0
+    assert counted["ampguard_per_stats_report"] == 1  # the packed device-ledger read
+    assert counted["optimizer_host_reads_per_step"] == [0, 0]
+
+
+@needs_fused
+def test_stats_lines_are_the_only_reads_with_a_fused_optimizer(reinstall):
+    reinstall(AMPGUARD_STATS_EVERY="2")
+    torch_run, ampguard_run = bench.make_runs(OPTIONS, fused=True)
+    torch_run.steps(1)
+    ampguard_run.steps(1)
+    with bench.HostReadCounter() as torch_reads:
+        torch_run.steps(6)
+    with bench.HostReadCounter() as ampguard_reads:
+        ampguard_run.steps(6)  # steps 2..7: stats lines after steps 2, 4 and 6
+    assert torch_reads.total == 0
+    assert ampguard_reads.total == 3
+    assert ampguard_reads.by_source["ampguard.read_to_host"] == 3
+
+
+def test_plain_optimizer_stats_lines_read_nothing(reinstall):
+    reinstall(AMPGUARD_STATS_EVERY="1")
+    _, ampguard_run = bench.make_runs(OPTIONS, fused=False)
+    ampguard_run.steps(1)
+    syncs, _, _ = bench.count_steps(ampguard_run, 3)
+    assert syncs == 3  # torch's found_inf read of each step(), nothing for the three stats lines
+
+
+def test_sync_counts_are_the_same_every_time():
+    first = bench.count_syncs(OPTIONS, fused=False)
+    second = bench.count_syncs(OPTIONS, fused=False)
+    assert first == second
+
+
+# -- the two implementations ------------------------------------------------------------
+
+
+def test_torch_variant_gets_torchs_originals_through_ampguards_wrappers():
+    implementation = bench.torch_implementations()
+    clip = implementation.clip_grad_norm_
+    assert not bench.is_ampguard_wrapper(clip)
+    assert clip.__code__.co_filename.endswith("clip_grad.py") and "torch" in clip.__code__.co_filename
+    # (module attributes, not names imported here: install rebinds every module global holding torch's class)
+    assert issubclass(implementation.scaler_class, ampguard.scaler.TorchGradScaler)
+    assert not issubclass(implementation.scaler_class, ampguard.SafeGradScaler)
+    for name in ("scale", "unscale_", "step", "update"):
+        assert not bench.is_ampguard_wrapper(getattr(implementation.scaler_class, name))
+    assert not bench.is_ampguard_wrapper(implementation.autocast.__init__)
+
+
+def test_clip_patch_applied_means_the_ampguard_variant_clips_through_it():
+    states = {entry.name: entry.state for entry in ampguard.status()}
+    if states.get("clip_grad") != "applied":
+        pytest.skip("the clip_grad patch is not applied here")
+    assert bench.clip_is_wrapped()
+    assert bench.unwrap_ampguard(torch.nn.utils.clip_grad_norm_) is bench.torch_implementations().clip_grad_norm_
+
+
+def test_without_ampguard_both_variants_use_torchs_objects(stock_torch):
+    implementation = bench.torch_implementations()
+    assert implementation.scaler_class is ampguard.scaler.TorchGradScaler
+    assert implementation.autocast is torch.amp.autocast_mode.autocast
+    assert implementation.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_
+    assert not bench.clip_is_wrapped()
+
+
+def test_healthy_training_is_bit_identical_under_ampguard():
+    timing = bench.time_steps(bench.Options(device="cpu", model=TINY, steps=6, block_steps=2, warmup_steps=2), fused=False)
+    assert timing["same_parameters"] is True
+    assert timing["blocks"] == 3 and timing["block_steps"] == 2
+
+
+# -- the command ------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bench_json(_one_thread) -> dict:
+    stdout = io.StringIO()
+    argv = ["bench", "--device", "cpu", "--steps", "2", "--block-steps", "1", "--warmup-steps", "1",
+            "--import-runs", "1", "--fused", "--threads", "1", "--json"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("sys.stdout", stdout)
+        patch.setattr(bench, "ModelSpec", _TinySpec)  # the command's own model, smaller
+        assert cli.main(argv) == 0
+    return json.loads(stdout.getvalue())
+
+
+class _TinySpec(bench.ModelSpec):
+    @classmethod
+    def for_device(cls, device: str) -> bench.ModelSpec:
+        return TINY
+
+
+def test_bench_json_has_the_documented_fields(bench_json):
+    assert set(bench_json) == JSON_FIELDS
+    assert bench_json["schema"] == bench.SCHEMA_VERSION
+    assert set(bench_json["step_time"]) == {"plain", "fused"}
+    assert set(bench_json["step_time"]["plain"]) == STEP_TIME_FIELDS
+    fused = bench_json["step_time"]["fused"]
+    assert fused is None if FUSED_UNAVAILABLE else set(fused) == STEP_TIME_FIELDS
+    assert set(bench_json["syncs"]) == {"plain", "fused"}
+    assert set(bench_json["syncs"]["plain"]) == SYNC_FIELDS
+    if FUSED_UNAVAILABLE:
+        assert set(bench_json["syncs"]["fused"]) == {"optimizer", "unavailable"}
+    else:
+        assert set(bench_json["syncs"]["fused"]) == SYNC_FIELDS
+    assert set(bench_json["clip_idle"]) == CLIP_FIELDS
+    assert set(bench_json["import_time"]) == IMPORT_FIELDS
+    assert bench_json["targets"] == bench.TARGETS
+    assert {c["name"] for c in bench_json["checks"]} == set(bench.TARGETS)
+    assert all(set(c) == {"name", "target", "measured", "ok"} for c in bench_json["checks"])
+    assert bench_json["environment"]["torch_threads"] == 1
+    assert bench_json["settings"]["model"] == {
+        "vocab": 64, "d_model": 16, "heads": 2, "ff": 32, "layers": 2, "seq": 8, "batch": 2,
+    }
+
+
+def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
+    assert bench_json["syncs"]["plain"]["extra_per_step"] == 0
+    assert next(c for c in bench_json["checks"] if c["name"] == "extra_syncs_per_step")["ok"] is True
+    assert bench_json["step_time"]["plain"]["same_parameters"] is True
+    assert bench_json["step_time"]["plain"]["blocks"] == 2
+    assert bench_json["import_time"]["runs"] == 1
+    assert bench_json["clip_idle"]["tensors"] == 100
+    assert bench_json["patches"] == {entry.name: entry.state for entry in ampguard.status()}
+    assert bench_json["settings"]["autocast_dtype"] == "bfloat16"
+    for timing in filter(None, bench_json["step_time"].values()):
+        assert timing["ratio_min"] <= timing["ratio"] <= timing["ratio_max"]
+        assert timing["torch_ms_per_step"] > 0 and timing["ampguard_ms_per_step"] > 0
+
+
+def test_bench_table_plain_text(bench_json):
+    stream = io.StringIO()
+    print_table("ampguard bench", ["measure", "torch", "ampguard", "result", "target", "met"],
+                list(bench.iter_table_rows(bench_json)), stream=stream)
+    text = stream.getvalue()
+    assert "step time, AdamW" in text
+    assert "syncs/step, AdamW" in text
+    assert "import ampguard after torch" in text
+    assert "clip_grad_norm_, 100 tensors, nothing scaled" in text
+
+
+def test_bench_rejects_a_device_it_does_not_have(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    assert cli.main(["bench", "--device", "cuda", "--json"]) == 2
+    assert "no CUDA device" in capsys.readouterr().err
+
+
+def test_bench_is_listed_by_the_cli():
+    parser = cli.build_parser()
+    assert "bench" in parser.format_help()
