@@ -161,11 +161,17 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     if found.total:
         shown = ", ".join(found.names)
         more = f" and {found.total - len(found.names)} more" if found.total > len(found.names) else ""
-        which = f"inf/NaN gradients in {found.total} of the {found.with_grad} parameters of {label} that have gradients: {shown}{more}."
+        which = (
+            f"inf/NaN gradients in {found.total} of the {found.with_grad} parameters of {label} "
+            f"that have gradients: {shown}{more}."
+        )
         if not names_known(optimizer):
             which += " (ampguard.watch(model) names them.)"
     else:
-        which = f"no gradient of {label} is inf/NaN now (another optimizer sharing the scaler, or a hook, saw the overflow)."
+        which = (
+            f"No gradient of {label} holds inf/NaN any more: the overflow flag was raised elsewhere "
+            "(e.g. by a clip_grad_norm_ that found an inf/NaN norm)."
+        )
     if loss_nonfinite:
         message = (
             f"step {step} skipped{at_scale}: forward overflow: the loss itself was inf/NaN before scaling, "
@@ -184,13 +190,13 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
         )
         if found.total > 1 and found.total == found.with_grad:
             message += (
-                " Every gradient is non-finite: a clip_grad_norm_ whose total norm was inf/NaN spreads NaN "
-                "to all of them, so the first layers to overflow cannot be told apart here."
+                " Every gradient is non-finite: if clip_grad_norm_ ran, its inf/NaN total norm spread NaN "
+                "to all of them, and the layers that overflowed first cannot be told apart here."
             )
         level = logging.INFO
     if unreported:
-        steps = "step" if unreported == 1 else "steps"
-        message += f" ({unreported} skipped {steps} since the previous report {'was' if unreported == 1 else 'were'} not described.)"
+        what = "skipped step since the previous report was" if unreported == 1 else "skipped steps since the previous report were"
+        message += f" ({unreported} {what} not described.)"
     if every > 0:
         message += f" (Next description from step {((step - 1) // every + 1) * every + 1} on.)"
     logger.log(level, message)

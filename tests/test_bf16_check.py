@@ -25,6 +25,19 @@ T4 = machine.GpuInfo(index=0, name="Tesla T4", capability=(7, 5), total_memory_g
 A100 = machine.GpuInfo(index=0, name="NVIDIA A100-SXM4-40GB", capability=(8, 0), total_memory_gib=40.0, bf16_native=True)
 
 
+def bf16_check_patch() -> bf16_check.Bf16CheckPatch:
+    from ampguard.registry import _registry
+
+    return next(p for p in _registry.patches if p.name == "bf16_check")
+
+
+@pytest.fixture(autouse=True)
+def _warn_once_again():
+    """The WARNING is once per installation: each test starts as if freshly installed."""
+    bf16_check_patch().warned = False
+    yield
+
+
 @pytest.fixture
 def gpu(monkeypatch: pytest.MonkeyPatch):
     """``gpu(info)``: pretend the current CUDA device is ``info`` (None: no CUDA)."""
@@ -132,12 +145,6 @@ def test_mocked_device_properties_through_torch_cuda(monkeypatch, caplog):
         machine.gpu_info.cache_clear()
     messages = _warnings_from(caplog)
     assert len(messages) == 1 and "TITAN RTX, compute capability 7.5" in messages[0]
-
-
-def bf16_check_patch() -> bf16_check.Bf16CheckPatch:
-    from ampguard.registry import _registry
-
-    return next(p for p in _registry.patches if p.name == "bf16_check")
 
 
 def test_a_failing_capability_lookup_never_breaks_autocast(monkeypatch):

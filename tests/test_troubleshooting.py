@@ -166,6 +166,10 @@ T4 = machine.GpuInfo(index=0, name="Tesla T4", capability=(7, 5), total_memory_g
 
 
 def test_bf16_pre_ampere_mocked_t4_warns(monkeypatch, caplog):
+    from ampguard.registry import _registry
+
+    patch = next(p for p in _registry.patches if p.name == "bf16_check")
+    monkeypatch.setattr(patch, "warned", False)  # once per installation: as if freshly installed
     monkeypatch.setattr(machine, "current_cuda_gpu", lambda: T4)
     with caplog.at_level(logging.WARNING, logger="ampguard"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
