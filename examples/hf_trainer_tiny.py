@@ -49,7 +49,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=12, help="optimizer steps")
     parser.add_argument("--overflow-steps", default="3,8", help="1-based steps whose gradients are made inf")
-    parser.add_argument("--optim", default="adamw_torch", help="TrainingArguments.optim")
+    parser.add_argument(
+        "--optim",
+        default="adamw_torch",
+        help="TrainingArguments.optim. The Trainer's own default from torch 2.8, adamw_torch_fused, is stepped by "
+        "every GradScaler (torch's too) even on a skipped step, so accelerate cannot see the skip and the LR "
+        "scheduler steps anyway; ampguard still counts it.",
+    )
     parser.add_argument("--output-dir", default=None, help="default: a temporary folder")
     args = parser.parse_args(argv)
     overflow_steps = {int(s) for s in args.overflow_steps.split(",") if s.strip()}
