@@ -232,3 +232,47 @@ def test_ampguard_off_still_runs_the_script(tmp_path: Path, probe: Path) -> None
     result = _run([sys.executable, "-m", "ampguard", "run", str(probe)], tmp_path, AMPGUARD="0")
     assert result.returncode == 0, result.stderr
     assert _probe(result)["scaler"] == "GradScaler"
+
+
+def test_spawned_child_processes_get_ampguard_too(tmp_path: Path) -> None:
+    """``mp.spawn``-style workers re-run the script as ``__mp_main__`` in a new interpreter: ampguard is there first."""
+    script = tmp_path / "launch.py"
+    script.write_text(textwrap.dedent('''
+        import multiprocessing as mp
+        import sys
+
+        import torch
+
+
+        def worker(queue):
+            queue.put(("ampguard" in sys.modules, type(torch.amp.GradScaler("cpu")).__name__))
+
+
+        if __name__ == "__main__":
+            for method in ("spawn", "fork"):
+                context = mp.get_context(method)
+                queue = context.Queue()
+                child = context.Process(target=worker, args=(queue,))
+                child.start()
+                print(method, *queue.get(timeout=120), flush=True)
+                child.join()
+                assert child.exitcode == 0
+    '''))
+
+    result = _run([sys.executable, "-m", "ampguard", "run", str(script)], tmp_path, AMPGUARD_QUIET="1")
+
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == ["spawn True SafeGradScaler", "fork True SafeGradScaler"]
+
+
+def test_directory_with_main_runs_as_under_python(tmp_path: Path) -> None:
+    app = tmp_path / "app"
+    app.mkdir()
+    (app / "__main__.py").write_text(PROBE)
+
+    reference = _probe(_run([sys.executable, "app", "x"], tmp_path))
+    observed = _probe(_run([sys.executable, "-m", "ampguard", "run", "app", "x"], tmp_path))
+
+    for key in ("argv", "name", "file", "spec", "package", "main_is_this_module", "pickled_by_main", "path"):
+        assert observed[key] == reference[key], key
+    assert observed["scaler"] == "SafeGradScaler"

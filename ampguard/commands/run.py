@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import builtins
+import functools
 import io
 import os
 import runpy
@@ -100,6 +101,47 @@ def main_from_argv(argv: Sequence[str]) -> int:
 
 def _install_ampguard() -> None:
     import ampguard  # noqa: F401  (installing is what importing ampguard does)
+
+    _carry_into_spawned_children()
+
+
+# -- child processes ----------------------------------------------------------------------
+
+
+def _carry_into_spawned_children() -> None:
+    """Processes the script starts with the spawn or forkserver method get ampguard too.
+
+    A forked child inherits the patched torch. A spawned one (``mp.spawn(...)``,
+    ``torch.multiprocessing.spawn``, DataLoader workers with ``spawn``) is a new
+    interpreter that re-runs the script's main module as ``__mp_main__``: under
+    ``python script.py`` plus ``import ampguard`` in the script, that import
+    would run again there; under ``ampguard run`` nothing would. So every
+    child's preparation data carries an entry whose unpickling imports ampguard,
+    which happens before the child re-runs the main module (``prepare()``
+    ignores keys it does not know).
+    """
+    import multiprocessing.spawn as spawn
+
+    original = spawn.get_preparation_data
+    if getattr(original, "_ampguard_carries", False):
+        return
+
+    @functools.wraps(original)
+    def get_preparation_data(name: str) -> dict[str, object]:
+        data = original(name)
+        data["ampguard_install"] = _InstallInChild()
+        return data
+
+    get_preparation_data._ampguard_carries = True  # type: ignore[attr-defined]
+    spawn.get_preparation_data = get_preparation_data
+
+
+class _InstallInChild:
+    """Unpickles, in the child, to the result of importing ampguard (None)."""
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        # A child whose sys.path cannot reach ampguard still starts, as it would without it.
+        return (exec, ("try:\n    import ampguard\nexcept ImportError:\n    pass\n",))
 
 
 # -- running ------------------------------------------------------------------------------
