@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from pathlib import Path
 from typing import Callable
 
 import pytest
 
-import integration_support  # noqa: F401  (sets the offline environment before any library import)
+# The helper modules next to this file (integration_support, coqui_tiny) import by name under
+# any --import-mode, and in the subprocesses that put this folder on sys.path.
+if str(Path(__file__).parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).parent))
+
+import integration_support  # noqa: E402, F401  (sets the offline environment before any library import)
 
 
 @pytest.fixture
