@@ -221,3 +221,32 @@ def test_bench_rejects_a_device_it_does_not_have(capsys):
 def test_bench_is_listed_by_the_cli():
     parser = cli.build_parser()
     assert "bench" in parser.format_help()
+
+
+# -- import time: what `import ampguard` must not import ------------------------------
+
+
+def test_import_ampguard_loads_no_heavy_optional_module():
+    """packaging.specifiers (about 10 ms) and rich (100+ ms) stay out of ``import ampguard`` off a terminal."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch, ampguard; "
+        "print(sorted(m for m in ('packaging.specifiers', 'rich') if m in sys.modules))"
+    )
+    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert completed.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize("specifiers", [">=2.3", ">=2.1", "<2.15", ">=2.3,<2.15", "==2.3", "!=2.3.1", ">2.3",
+                                        "<=2.4", "==2.3.*", "~=2.3", ">=2.3.0, <2.14.1"])
+@pytest.mark.parametrize("version", ["2", "2.1", "2.2.9", "2.3", "2.3.0", "2.3.1", "2.4", "2.10", "2.14.1", "3.0",
+                                     "2.3.0rc1"])
+def test_patch_version_gate_agrees_with_packaging(specifiers, version):
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    from ampguard.patches.base import release_in
+
+    assert release_in(Version(version), specifiers) == (Version(version) in SpecifierSet(specifiers))

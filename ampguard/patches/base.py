@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import ClassVar
+import operator
+import re
+from typing import Callable, ClassVar
 
-from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
 from ampguard.bindings import Bindings
@@ -25,6 +26,35 @@ def torch_release(version: str | None = None) -> Version:
     return Version(".".join(str(part) for part in Version(str(version)).release))
 
 
+_SIMPLE_CLAUSE = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*")
+_COMPARE: dict[str, Callable[[object, object], bool]] = {
+    ">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt,
+}
+
+
+def release_in(release: Version, specifiers: str) -> bool:
+    """``release in SpecifierSet(specifiers)`` for a version of release numbers only (see :func:`torch_release`).
+
+    Clauses like ``>=2.3`` or ``>=2.3,<2.15`` are compared as zero-padded
+    release tuples, which is what PEP 440 does for such versions; anything
+    else (``~=``, wildcards, local labels) goes to ``packaging.specifiers``,
+    imported only then: importing it costs more than all of ampguard's patches.
+    """
+    clauses = [_SIMPLE_CLAUSE.fullmatch(clause) for clause in specifiers.split(",")]
+    if release.pre or release.post or release.dev or release.local or not all(clauses):
+        from packaging.specifiers import SpecifierSet
+
+        return release in SpecifierSet(specifiers)
+    for match in clauses:
+        assert match is not None
+        wanted = tuple(int(part) for part in match.group(2).split("."))
+        width = max(len(wanted), len(release.release))
+        have = release.release + (0,) * (width - len(release.release))
+        if not _COMPARE[match.group(1)](have, wanted + (0,) * (width - len(wanted))):
+            return False
+    return True
+
+
 class Patch:
     """One change to torch, applied and reverted as a unit.
 
@@ -43,7 +73,7 @@ class Patch:
         self.bindings = Bindings(self.name)
 
     def supports(self, torch_version: str | None = None) -> bool:
-        return not self.requires_torch or torch_release(torch_version) in SpecifierSet(self.requires_torch)
+        return not self.requires_torch or release_in(torch_release(torch_version), self.requires_torch)
 
     def apply(self, config: Config) -> None:
         raise NotImplementedError
