@@ -11,7 +11,6 @@ import torch
 
 from ampguard.scaler import SafeGradScaler
 from scaler_support import (  # noqa: F401
-    DeviceSkipSGD,
     ampguard_log,
     iteration,
     one_thread,
