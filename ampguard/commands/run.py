@@ -72,6 +72,7 @@ def main_from_argv(argv: Sequence[str]) -> int:
         _help_parser().print_help()
         return 0
     module: str | None = None
+    rest = argv[1:]
     if first == "-m" or (first.startswith("-m") and len(first) > 2):
         module = first[2:] if len(first) > 2 else (argv[1] if len(argv) > 1 else "")
         rest = argv[1:] if len(first) > 2 else argv[2:]
@@ -88,7 +89,7 @@ def main_from_argv(argv: Sequence[str]) -> int:
         if module is not None:
             _run_module(module, rest)
         else:
-            status = _run_path(first, argv[1:])
+            status = _run_path(first, rest)
             if status is not None:
                 return status
     except (SystemExit, KeyboardInterrupt):
@@ -100,6 +101,7 @@ def main_from_argv(argv: Sequence[str]) -> int:
 
 
 def _install_ampguard() -> None:
+    """Install ampguard in this process and in the processes the script will spawn."""
     import ampguard  # noqa: F401  (installing is what importing ampguard does)
 
     _carry_into_spawned_children()
