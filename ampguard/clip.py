@@ -39,6 +39,7 @@ import os
 import sys
 import types
 import warnings
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
 import torch
@@ -146,8 +147,13 @@ def guard_active() -> bool:
 # -- the wrappers ---------------------------------------------------------------------
 
 
-def safe_function_wrapper(original: Callable[..., Any], wrapper: Callable[..., Any]) -> wrapt.FunctionWrapper:
+def safe_function_wrapper(
+    original: Callable[..., Any], wrapper: Callable[..., Any], *, idle: Callable[[], bool] | None = None
+) -> wrapt.FunctionWrapper:
     """``wrapt.FunctionWrapper(original, wrapper)``, made to behave under torch.compile, copy and pickle.
+
+    ``idle()`` true means that ``wrapper`` would only call ``original``: the
+    call then goes to ``original`` directly (the idle path costs one Python frame).
 
     * A plain FunctionWrapper passes ``isinstance(w, types.FunctionType)`` (it
       proxies ``__class__``), so dynamo takes it for torch's function, inlines
@@ -165,7 +171,7 @@ def safe_function_wrapper(original: Callable[..., Any], wrapper: Callable[..., A
             return type(self)
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if torch.compiler.is_compiling() or (idle is not None and idle()):
                 return original(*args, **kwargs)
             return wrapt.FunctionWrapper.__call__(self, *args, **kwargs)
 
@@ -182,12 +188,17 @@ def safe_function_wrapper(original: Callable[..., Any], wrapper: Callable[..., A
     return SafeFunctionWrapper(original, wrapper)
 
 
+def idle() -> bool:
+    """Nothing for the safe clip to do: no SafeGradScaler scaled a loss and the no-scaler guard is off.
+
+    O(1): then ``clip_grad_norm_`` is torch's function, untouched.
+    """
+    return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
+
+
 def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
-    if not state.active or instance is not None or (
-        not scalers_in_iteration and not (state.guard and not state.foreign_scaler)
-    ):
-        # Idle: torch's own function, untouched (O(1) on top of it).
+    if instance is not None or idle():
         return wrapped(*args, **kwargs)
     try:
         parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
@@ -324,41 +335,65 @@ def _clip_with_scaler(
         for scaler in scalers
         for optimizer in getattr(scaler, "_unscaled_optimizers", ())
     ]
-    unscaled_ids: set[int] = set().union(*(ids for _, _, ids in unscaled_by)) if unscaled_by else set()
+    unscaled_params: set[int] = set().union(*(ids for _, _, ids in unscaled_by))
     grads = [g for _, g in pairs]
-    if unscaled_ids:
-        unscaled = [g for p, g in pairs if id(p) in unscaled_ids]
-        scaled = [g for p, g in pairs if id(p) not in unscaled_ids]
-    else:
-        unscaled, scaled = [], grads
-    inv_scale: Tensor | None = None
-    if scaled:
+    # None: every gradient is still scaled (unscale_ forgotten, the common case).
+    still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled_params} if unscaled_params else None
+    scale: Tensor | None = None
+    if still_scaled is None or still_scaled:
         if len(scalers) == 1:
-            # The reciprocal torch's unscale_ multiplies by, computed the same way.
-            inv_scale = scalers[0]._scale.double().reciprocal().float()
+            scale = scalers[0]._scale
         elif not state.warned_ambiguous:
             state.warned_ambiguous = True
             logger.warning(AMBIGUOUS_SCALERS.format(count=len(scalers)))
+    groups = _groups(grads, foreach)
+    unscaled_norms: list[Tensor] = []
+    scaled_norms: list[Tensor] = []
+    for group in groups:
+        if still_scaled is None:
+            scaled_norms.extend(_norms(group, group.grads, norm_type))
+            continue
+        scaled = [g for g in group.grads if id(g) in still_scaled]
+        unscaled = [g for g in group.grads if id(g) not in still_scaled]
+        if unscaled:
+            unscaled_norms.extend(_norms(group, unscaled, norm_type))
+        if scaled:
+            scaled_norms.extend(_norms(group, scaled, norm_type))
     first_device = grads[0].device
-    total = _total_norm([(unscaled, None), (scaled, inv_scale)], first_device, norm_type, foreach)
+    vectors = []
+    if unscaled_norms:
+        vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
+    if scaled_norms:
+        vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
+        if scale is not None and norm_type != 0.0:  # the "0-norm" counts non-zeros: scale-free
+            vector = vector / scale.to(first_device)
+        vectors.append(vector)
+    total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
     finite = torch.isfinite(total)
-    coefficient = torch.where(finite, _clip_coefficient(max_norm, total), torch.full_like(total, math.nan))
-    _multiply_(grads, coefficient, foreach)
-    clipped_ids = {id(p) for p, _ in pairs}
+    # Divided by True the coefficient is unchanged; by False it becomes NaN
+    # (0/0 for an inf norm, NaN/0 for a NaN one): every clipped step is skipped.
+    coefficient = torch.div(_clip_coefficient(max_norm, total), finite)
+    _multiply_(groups, coefficient)
+    if unscaled_by:
+        _raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, finite)
+    return total
+
+
+def _raise_found_inf(
+    unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]], clipped: set[int], finite: Tensor
+) -> None:
+    """Optimizers already unscaled have their found_inf recorded; a non-finite norm must skip them too."""
+    nonfinite = finite.logical_not()
     for scaler, optimizer, ids in unscaled_by:
-        if ids.isdisjoint(clipped_ids):
+        if ids.isdisjoint(clipped):
             continue
-        # Already unscaled: its found_inf is recorded. A non-finite norm must
-        # skip its step too (its gradients are NaN now): raise the flag on the device.
-        optimizer_state = scaler._per_optimizer_states.get(id(optimizer))
+        optimizer_state = scaler._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
         if optimizer_state is None:
             continue
-        nonfinite = finite.logical_not()
         for found_inf in optimizer_state["found_inf_per_device"].values():
             torch.maximum(found_inf, nonfinite.to(device=found_inf.device, dtype=found_inf.dtype), out=found_inf)
-    return total
 
 
 def _clip_without_scaler(
@@ -370,13 +405,16 @@ def _clip_without_scaler(
 ) -> Tensor:
     """No loss was scaled (bf16 / fp32 training): a non-finite norm skips the step. One host read."""
     grads = [g for _, g in pairs]
-    total = _total_norm([(grads, None)], grads[0].device, norm_type, foreach)
+    groups = _groups(grads, foreach)
+    norms = [norm for group in groups for norm in _norms(group, group.grads, norm_type)]
+    first_device = grads[0].device
+    total = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
-        _multiply_(grads, _clip_coefficient(max_norm, total), foreach)
+        _multiply_(groups, _clip_coefficient(max_norm, total))
         return total
     # Queue the multiplication before reading, so that on a GPU it overlaps the read.
-    _multiply_(grads, _clip_coefficient(max_norm, total), foreach)
+    _multiply_(groups, _clip_coefficient(max_norm, total))
     norm = float(total)
     if not math.isfinite(norm):
         _skip_step(pairs, norm)
@@ -397,42 +435,43 @@ def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
         )
 
 
-# -- torch's algorithm, with float32 norms and scaled parts ---------------------------
+# -- torch's algorithm, with float32 norms --------------------------------------------
+#
+# torch groups the gradients by device and dtype, and checks foreach support,
+# once for the norms and again for the multiplication; here both are done once.
+# The operations on the tensors are torch's, so that float32 gradients without
+# a scaler give torch's bits.
 
 
-def _total_norm(
-    parts: Sequence[tuple[list[Tensor], Tensor | None]],
-    first_device: torch.device,
-    norm_type: float,
-    foreach: bool | None,
-) -> Tensor:
-    """The norm of all gradients of ``parts``; a part's norms are multiplied by its inverse scale, if any.
-
-    With a single part without scale this is torch's computation op for op.
-    """
-    vectors: list[Tensor] = []
-    for grads, inv_scale in parts:
-        if not grads:
-            continue
-        norms: list[Tensor] = []
-        for (device, dtype), device_grads in _group(grads):
-            norms.extend(_norms(device_grads, device, dtype, norm_type, foreach))
-        vector = torch.stack([norm.to(first_device) for norm in norms])
-        if inv_scale is not None and norm_type != 0.0:  # the "0-norm" counts non-zeros: scale-free
-            vector = vector * inv_scale.to(first_device)
-        vectors.append(vector)
-    return torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+@dataclass
+class _Group:
+    device: torch.device
+    dtype: torch.dtype
+    grads: list[Tensor]
+    foreach: bool
 
 
-def _norms(grads: list[Tensor], device: torch.device, dtype: torch.dtype, norm_type: float, foreach: bool | None) -> list[Tensor]:
-    low = dtype in LOW_PRECISION
-    if (foreach is None and _has_foreach_support(grads, device)) or (foreach and _device_has_foreach_support(device)):
+def _groups(grads: list[Tensor], foreach: bool | None) -> list[_Group]:
+    groups = []
+    for (device, dtype), device_grads in _group(grads):
+        use_foreach = bool(
+            (foreach is None and _has_foreach_support(device_grads, device))
+            or (foreach and _device_has_foreach_support(device))
+        )
+        if foreach and not use_foreach:
+            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+        groups.append(_Group(device, dtype, device_grads, use_foreach))
+    return groups
+
+
+def _norms(group: _Group, grads: list[Tensor], norm_type: float) -> list[Tensor]:
+    """Per-tensor norms of ``grads`` (all of ``group``'s device and dtype): float32 for float16/bfloat16."""
+    low = group.dtype in LOW_PRECISION
+    if group.foreach:
         if not low:
             return list(torch._foreach_norm(grads, norm_type))
         if _foreach_norm_takes_dtype():
             return list(torch._foreach_norm(grads, norm_type, dtype=torch.float32))
-    elif foreach:
-        raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
     if low:
         return [torch.linalg.vector_norm(g, norm_type, dtype=torch.float32) for g in grads]
     return [torch.linalg.vector_norm(g, norm_type) for g in grads]
@@ -443,17 +482,13 @@ def _clip_coefficient(max_norm: float, total: Tensor) -> Tensor:
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
 
-def _multiply_(grads: list[Tensor], coefficient: Tensor, foreach: bool | None) -> None:
-    for (device, _), device_grads in _group(grads):
-        if (foreach is None and _has_foreach_support(device_grads, device)) or (
-            foreach and _device_has_foreach_support(device)
-        ):
-            torch._foreach_mul_(device_grads, coefficient.to(device))
-        elif foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+def _multiply_(groups: list[_Group], coefficient: Tensor) -> None:
+    for group in groups:
+        on_device = coefficient.to(group.device)
+        if group.foreach:
+            torch._foreach_mul_(group.grads, on_device)
         else:
-            on_device = coefficient.to(device)
-            for g in device_grads:
+            for g in group.grads:
                 g.mul_(on_device)
 
 

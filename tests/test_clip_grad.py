@@ -33,7 +33,17 @@ from ampguard.syncs import HostReadCounter
 STEPS = 50
 MAX_NORM = 0.5
 INIT_SCALE = 1024.0
-FUSED_ON_CPU = torch_release() >= torch_release("2.4")  # Adam(fused=True) accepts CPU tensors from 2.4
+
+
+def _fused_adam_on_cpu() -> bool:
+    try:
+        torch.optim.Adam([nn.Parameter(torch.zeros(1))], fused=True)
+    except RuntimeError:
+        return False
+    return True
+
+
+FUSED_ON_CPU = _fused_adam_on_cpu()  # torch 2.3 requires CUDA for fused Adam
 
 
 @contextlib.contextmanager
@@ -217,7 +227,7 @@ SCENARIOS = {
 def test_scenario_matches_the_documented_recipe(name: str) -> None:
     loop = SCENARIOS[name]
     if loop.fused and not FUSED_ON_CPU:
-        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch_release()} (CPU from 2.4)")
+        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch_release()}")
     with stock():
         expected_params, expected_norms = train(loop.recipe())
     params, norms = train(loop)
@@ -238,6 +248,32 @@ def test_stock_torch_gets_these_scenarios_wrong(name: str) -> None:
     # Same first batch: the norm it returns is the scaled one; from there the runs part.
     assert norms[0].item() == pytest.approx(expected_norms[0].item() * INIT_SCALE, rel=1e-3)
     assert not torch.allclose(params, expected_params, rtol=1e-3)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.5, math.inf, 0.0])
+@pytest.mark.parametrize("unscale", ["none", "first"], ids=["forgotten", "mixed"])
+def test_norm_types(norm_type: float, unscale: str) -> None:
+    """One step: the norm of any order, and the clipped gradients, are the recipe's."""
+
+    def one_step(unscale: str) -> tuple[torch.Tensor, torch.Tensor]:
+        model = make_model()
+        xs, ys = make_data(1)
+        optimizers = [torch.optim.SGD(model[0].parameters(), lr=0.1), torch.optim.SGD(model[2].parameters(), lr=0.1)]
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+        scaler.scale(fp16_loss(model, xs[0, 0], ys[0, 0])).backward()
+        for optimizer in {"all": optimizers, "none": [], "first": optimizers[:1]}[unscale]:
+            scaler.unscale_(optimizer)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05, norm_type=norm_type)
+        for optimizer in optimizers:
+            scaler.step(optimizer)
+        scaler.update()
+        return norm, flat(model)
+
+    with stock():
+        expected_norm, expected_params = one_step("all")
+    norm, params = one_step(unscale)
+    torch.testing.assert_close(norm, expected_norm, rtol=1e-5, atol=0)
+    torch.testing.assert_close(params, expected_params, rtol=1e-5, atol=1e-7)
 
 
 def test_default_fp32_training_is_bit_identical_to_stock() -> None:
@@ -550,7 +586,7 @@ def _iteration(loop: Loop, count_clip_only: bool) -> int:
 )
 def test_no_extra_host_reads_with_a_scaler(loop: Loop) -> None:
     if loop.fused and not FUSED_ON_CPU:
-        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch_release()} (CPU from 2.4)")
+        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch_release()}")
     assert _iteration(loop, count_clip_only=True) == 0
     with stock():
         expected = _iteration(loop.recipe(), count_clip_only=False)

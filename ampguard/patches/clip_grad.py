@@ -47,7 +47,7 @@ class ClipGradPatch(Patch):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is missing")
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
-        self.bindings.rebind_names_of(original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper))
+        self.bindings.rebind_names_of(original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper, idle=clip.idle))
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
