@@ -8,9 +8,20 @@ scale (the rule of ``torch._amp_update_scale_``, replayed exactly), the floor,
 the cap, collapse and stall detection. Nothing else is read from the device.
 
 Fused optimizers (``Adam(fused=True)`` ...) are stepped by torch without any
-host read. For an iteration with such an optimizer the bookkeeping moves to a
-few device tensors ("device mode"), which are read (one sync) only when a stats
-line is due or ``scaler.stats`` is asked for; the host mirror is refreshed then.
+host read. For an iteration with such an optimizer (and for ``update(new_scale)``,
+``unscale_()`` without ``step()``, and FSDP's ShardedGradScaler) the bookkeeping
+moves to a few device tensors ("device mode"), which are read (one sync) only
+when a stats line is due, ``scaler.stats`` is asked for, or a checkpoint is
+taken; the host mirror is refreshed then and host mode resumes. Collapses and
+stalls that happened in device mode are reported at that read, even if they
+have ended since.
+
+Collapse: an overflow with the scale at the floor, or where backing off would
+take it below 1, logs CRITICAL once per episode; the episode ends when the
+scale grows out of that zone. Stall: ``AMPGUARD_MAX_CONSECUTIVE_SKIPS``
+consecutive skipped iterations log CRITICAL once per streak, or, with
+``AMPGUARD_ON_STALL=raise``, make ``update()`` raise ScaleCollapseError after
+completing its iteration (never ``stats``, ``state_dict()`` or pickling).
 """
 
 from __future__ import annotations
