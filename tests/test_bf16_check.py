@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import inspect
 import logging
-import time
 import types
 import warnings
 
@@ -18,7 +17,7 @@ import pytest
 import torch
 
 import ampguard
-from ampguard import machine
+from ampguard import machine, registry
 from ampguard.patches import bf16_check
 
 T4 = machine.GpuInfo(index=0, name="Tesla T4", capability=(7, 5), total_memory_gib=15.0, bf16_native=False)
@@ -207,27 +206,18 @@ def test_compile_fullgraph_with_region_created_outside():
     assert torch.compile(entered_inside, fullgraph=True, backend="eager")(torch.randn(4, 4)).dtype is torch.bfloat16
 
 
-def test_overhead_on_a_cpu_region_is_small():
-    """Creating, entering and leaving a CPU autocast region: patched within a few microseconds of stock.
+def test_a_cpu_region_does_no_check_work(monkeypatch):
+    """Regions that are not enabled-CUDA cost one string comparison: nothing of the check runs.
 
-    ``pytest tests/test_bf16_check.py -k overhead -s`` prints the two figures.
+    (The time is measured, not asserted: docs/troubleshooting.md gives the numbers.)
     """
-    import timeit
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("the bf16 check ran for a region that is not an enabled CUDA one")
 
-    original = inspect.unwrap(vars(torch.amp.autocast_mode.autocast)["__init__"])
-    patched = vars(torch.amp.autocast_mode.autocast)["__init__"]
-
-    def cycle() -> None:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            pass
-
-    def best(init) -> float:
-        torch.amp.autocast_mode.autocast.__init__ = init
-        try:
-            return min(timeit.repeat(cycle, number=2000, repeat=5, timer=time.process_time)) / 2000
-        finally:
-            torch.amp.autocast_mode.autocast.__init__ = patched
-
-    stock, ours = best(original), best(patched)
-    print(f"\n[bf16_check cost, torch {torch.__version__}] CPU autocast region: stock {stock * 1e6:.2f} us, patched {ours * 1e6:.2f} us")
-    assert ours - stock < 5e-6, f"stock {stock * 1e6:.2f} us, patched {ours * 1e6:.2f} us"
+    patch = next(p for p in registry._registry.patches if p.name == "bf16_check")
+    monkeypatch.setattr(patch, "checked_dtype", must_not_run)
+    monkeypatch.setattr(machine, "current_cuda_gpu", must_not_run)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype is torch.bfloat16
+    torch.cuda.amp.autocast(enabled=False)
+    torch.autocast("cuda", dtype=torch.bfloat16, enabled=False)
