@@ -7,6 +7,7 @@ its patches to torch (``ampguard patches`` lists them). The public API is small:
 
 * :func:`install` / :func:`uninstall` / :func:`status`: the patches;
 * :class:`SafeGradScaler`: the GradScaler every ``GradScaler(...)`` becomes;
+* :func:`watch`: name a model's parameters in reports of skipped steps;
 * :class:`ConfigError`, :class:`ScaleCollapseError`: what ampguard raises.
 """
 
