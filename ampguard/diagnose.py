@@ -170,7 +170,7 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     else:
         which = (
             f"No gradient of {label} holds inf/NaN any more: the overflow flag was raised elsewhere "
-            "(e.g. by a clip_grad_norm_ that found an inf/NaN norm)."
+            "(by another rank's gradients under DDP/FSDP, or by a clip_grad_norm_ that found an inf/NaN norm)."
         )
     if loss_nonfinite:
         message = (
