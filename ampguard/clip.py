@@ -26,9 +26,11 @@ Under ampguard the clip is right whatever the caller did:
   parameters' ``.grad`` to None, so the optimizer changes no parameter and no
   state. ``error_if_nonfinite=True`` raises as torch does.
 
-Only the float32 norms and the division by the scale differ from torch's
-algorithm: with float32 gradients, no scaler and finite norms the result is
-bit-identical to torch's.
+The computation is torch's (same operations, the gradients grouped by device
+and dtype once instead of twice) except for the float32 norms, the division by
+the scale and the NaN coefficient: with float32 gradients, no scaler and finite
+norms the result is bit-identical to torch's. docs/clipping.md has the details
+and the measured cost.
 """
 
 from __future__ import annotations
