@@ -27,7 +27,7 @@ import ampguard.clip
 import ampguard.scaler
 from ampguard.log import RateLimiter
 from ampguard.patches.base import torch_release
-from ampguard.stats import process_counters
+from ampguard.stats import process_counters, stats_line
 from ampguard.syncs import HostReadCounter
 
 STEPS = 50
@@ -457,6 +457,7 @@ def test_no_scaler_nonfinite_norm_skips_the_step(dtype: torch.dtype, ampguard_lo
         torch.equal(a, b) for sa, sb in zip(after, state) for a, b in zip(sa, sb)
     ), "Adam's moments or step count changed on a skipped step"
     assert process_counters.clip_skipped == skipped + 2
+    assert f"clip_skipped={skipped + 2}" in stats_line(torch.amp.GradScaler("cpu").stats, 0)
     warnings_logged = [r for r in ampguard_log if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
     assert len(warnings_logged) == 1, "rate-limited: one warning for two skips in a row"
     assert "nan" in warnings_logged[0].getMessage()
@@ -537,6 +538,13 @@ def test_grad_scaler_disabled_torch_scaler_loop_is_bit_identical_to_stock(unscal
     assert torch.equal(norms.isnan(), expected_norms.isnan())
     assert torch.equal(norms.nan_to_num(), expected_norms.nan_to_num())
     assert scale == expected_scale
+
+
+def test_grad_scaler_disabled_an_explicit_safe_scaler_still_gets_the_safe_clip(reinstall: Callable) -> None:
+    reinstall(AMPGUARD_DISABLE="grad_scaler")
+    assert _forgotten_unscale_norm(torch.nn.utils.clip_grad_norm_) == pytest.approx(5.0 * INIT_SCALE)  # torch's scaler
+    safe = lambda: ampguard.SafeGradScaler("cpu", init_scale=INIT_SCALE)  # noqa: E731
+    assert _forgotten_unscale_norm(torch.nn.utils.clip_grad_norm_, safe) == pytest.approx(5.0)
 
 
 def test_grad_scaler_disabled_never_hides_gradients(reinstall: Callable) -> None:
@@ -646,9 +654,11 @@ def early_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
         sys.modules.pop("ampguard_early_user", None)
 
 
-def _forgotten_unscale_norm(clip: Callable[[list[nn.Parameter], float], torch.Tensor]) -> float:
+def _forgotten_unscale_norm(
+    clip: Callable[[list[nn.Parameter], float], torch.Tensor], make_scaler: Callable[[], Any] | None = None
+) -> float:
     param = nn.Parameter(torch.tensor([3.0, 4.0]))
-    scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
+    scaler = make_scaler() if make_scaler else torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     scaler.scale((param * param.detach()).sum()).backward()  # gradient (3, 4) * 1024
     return clip([param], 1.0).item()
 
