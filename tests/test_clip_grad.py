@@ -24,6 +24,7 @@ from torch import nn
 
 import ampguard
 import ampguard.clip
+import ampguard.registry
 import ampguard.scaler
 from ampguard.log import RateLimiter
 from ampguard.patches.base import torch_release
