@@ -36,6 +36,7 @@ and the measured cost.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import sys
@@ -48,7 +49,7 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard.log import RateLimiter, logger
+from ampguard.log import RateLimiter, is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler, params_of, scalers_in_iteration
 from ampguard.stats import process_counters
 
@@ -117,16 +118,26 @@ class _State:
         self.foreign_scaler = False
         self.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
         self.warned_ambiguous = False
+        # bf16/fp32 training has no scaler, hence no scaler stats line: the
+        # guard logs its own every `stats_every` calls (AMPGUARD_STATS_EVERY).
+        self.stats_every = 0
+        self.guarded_calls = 0
 
 
 state = _State()
 
 
 def activate(
-    original: Callable[..., Tensor], *, guard: bool, deprecation: tuple[type[Warning], str] | None = None
+    original: Callable[..., Tensor],
+    *,
+    guard: bool,
+    deprecation: tuple[type[Warning], str] | None = None,
+    stats_every: int = 0,
 ) -> None:
     """Turn the safe clip on (called by the clip_grad patch with torch's ``clip_grad_norm_``)."""
     state.active = True
+    state.stats_every = stats_every
+    state.guarded_calls = 0
     state.original = original
     state.deprecation = deprecation
     state.guard = guard
@@ -420,7 +431,15 @@ def _clip_without_scaler(
     norm = float(total)
     if not math.isfinite(norm):
         _skip_step(pairs, norm)
+    state.guarded_calls += 1
+    if state.stats_every and state.guarded_calls % state.stats_every == 0:
+        _log_guard_stats()
     return total
+
+
+def _log_guard_stats() -> None:
+    if is_rank_zero() and logger.isEnabledFor(logging.INFO):
+        logger.info("stats clip_calls=%d clip_skipped=%d", state.guarded_calls, process_counters.clip_skipped)
 
 
 def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:

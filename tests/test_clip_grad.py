@@ -467,6 +467,18 @@ def test_no_scaler_nonfinite_norm_skips_the_step(dtype: torch.dtype, ampguard_lo
     assert all(s["step"].item() == 2 for s in optimizer.state.values())
 
 
+def test_no_scaler_guard_logs_a_stats_line(reinstall: Callable, ampguard_log: list) -> None:
+    """bf16/fp32 training has no scaler stats line: the guard logs its own, every AMPGUARD_STATS_EVERY calls."""
+    reinstall(AMPGUARD_STATS_EVERY="3")
+    param = nn.Parameter(torch.zeros(2))
+    skipped = process_counters.clip_skipped
+    for value in (1.0, 1.0, math.nan, 1.0, 1.0, 1.0, 1.0):
+        param.grad = torch.tensor([value, 1.0])
+        torch.nn.utils.clip_grad_norm_([param], 1.0)
+    lines = [r.getMessage() for r in ampguard_log if r.getMessage().startswith("stats clip_calls=")]
+    assert lines == [f"stats clip_calls=3 clip_skipped={skipped + 1}", f"stats clip_calls=6 clip_skipped={skipped + 1}"]
+
+
 def test_no_scaler_error_if_nonfinite_raises_like_torch() -> None:
     def attempt() -> tuple[str, torch.Tensor]:
         param = nn.Parameter(torch.zeros(3))

@@ -60,7 +60,7 @@ class ClipGradPatch(Patch):
             scale = vars(TorchGradScaler).get("scale")
             if scale is not None:
                 self.bindings.set_attribute(TorchGradScaler, "scale", clip.scale_wrapper(scale))
-        clip.activate(original, guard=guard, deprecation=deprecation)
+        clip.activate(original, guard=guard, deprecation=deprecation, stats_every=config.stats_every)
 
     def revert(self) -> None:
         clip.deactivate()
