@@ -63,6 +63,29 @@ def _on_terminal(stream: object) -> bool:
         return False
 
 
+class _RichOnFirstRecord(logging.Handler):
+    """rich's ``RichHandler``, made when the first record is emitted rather than at ``import ampguard``.
+
+    Importing rich and building its console costs tens of milliseconds, and the
+    objects it allocates often set off a full garbage collection (about 100 ms
+    more at ``import ampguard`` on a terminal, measured in docs/performance.md);
+    a process that logs nothing (AMPGUARD_QUIET=1, ranks other than 0) pays none of it.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._rich: logging.Handler | None = None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._rich is None:
+            from rich.logging import RichHandler
+
+            rich_handler = RichHandler(show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]")
+            rich_handler.setFormatter(logging.Formatter("%(message)s"))
+            self._rich = rich_handler
+        self._rich.emit(record)
+
+
 def ensure_default_handler() -> None:
     """Give logger ``ampguard`` a handler unless somebody already did."""
     global _default_handler
@@ -70,10 +93,7 @@ def ensure_default_handler() -> None:
         return
     handler: logging.Handler
     if _on_terminal(sys.stderr):
-        from rich.logging import RichHandler
-
-        handler = RichHandler(show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]")
-        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler = _RichOnFirstRecord()
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_PlainFormatter())

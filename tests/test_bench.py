@@ -250,3 +250,26 @@ def test_patch_version_gate_agrees_with_packaging(specifiers, version):
     from ampguard.patches.base import release_in
 
     assert release_in(Version(version), specifiers) == (Version(version) in SpecifierSet(specifiers))
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "openpty"), reason="needs a pseudo-terminal")
+def test_on_a_terminal_rich_is_imported_with_the_first_record_not_before():
+    import os
+    import pty
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, logging, torch, ampguard; before = 'rich' in sys.modules; "
+        "logging.getLogger('ampguard').warning('first record'); "
+        "print(before, 'rich' in sys.modules, type(logging.getLogger('ampguard').handlers[0]._rich).__name__)"
+    )
+    environment = dict(os.environ, AMPGUARD_QUIET="1")
+    leader, follower = pty.openpty()
+    try:
+        completed = subprocess.run([sys.executable, "-c", probe], env=environment, stdout=subprocess.PIPE,
+                                   stderr=follower, text=True, check=True)
+    finally:
+        os.close(follower)
+        os.close(leader)
+    assert completed.stdout.strip().splitlines()[-1] == "False True RichHandler"

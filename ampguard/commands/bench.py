@@ -18,10 +18,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where to train (default: cuda when available, else cpu)")
     parser.add_argument("--dtype", choices=("float16", "bfloat16"), default=None,
                         help="autocast dtype (default: float16 on cuda; bfloat16 on cpu, whose float16 matmuls are slow)")
-    parser.add_argument("--steps", type=int, default=200, metavar="N",
-                        help="timed training steps per variant (default: 200)")
-    parser.add_argument("--block-steps", type=int, default=5, metavar="N",
-                        help="steps per timed block; blocks of the two variants alternate (default: 5)")
+    parser.add_argument("--steps", type=int, default=300, metavar="N",
+                        help="timed training steps per variant (default: 300)")
+    parser.add_argument("--block-steps", type=int, default=None, metavar="N",
+                        help="steps per timed block; blocks of the two variants alternate "
+                             "(default: 1 on cpu, 10 on cuda, where a block ends with a synchronize)")
     parser.add_argument("--warmup-steps", type=int, default=10, metavar="N",
                         help="untimed steps per variant first (default: 10)")
     parser.add_argument("--fused", action="store_true",
@@ -48,7 +49,8 @@ def main(args: argparse.Namespace) -> int:
         print("ampguard bench: --device cuda, but torch sees no CUDA device.", file=sys.stderr)
         return 2
     _positive("--steps", args.steps, 1)
-    _positive("--block-steps", args.block_steps, 1)
+    block_steps = args.block_steps if args.block_steps is not None else bench.default_block_steps(device)
+    _positive("--block-steps", block_steps, 1)
     _positive("--warmup-steps", args.warmup_steps, 0)
     _positive("--import-runs", args.import_runs, 0)
     if args.threads is not None:
@@ -63,7 +65,7 @@ def main(args: argparse.Namespace) -> int:
         device=device,
         dtype=args.dtype or bench.default_dtype(device),
         steps=args.steps,
-        block_steps=args.block_steps,
+        block_steps=block_steps,
         warmup_steps=args.warmup_steps,
         fused=args.fused,
         import_runs=args.import_runs,
