@@ -26,39 +26,37 @@ from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler
 SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
 
-class CudaGradScaler(SafeGradScaler):
+class _LegacyGradScaler(SafeGradScaler):
+    """A SafeGradScaler with the legacy signature: init_scale first, the device fixed by the subclass."""
+
+    legacy_device: str
+
+    def __init__(
+        self,
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        **safe_options: Any,
+    ) -> None:
+        super().__init__(self.legacy_device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+
+
+class CudaGradScaler(_LegacyGradScaler):
     """``torch.cuda.amp.GradScaler`` under ampguard: ``SafeGradScaler("cuda")`` with the legacy signature."""
 
-    def __init__(
-        self,
-        init_scale: float | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int | None = None,
-        enabled: bool = True,
-        **safe_options: Any,
-    ) -> None:
-        super().__init__("cuda", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+    legacy_device = "cuda"
 
 
-class CpuGradScaler(SafeGradScaler):
+class CpuGradScaler(_LegacyGradScaler):
     """``torch.cpu.amp.GradScaler`` under ampguard: ``SafeGradScaler("cpu")`` with the legacy signature."""
 
-    def __init__(
-        self,
-        init_scale: float | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int | None = None,
-        enabled: bool = True,
-        **safe_options: Any,
-    ) -> None:
-        super().__init__("cpu", init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+    legacy_device = "cpu"
 
 
-for _cls, _spelling in ((CudaGradScaler, "torch.cuda.amp"), (CpuGradScaler, "torch.cpu.amp")):
-    _cls.__name__ = "GradScaler"
-    _cls.__doc__ = f"``{_spelling}.GradScaler`` under ampguard. " + (SafeGradScaler.__doc__ or "")
+for _cls in (CudaGradScaler, CpuGradScaler):
+    _cls.__name__ = "GradScaler"  # as torch's legacy classes are named; pickle uses the __qualname__
 
 
 _hook_registered = False
