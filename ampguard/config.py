@@ -71,16 +71,17 @@ class Setting:
     accepted: str
     description: str
     example: str
-    parse: Callable[[str, str], Any] = field(repr=False, compare=False)
+    # None: a comma-separated list of patch names, checked against the registry.
+    parse: Callable[[str, str], Any] | None = field(repr=False, compare=False)
 
 
 SETTINGS: tuple[Setting, ...] = (
     Setting("AMPGUARD", "enabled", True, "1 or 0 (also true/false, yes/no, on/off)",
             "Master switch. 0: `import ampguard` works but patches nothing.", "AMPGUARD=0", _parse_bool),
     Setting("AMPGUARD_DISABLE", "disable", frozenset(), "comma-separated patch names",
-            "Patches not to apply (see `ampguard patches`).", "AMPGUARD_DISABLE=clip_grad,bf16_check", None),  # type: ignore[arg-type]
+            "Patches not to apply (see `ampguard patches`).", "AMPGUARD_DISABLE=clip_grad,bf16_check", None),
     Setting("AMPGUARD_ENABLE", "enable", frozenset(), "comma-separated patch names",
-            "Opt-in patches to apply in addition to the default ones.", "AMPGUARD_ENABLE=anomaly", None),  # type: ignore[arg-type]
+            "Opt-in patches to apply in addition to the default ones.", "AMPGUARD_ENABLE=anomaly", None),
     Setting("AMPGUARD_QUIET", "quiet", False, "1 or 0",
             "1: no banner on import.", "AMPGUARD_QUIET=1", _parse_bool),
     Setting("AMPGUARD_INIT_SCALE", "init_scale", None, "a number >= 1",
@@ -188,7 +189,7 @@ def load(
         raw = environ.get(setting.variable)
         if raw is None or raw.strip() == "":
             continue
-        if setting.variable in ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"):
+        if setting.parse is None:
             values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
         else:
             values[setting.attribute] = setting.parse(setting.variable, raw)
