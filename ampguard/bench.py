@@ -344,10 +344,14 @@ def interleaved_blocks(first: Callable[[], None], second: Callable[[], None], pa
 
 def _ratio_summary(timed: list[tuple[float, float]]) -> dict[str, float]:
     ratios = [b / a for a, b in timed]
+    median = statistics.median(ratios)
+    # Standard error of a median, from a robust spread (1.4826 MAD estimates the standard deviation).
+    spread = 1.4826 * statistics.median(abs(r - median) for r in ratios)
     return {
-        "ratio": statistics.median(ratios),
+        "ratio": median,
         "ratio_min": min(ratios),
         "ratio_max": max(ratios),
+        "ratio_stderr": 1.2533 * spread / len(ratios) ** 0.5,
     }
 
 
@@ -506,6 +510,7 @@ def time_idle_clip(options: Options) -> dict[str, Any]:
         "overhead": summary["ratio"] - 1.0,
         "overhead_min": summary["ratio_min"] - 1.0,
         "overhead_max": summary["ratio_max"] - 1.0,
+        "overhead_stderr": summary["ratio_stderr"],
         "torch_syncs_per_call": syncs[0],
         "ampguard_syncs_per_call": syncs[1],
         "blocks": options.clip_blocks,
@@ -688,7 +693,7 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             f"step time, {timing['optimizer']}",
             f"{timing['torch_ms_per_step']:.2f} ms",
             f"{timing['ampguard_ms_per_step']:.2f} ms",
-            f"ratio {timing['ratio']:.4f} ({timing['ratio_min']:.3f}-{timing['ratio_max']:.3f}), "
+            f"ratio {timing['ratio']:.4f} +-{timing['ratio_stderr']:.4f} ({timing['ratio_min']:.3f}-{timing['ratio_max']:.3f}), "
             f"{timing['overhead_us_per_step']:+.0f} us/step",
             f"<= {TARGETS['step_time_ratio']}",
             "yes" if timing["ratio"] <= TARGETS["step_time_ratio"] else "NO",

@@ -27,7 +27,7 @@ JSON_FIELDS = {
     "clip_idle", "import_time", "targets", "checks",
 }
 STEP_TIME_FIELDS = {
-    "optimizer", "torch_ms_per_step", "ampguard_ms_per_step", "ratio", "ratio_min", "ratio_max",
+    "optimizer", "torch_ms_per_step", "ampguard_ms_per_step", "ratio", "ratio_min", "ratio_max", "ratio_stderr",
     "overhead_us_per_step", "blocks", "block_steps", "same_parameters",
 }
 SYNC_FIELDS = {
@@ -36,7 +36,7 @@ SYNC_FIELDS = {
 }
 CLIP_FIELDS = {
     "tensors", "tensor_shape", "wrapped", "torch_us_per_call", "ampguard_us_per_call", "overhead",
-    "overhead_min", "overhead_max", "torch_syncs_per_call", "ampguard_syncs_per_call", "blocks",
+    "overhead_min", "overhead_max", "overhead_stderr", "torch_syncs_per_call", "ampguard_syncs_per_call", "blocks",
 }
 IMPORT_FIELDS = {"runs", "bytecode_cache", "torch_ms", "ampguard_ms", "ampguard_ms_min", "ampguard_ms_max", "ampguard_terminal_ms"}
 
