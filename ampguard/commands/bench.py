@@ -34,9 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
-def _positive(parser_error: str, value: int, minimum: int) -> None:
+def _at_least(option: str, value: int, minimum: int) -> None:
     if value < minimum:
-        raise SystemExit(f"ampguard bench: {parser_error} must be >= {minimum}, got {value}")
+        raise SystemExit(f"ampguard bench: {option} must be >= {minimum}, got {value}")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -48,13 +48,13 @@ def main(args: argparse.Namespace) -> int:
     if device == "cuda" and not torch.cuda.is_available():
         print("ampguard bench: --device cuda, but torch sees no CUDA device.", file=sys.stderr)
         return 2
-    _positive("--steps", args.steps, 1)
+    _at_least("--steps", args.steps, 1)
     block_steps = args.block_steps if args.block_steps is not None else bench.default_block_steps(device)
-    _positive("--block-steps", block_steps, 1)
-    _positive("--warmup-steps", args.warmup_steps, 0)
-    _positive("--import-runs", args.import_runs, 0)
+    _at_least("--block-steps", block_steps, 1)
+    _at_least("--warmup-steps", args.warmup_steps, 0)
+    _at_least("--import-runs", args.import_runs, 0)
     if args.threads is not None:
-        _positive("--threads", args.threads, 1)
+        _at_least("--threads", args.threads, 1)
         torch.set_num_threads(args.threads)
     progress = None
     if sys.stderr.isatty():
