@@ -78,10 +78,14 @@ class _RichOnFirstRecord(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         if self._rich is None:
+            from rich.console import Console
             from rich.logging import RichHandler
 
-            rich_handler = RichHandler(show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]")
-            rich_handler.setFormatter(logging.Formatter("%(message)s"))
+            rich_handler = RichHandler(
+                console=Console(stderr=True),  # like the plain handler; rich's default console is stdout
+                show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]",
+            )
+            rich_handler.setFormatter(logging.Formatter("ampguard: %(message)s"))
             self._rich = rich_handler
         self._rich.emit(record)
 

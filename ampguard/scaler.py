@@ -254,7 +254,8 @@ class SafeGradScaler(TorchGradScaler):
             self._init_scale = self._mirror_scale
 
     def _reset_iteration(self) -> None:
-        self._loss_finite: torch.Tensor | None = None
+        # loss - loss of every loss scale()d this iteration, summed: 0 while all were finite, NaN otherwise.
+        self._loss_check: torch.Tensor | None = None
         self._host_found: dict[int, bool] = {}
         self._unscaled_optimizers: list[Any] = []
         self._iteration_loss_nonfinite = False
@@ -266,8 +267,11 @@ class SafeGradScaler(TorchGradScaler):
         scaled = super().scale(outputs)
         if self._enabled:
             if isinstance(outputs, torch.Tensor):
-                finite = torch.isfinite(outputs.detach()).all()
-                self._loss_finite = finite if self._loss_finite is None else self._loss_finite.logical_and_(finite)
+                loss = outputs.detach()
+                check = loss - loss  # one kernel; torch.isfinite(...).all() is five
+                if check.dim():
+                    check = check.sum()
+                self._loss_check = check if self._loss_check is None else self._loss_check + check
             scalers_in_iteration.add(self)
         return scaled
 
@@ -364,9 +368,10 @@ class SafeGradScaler(TorchGradScaler):
         total = found_infs[0]
         for other in found_infs[1:]:
             total = total + other.to(total.device, non_blocking=True)
-        code = total.clamp(max=1.0)
-        if self._loss_finite is not None:
-            code = code.add(self._loss_finite.logical_not().to(code.device, non_blocking=True), alpha=2)
+        code = total.clamp(max=1.0) if len(found_infs) > 1 or not self._host_mirror_exact else total  # 0 or 1
+        if self._loss_check is not None:
+            # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
+            code = code + torch.nan_to_num(self._loss_check.to(code.device, non_blocking=True), nan=2.0)
         value = int(code.item())
         found = bool(value & 1)
         self._host_found[id(optimizer)] = found
@@ -448,15 +453,16 @@ class SafeGradScaler(TorchGradScaler):
         ledger = self._ledger
         scale = self._scale
         found_per_optimizer = {
-            key: torch.stack([t.to(scale.device, non_blocking=True) for t in s["found_inf_per_device"].values()]).amax().clamp(max=1.0)
+            key: self._found_flag(list(s["found_inf_per_device"].values()), scale.device)
             for key, s in states.items()
             if s["found_inf_per_device"]
         }
         if found_per_optimizer:
             stepped = [found for key, found in found_per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
             if stepped:
-                ledger.skipped.add_(torch.stack(stepped).sum())
-            found = torch.stack(list(found_per_optimizer.values())).amax()
+                ledger.skipped.add_(stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum())
+            flags = list(found_per_optimizer.values())
+            found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
             ledger.consecutive.add_(1.0).mul_(found)
             torch.maximum(ledger.max_consecutive, ledger.consecutive, out=ledger.max_consecutive)
             ledger.stalls.add_(ledger.consecutive == float(self._settings.max_consecutive_skips))
@@ -464,14 +470,20 @@ class SafeGradScaler(TorchGradScaler):
             if self._min_scale > 0:
                 zone = zone | (scale <= self._min_scale)
             torch.maximum(ledger.collapsed, found * zone, out=ledger.collapsed)
-            if self._loss_finite is not None:
-                ledger.nonfinite_loss.add_(self._loss_finite.logical_not().to(scale.device))
+            if self._loss_check is not None:
+                ledger.nonfinite_loss.add_(self._loss_check.isnan().to(scale.device))
         super().update(new_scale)
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
         torch.maximum(ledger.max_scale, scale, out=ledger.max_scale)
         self._mirror_scale = None
+
+    def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
+        if len(found_infs) == 1 and self._host_mirror_exact and found_infs[0].device == device:
+            return found_infs[0]  # (ShardedGradScaler all-reduces a sum over ranks: that one needs the clamp)
+        return torch.stack([t.to(device, non_blocking=True) for t in found_infs]).amax().clamp(max=1.0)
 
     def _end_iteration(self) -> None:
         scalers_in_iteration.discard(self)
@@ -623,7 +635,7 @@ class SafeGradScaler(TorchGradScaler):
         if self._enabled:
             self._fold_device_ledger()
         state = super().__getstate__()
-        state.update(_loss_finite=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None)
+        state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
