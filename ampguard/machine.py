@@ -13,7 +13,6 @@ libraries are looked up through their package metadata, never imported.
 from __future__ import annotations
 
 import functools
-import importlib.metadata
 import os
 import platform
 import sys
@@ -161,6 +160,8 @@ def _cudnn_version() -> int | None:
 
 def installed_libraries(names: tuple[str, ...] = TRAINER_DISTRIBUTIONS) -> dict[str, str]:
     """``{distribution: version}`` for each of ``names`` that is installed (metadata only, nothing imported)."""
+    import importlib.metadata  # only the doctor asks; not at every import of ampguard
+
     found: dict[str, str] = {}
     for name in names:
         try:
