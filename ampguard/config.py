@@ -31,7 +31,16 @@ def _parse_bool(variable: str, raw: str) -> bool:
     raise ConfigError(variable, raw, "1/true/yes/on or 0/false/no/off")
 
 
-def _number_parser(kind: type, minimum: float, *, allow_zero: bool = False, describe: str) -> Callable[[str, str], Any]:
+# What torch can hold: the loss scale is a float32 tensor, the growth tracker an
+# int32 one, and device-mode skip streaks are counted in float32 (exact to 2**24).
+FLOAT32_MAX = 3.4028234663852886e38
+INT32_MAX = 2**31 - 1
+FLOAT32_EXACT_INT = 2**24
+
+
+def _number_parser(
+    kind: type, minimum: float, maximum: float | None = None, *, allow_zero: bool = False, describe: str
+) -> Callable[[str, str], Any]:
     def parse(variable: str, raw: str) -> Any:
         try:
             value = kind(raw.strip())
@@ -41,9 +50,14 @@ def _number_parser(kind: type, minimum: float, *, allow_zero: bool = False, desc
             raise ConfigError(variable, raw, describe)
         if not (value >= minimum or (allow_zero and value == 0)):
             raise ConfigError(variable, raw, describe)
+        if maximum is not None and value > maximum:
+            raise ConfigError(variable, raw, describe)
         return value
 
     return parse
+
+
+_SCALE_RANGE = "a finite number from 1 to 3.4028234663852886e38 (the largest float32: the scale is a float32 tensor)"
 
 
 def _choice_parser(choices: tuple[str, ...]) -> Callable[[str, str], str]:
@@ -84,23 +98,25 @@ SETTINGS: tuple[Setting, ...] = (
             "Opt-in patches to apply in addition to the default ones.", "AMPGUARD_ENABLE=anomaly", None),
     Setting("AMPGUARD_QUIET", "quiet", False, "1 or 0",
             "1: no banner on import.", "AMPGUARD_QUIET=1", _parse_bool),
-    Setting("AMPGUARD_INIT_SCALE", "init_scale", None, "a number >= 1",
+    Setting("AMPGUARD_INIT_SCALE", "init_scale", None, "a number from 1 to 3.4e38 (float32's largest)",
             "Initial loss scale of every GradScaler, overriding even an explicit argument "
             "(unset: 1024 unless the caller passes init_scale).", "AMPGUARD_INIT_SCALE=4096",
-            _number_parser(float, 1.0, describe="a finite number >= 1")),
-    Setting("AMPGUARD_GROWTH_INTERVAL", "growth_interval", None, "a whole number >= 1",
+            _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE)),
+    Setting("AMPGUARD_GROWTH_INTERVAL", "growth_interval", None, "a whole number from 1 to 2147483647",
             "Successful steps between scale growths, overriding even an explicit argument "
             "(unset: 100 unless the caller passes growth_interval).", "AMPGUARD_GROWTH_INTERVAL=200",
-            _number_parser(int, 1, describe="a whole number >= 1")),
-    Setting("AMPGUARD_MAX_SCALE", "max_scale", 2.0**24, "a number >= 1",
+            _number_parser(int, 1, INT32_MAX, describe="a whole number from 1 to 2147483647 (the int32 growth tracker)")),
+    Setting("AMPGUARD_MAX_SCALE", "max_scale", 2.0**24, "a number from 1 to 3.4e38 (float32's largest)",
             "The loss scale never grows past this cap.", "AMPGUARD_MAX_SCALE=65536",
-            _number_parser(float, 1.0, describe="a finite number >= 1")),
-    Setting("AMPGUARD_MIN_SCALE", "min_scale", 1.0, "a number > 0, or 0 for no floor",
+            _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE)),
+    Setting("AMPGUARD_MIN_SCALE", "min_scale", 1.0, "a number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor",
             "The loss scale never falls below this floor.", "AMPGUARD_MIN_SCALE=0",
-            _number_parser(float, 1e-30, allow_zero=True, describe="a finite number > 0, or 0 for no floor")),
-    Setting("AMPGUARD_MAX_CONSECUTIVE_SKIPS", "max_consecutive_skips", 100, "a whole number >= 1",
+            _number_parser(float, 1e-30, FLOAT32_MAX, allow_zero=True,
+                           describe="a finite number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor")),
+    Setting("AMPGUARD_MAX_CONSECUTIVE_SKIPS", "max_consecutive_skips", 100, "a whole number from 1 to 16777216",
             "After this many consecutive skipped steps ampguard logs CRITICAL (or raises, see AMPGUARD_ON_STALL).",
-            "AMPGUARD_MAX_CONSECUTIVE_SKIPS=50", _number_parser(int, 1, describe="a whole number >= 1")),
+            "AMPGUARD_MAX_CONSECUTIVE_SKIPS=50",
+            _number_parser(int, 1, FLOAT32_EXACT_INT, describe="a whole number from 1 to 16777216 (2**24)")),
     Setting("AMPGUARD_ON_STALL", "on_stall", "warn", "warn or raise",
             "What a stall does: log CRITICAL, or raise ampguard.ScaleCollapseError.", "AMPGUARD_ON_STALL=raise",
             _choice_parser(("warn", "raise"))),
@@ -200,4 +216,10 @@ def load(
             name, environ[name], "no such variable; known: " + ", ".join(SETTINGS_BY_VARIABLE),
             _suggest(name, SETTINGS_BY_VARIABLE),
         )
-    return Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
+    config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
+    if config.min_scale > config.max_scale:
+        raise ConfigError(
+            "AMPGUARD_MIN_SCALE", environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
+            f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
+        )
+    return config

@@ -54,11 +54,17 @@ def test_empty_value_means_default():
     ("variable", "raw", "accepted_fragment"),
     [
         ("AMPGUARD", "maybe", "1/true/yes/on"),
-        ("AMPGUARD_INIT_SCALE", "big", "finite number >= 1"),
-        ("AMPGUARD_INIT_SCALE", "0.5", "finite number >= 1"),
-        ("AMPGUARD_INIT_SCALE", "inf", "finite number >= 1"),
-        ("AMPGUARD_GROWTH_INTERVAL", "1.5", "whole number >= 1"),
-        ("AMPGUARD_GROWTH_INTERVAL", "0", "whole number >= 1"),
+        ("AMPGUARD_INIT_SCALE", "big", "finite number from 1 to 3.4028234663852886e38"),
+        ("AMPGUARD_INIT_SCALE", "0.5", "finite number from 1 to"),
+        ("AMPGUARD_INIT_SCALE", "inf", "finite number from 1 to"),
+        # What torch can hold: the scale is float32, the growth tracker int32, device-mode streaks float32.
+        ("AMPGUARD_INIT_SCALE", "1e39", "the largest float32"),
+        ("AMPGUARD_MAX_SCALE", "1e39", "the largest float32"),
+        ("AMPGUARD_MIN_SCALE", "1e39", "or 0 for no floor"),
+        ("AMPGUARD_GROWTH_INTERVAL", "1.5", "whole number from 1 to 2147483647"),
+        ("AMPGUARD_GROWTH_INTERVAL", "0", "whole number from 1 to 2147483647"),
+        ("AMPGUARD_GROWTH_INTERVAL", "2147483648", "the int32 growth tracker"),
+        ("AMPGUARD_MAX_CONSECUTIVE_SKIPS", "16777217", "from 1 to 16777216"),
         ("AMPGUARD_MIN_SCALE", "-1", "or 0 for no floor"),
         ("AMPGUARD_STATS_EVERY", "-5", "whole number >= 0"),
         ("AMPGUARD_ON_STALL", "explode", "'warn' or 'raise'"),
@@ -71,6 +77,34 @@ def test_bad_values_name_variable_value_and_what_is_accepted(variable, raw, acce
     message = str(caught.value)
     assert variable in message and repr(raw) in message and accepted_fragment in message
     assert caught.value.variable == variable and caught.value.value == raw
+
+
+def test_accepted_extremes_are_accepted():
+    config = load(
+        {"AMPGUARD_MAX_SCALE": "3.4028234663852886e38", "AMPGUARD_GROWTH_INTERVAL": "2147483647",
+         "AMPGUARD_MAX_CONSECUTIVE_SKIPS": "16777216", "AMPGUARD_MIN_SCALE": "1e-30"},
+        patch_names=PATCHES,
+    )
+    assert (config.max_scale, config.growth_interval, config.min_scale) == (3.4028234663852886e38, 2**31 - 1, 1e-30)
+
+
+@pytest.mark.parametrize(
+    ("environ", "value"),
+    [
+        ({"AMPGUARD_MIN_SCALE": "100", "AMPGUARD_MAX_SCALE": "10"}, "100"),
+        ({"AMPGUARD_MIN_SCALE": "1e30"}, "1e30"),  # above the default cap 2**24
+        ({"AMPGUARD_MAX_SCALE": "0.5"}, None),  # below 1: the cap's own error
+    ],
+)
+def test_floor_above_the_cap_is_an_error(environ, value):
+    with pytest.raises(ConfigError) as caught:
+        load(environ, patch_names=PATCHES)
+    if value is None:
+        assert caught.value.variable == "AMPGUARD_MAX_SCALE"
+        return
+    assert caught.value.variable == "AMPGUARD_MIN_SCALE" and caught.value.value == value
+    cap = float(environ.get("AMPGUARD_MAX_SCALE", 2**24))
+    assert f"no higher than the cap, AMPGUARD_MAX_SCALE={cap:.10g}" in str(caught.value)
 
 
 def test_unknown_patch_name_suggests_the_close_one():
