@@ -49,6 +49,7 @@ import torch
 import wrapt
 from torch import Tensor
 
+from ampguard import master
 from ampguard.log import RateLimiter, is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler, params_of, scalers_in_iteration
 from ampguard.stats import process_counters
@@ -320,7 +321,7 @@ def safe_clip_grad_norm_(
     """
     torch_clip = torch_clip_grad_norm_ or _original_clip_grad_norm_()
     params, for_torch = _materialize(parameters)
-    pairs = [(p, p.grad) for p in params if p.grad is not None]
+    pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
         return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = [s for s in scalers_in_iteration if getattr(s, "_scale", None) is not None]

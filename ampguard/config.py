@@ -129,6 +129,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("AMPGUARD_BF16_FALLBACK", "bf16_fallback", "off", "off or fp16",
             "bf16 autocast on a GPU without native bf16: only warn, or run the region in fp16.",
             "AMPGUARD_BF16_FALLBACK=fp16", _choice_parser(("off", "fp16"))),
+    Setting("AMPGUARD_MASTER_WEIGHTS", "master_weights", "fp16", "fp16, all or off",
+            "float32 master copies of the trainable half-precision parameters an optimizer steps: "
+            "of float16 ones, of float16 and bfloat16 ones, or none (see docs/master-weights.md).",
+            "AMPGUARD_MASTER_WEIGHTS=all", _choice_parser(("fp16", "all", "off"))),
 )
 
 SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}
@@ -151,6 +155,7 @@ class Config:
     stats_every: int
     fp16_grads: str
     bf16_fallback: str
+    master_weights: str = "fp16"
 
     def as_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -26,6 +26,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.clip_grad:ClipGradPatch",
     "ampguard.patches.bf16_check:Bf16CheckPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
+    "ampguard.patches.master_weights:MasterWeightsPatch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]

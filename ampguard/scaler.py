@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from ampguard import diagnose, messages
+from ampguard import diagnose, master, messages
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import logger
 from ampguard.stats import ScalerStats, log_stats
@@ -306,20 +306,19 @@ class SafeGradScaler(TorchGradScaler):
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
         saw_fp16 = False
         with torch.no_grad():
-            for group in optimizer.param_groups:
-                for param in group["params"]:
-                    grad = param.grad
-                    if grad is None:
-                        continue
-                    if grad.dtype == torch.float16:
-                        if refuse_fp16:
-                            raise ValueError("Attempting to unscale FP16 gradients.")
-                        saw_fp16 = True
-                    if grad.is_sparse:
-                        if grad.dtype is torch.float16:
-                            param.grad = grad = grad.coalesce()
-                        grad = grad._values()
-                    grouped[grad.device][grad.dtype].append(grad)
+            # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
+            for param, grad in master.gradients(optimizer, None if refuse_fp16 else self):
+                if grad is None:
+                    continue
+                if grad.dtype == torch.float16:
+                    if refuse_fp16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    saw_fp16 = True
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grouped[grad.device][grad.dtype].append(grad)
             for device, per_dtype in grouped.items():
                 for dtype, grads in per_dtype.items():
                     if dtype == torch.bfloat16 and device.type in DEVICES_WITHOUT_BF16_UNSCALE:

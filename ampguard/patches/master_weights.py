@@ -1,0 +1,66 @@
+"""Patch ``master_weights``: optimizers step float32 master copies of half-precision parameters.
+
+Wires :mod:`ampguard.master` into torch:
+
+* a global optimizer step pre-hook and post-hook
+  (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``),
+  which fire for every ``torch.optim.Optimizer``; for an optimizer without
+  trainable half-precision parameters they cost a dict lookup and a tuple of
+  its param-group list ids per step, and change nothing;
+* ``torch.optim.Optimizer.state_dict`` / ``load_state_dict`` / ``zero_grad``
+  wrapped on the base class, so that checkpoints carry the masters and their
+  float32 state, and ``zero_grad`` frees the masters' gradients.
+
+``AMPGUARD_MASTER_WEIGHTS`` picks the dtypes: ``fp16`` (default), ``all``
+(float16 and bfloat16) or ``off`` (the patch does not apply).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampguard import master
+from ampguard.config import Config
+from ampguard.errors import PatchUnavailable
+from ampguard.patches.base import Patch
+
+DTYPES = {"fp16": (torch.float16,), "all": (torch.float16, torch.bfloat16)}
+
+
+class MasterWeightsPatch(Patch):
+    name = "master_weights"
+    summary = "optimizers step float32 master copies of trainable float16 parameters (bf16 too with =all)"
+    requires_torch = ">=2.3"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._handles: list[Any] = []
+
+    def apply(self, config: Config) -> None:
+        mode = getattr(config, "master_weights", "fp16")
+        if mode == "off":
+            raise PatchUnavailable("AMPGUARD_MASTER_WEIGHTS=off")
+        from torch.optim import optimizer as optimizer_module
+
+        pre = getattr(optimizer_module, "register_optimizer_step_pre_hook", None)
+        post = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
+        if pre is None or post is None:
+            raise PatchUnavailable("torch has no global optimizer step hooks")
+        base = torch.optim.Optimizer
+        for name, wrap in (
+            ("state_dict", master.wrap_state_dict),
+            ("load_state_dict", master.wrap_load_state_dict),
+            ("zero_grad", master.wrap_zero_grad),
+        ):
+            self.bindings.set_attribute(base, name, wrap(vars(base)[name]))
+        self._handles = [pre(master.before_step), post(master.after_step)]
+        master.activate(DTYPES[mode])
+
+    def revert(self) -> None:
+        master.deactivate()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        super().revert()
