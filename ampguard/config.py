@@ -129,6 +129,15 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("AMPGUARD_BF16_FALLBACK", "bf16_fallback", "off", "off or fp16",
             "bf16 autocast on a GPU without native bf16: only warn, or run the region in fp16.",
             "AMPGUARD_BF16_FALLBACK=fp16", _choice_parser(("off", "fp16"))),
+    Setting("AMPGUARD_FP32_ISLANDS", "fp32_islands", "auto", "auto or report",
+            "A module found to overflow float16 in the forward pass: run it in float32 from then on, "
+            "or only name it (see docs/islands.md).", "AMPGUARD_FP32_ISLANDS=report", _choice_parser(("auto", "report"))),
+    Setting("AMPGUARD_MAX_ISLANDS", "max_islands", 8, "a whole number >= 1",
+            "At most this many fp32 islands; past that ampguard reports that the model does not suit float16.",
+            "AMPGUARD_MAX_ISLANDS=2", _number_parser(int, 1, describe="a whole number >= 1")),
+    Setting("AMPGUARD_PROBE_STEPS", "probe_steps", 200, "a whole number >= 1",
+            "Optimizer steps the forward-overflow probe stays armed without another overflow.",
+            "AMPGUARD_PROBE_STEPS=50", _number_parser(int, 1, describe="a whole number >= 1")),
     Setting("AMPGUARD_MASTER_WEIGHTS", "master_weights", "fp16", "fp16, all or off",
             "float32 master copies of the trainable half-precision parameters an optimizer steps: "
             "of float16 ones, of float16 and bfloat16 ones, or none (see docs/master-weights.md).",
@@ -155,6 +164,9 @@ class Config:
     stats_every: int
     fp16_grads: str
     bf16_fallback: str
+    fp32_islands: str = "auto"
+    max_islands: int = 8
+    probe_steps: int = 200
     master_weights: str = "fp16"
 
     def as_dict(self) -> dict[str, Any]:

@@ -39,3 +39,41 @@ LOSS_WAS_NONFINITE = (
     " The loss itself was inf/NaN before scaling: the forward pass overflowed, "
     "which no loss scale can fix."
 )
+
+ISLAND_MADE = (
+    "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "
+    "step {step}). From now on it runs in float32: autocast disabled inside it and its floating-point inputs "
+    "cast to float32; its parameters are unchanged and the loss scale was not lowered for this overflow. "
+    "To make this permanent without ampguard: {line}"
+)
+
+ISLAND_REPORT = (
+    "forward overflow located: {name} ({cls}) turned finite inputs into inf/NaN (step {step}). "
+    "AMPGUARD_FP32_ISLANDS=report: nothing changed. To run it in float32: {line} "
+    "(or unset AMPGUARD_FP32_ISLANDS and ampguard does it)."
+)
+
+ISLAND_ROOT = (
+    "forward overflow located in {name} itself (step {step}), in code of its own forward() that no submodule "
+    "owns (or in a loss computed by a module called on its own): ampguard does not run a whole model in float32. "
+    "Move the overflowing computation into a submodule, wrap it in torch.autocast(device_type, enabled=False) "
+    "with float32 inputs, or train in bf16 on a GPU with native bf16."
+)
+
+ISLAND_LOW_PRECISION = (
+    "forward overflow located: {name} ({cls}) at step {step}, but its parameters are {dtypes}: computing in "
+    "float32 cannot widen them, so ampguard leaves it as it is. Keep the weights in float32 and train under "
+    "autocast (do not load the model with torch_dtype=torch.float16), or train in bf16 on a GPU with native bf16."
+)
+
+ISLAND_COMPILED = (
+    "forward overflow in a torch.compile'd model ({name}, step {step}): ampguard cannot see or change modules "
+    "inside compiled code. Run the model eagerly for one overflowing batch to let ampguard name the module, "
+    "then apply this before torch.compile: {line}"
+)
+
+ISLAND_LIMIT = (
+    "{name} ({cls}) overflowed float16 in the forward pass (step {step}), but {limit} modules already run "
+    "in float32 ({names}) and AMPGUARD_MAX_ISLANDS={limit}: this model does not suit float16. "
+    "Train in bf16 (on a GPU with native bf16) or float32."
+)

@@ -25,6 +25,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.grad_scaler:GradScalerPatch",
     "ampguard.patches.clip_grad:ClipGradPatch",
     "ampguard.patches.bf16_check:Bf16CheckPatch",
+    "ampguard.patches.fp32_islands:Fp32IslandsPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
     "ampguard.patches.master_weights:MasterWeightsPatch",
 )

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from ampguard import diagnose, master, messages
+from ampguard import diagnose, healing, master, messages
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import logger
 from ampguard.stats import ScalerStats, log_stats
@@ -371,7 +371,9 @@ class SafeGradScaler(TorchGradScaler):
         if self._loss_check is not None:
             # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
             code = code + torch.nan_to_num(self._loss_check.to(code.device, non_blocking=True), nan=2.0)
+        code = healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
         value = int(code.item())
+        healing.note_read(value)
         found = bool(value & 1)
         self._host_found[id(optimizer)] = found
         if value & 2:
@@ -415,13 +417,17 @@ class SafeGradScaler(TorchGradScaler):
 
     def _update_in_host_mode(self) -> None:
         found = any(self._host_found.values())
+        forward_overflow = found and healing.agreed_forward_overflow(self._iteration_loss_nonfinite)
         skipped_steps = sum(self._host_found.values())
         scale_before = self._mirror_scale
         assert scale_before is not None
         super().update()
-        scale, tracker = next_scale(
-            scale_before, self._mirror_tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
-        )
+        if forward_overflow:  # the loss itself was inf/NaN: the scale did not cause it, so no back-off
+            scale, tracker = healing.keep_scale(self, scale_before, self._mirror_tracker)
+        else:
+            scale, tracker = next_scale(
+                scale_before, self._mirror_tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+            )
         bounded = min(max(scale, self._min_scale), self._max_scale)
         if bounded != scale:
             assert self._scale is not None
@@ -436,7 +442,7 @@ class SafeGradScaler(TorchGradScaler):
             logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, self._steps)
         if found:
             self._consecutive += 1
-            if self._in_collapse_zone(scale_before):
+            if not forward_overflow and self._in_collapse_zone(scale_before):
                 self._report_collapse(scale_before)
             self._check_stall(self._consecutive)
         else:
@@ -444,6 +450,7 @@ class SafeGradScaler(TorchGradScaler):
             self._stall_reported = False
         if not self._in_collapse_zone(bounded):
             self._collapse_reported = False
+        healing.end_iteration(self, forward_overflow)
 
     def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
         assert self._scale is not None and self._growth_tracker is not None
@@ -468,10 +475,12 @@ class SafeGradScaler(TorchGradScaler):
             zone = scale * self._backoff_factor < 1.0
             if self._min_scale > 0:
                 zone = zone | (scale <= self._min_scale)
-            torch.maximum(ledger.collapsed, found * zone, out=ledger.collapsed)
+            torch.maximum(ledger.collapsed, healing.backward_only(found, self._loss_check) * zone, out=ledger.collapsed)
             if self._loss_check is not None:
                 ledger.nonfinite_loss.add_(self._loss_check.isnan().to(scale.device))
+        held = healing.hold_scale(self, new_scale)  # kept where a loss was non-finite: no back-off
         super().update(new_scale)
+        healing.keep_scale_on_device(self, held)
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
@@ -569,6 +578,7 @@ class SafeGradScaler(TorchGradScaler):
             min_scale_seen=self._min_seen,
             max_scale_seen=self._max_seen,
             consecutive_skipped=self._consecutive,
+            **healing.stats_fields(),
         )
 
     # -- checkpoints ------------------------------------------------------------------
@@ -580,6 +590,7 @@ class SafeGradScaler(TorchGradScaler):
         state = super().state_dict()
         if state:
             state["ampguard"] = {key: value for key, value in self.stats.as_dict().items() if key in self._COUNTER_KEYS}
+            state["ampguard"]["fp32_islands"] = list(healing.stats_fields()["fp32_islands"])  # plain strings
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -620,6 +631,7 @@ class SafeGradScaler(TorchGradScaler):
             self._consecutive = int(counters.get("consecutive_skipped", 0))
             self._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
             self._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
+            healing.restore_islands(counters.get("fp32_islands"))
         elif self._steps == 0:
             self._min_seen = self._max_seen = bounded  # the init scale was never used
         else:

@@ -27,6 +27,8 @@ class ScalerStats:
         scale: the current loss scale.
         min_scale_seen, max_scale_seen: the extremes the scale took since the scaler was made.
         consecutive_skipped: iterations skipped in a row, up to now.
+        fp32_islands: qualified names of the modules ampguard runs in float32 (docs/islands.md).
+        buffers_restored: skipped forward overflows after which buffers were restored (docs/islands.md).
     """
 
     steps: int
@@ -37,6 +39,8 @@ class ScalerStats:
     min_scale_seen: float
     max_scale_seen: float
     consecutive_skipped: int
+    fp32_islands: tuple[str, ...] = ()
+    buffers_restored: int = 0
 
     @property
     def skipped_percent(self) -> float:
@@ -69,6 +73,8 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
         f"consecutive_skipped={stats.consecutive_skipped} "
         f"scale_range={_g(stats.min_scale_seen)}..{_g(stats.max_scale_seen)} "
         f"clip_skipped={process_counters.clip_skipped}"
+        + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
+        + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
     )
 
 

@@ -1,0 +1,105 @@
+"""Buffers stay finite: a skipped forward overflow does not leave inf/NaN in BatchNorm's running statistics.
+
+A forward pass updates some buffers in place (BatchNorm's ``running_mean``,
+``running_var``, ``num_batches_tracked``). When the loss of that forward pass
+was inf/NaN the optimizer step is skipped, but the buffers already took the
+overflowed batch in, for good: evaluation then produces NaN whatever happens
+to the weights. :class:`BufferGuard` keeps a copy of the model's small
+buffers, refreshed at each healthy ``update()`` with one ``torch._foreach_copy_``
+(no host read), and copies it back after an update whose loss was non-finite.
+
+Which buffers: those of the modules called during the second iteration of
+training (a global forward pre-hook that watches that one iteration and then
+removes itself; the first iteration is left alone so that a process that never
+trains pays nothing), each of at most ``MAX_ELEMENTS`` elements (running
+statistics are a few numbers per channel; position tables and masks are
+larger and are not updated by a forward pass).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from ampguard.log import logger
+
+MAX_ELEMENTS = 1 << 16
+MAX_TOTAL = 1 << 24
+
+RESTORED = (
+    "step {step} overflowed in the forward pass, which had already updated buffers such as BatchNorm's running "
+    "statistics: ampguard put the {count} small buffers it guards back to their values from before that forward "
+    "pass, so evaluation stays finite. Counted in stats.buffers_restored; this message is shown once."
+)
+
+
+class BufferGuard:
+    """Snapshot at each healthy update, restore after a forward overflow."""
+
+    def __init__(self) -> None:
+        self.state = "new"  # new -> discovering -> guarding
+        self._handle: Any = None
+        self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
+        self.buffers: list[torch.Tensor] = []
+        self.snapshot: list[torch.Tensor] | None = None
+        self.restores = 0
+        self._reported = False
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _note(self, module: torch.nn.Module, args: Any) -> None:
+        if module._buffers and id(module) not in self._modules:
+            self._modules[id(module)] = weakref.ref(module)
+
+    def on_update(self, overflow: bool, step: int) -> None:
+        """Called by every host-mode ``update()``: discover, then snapshot (healthy) or restore (forward overflow)."""
+        if self.state == "new":
+            self.state = "discovering"
+            self._handle = nn_module.register_module_forward_pre_hook(self._note)
+            return
+        if self.state == "discovering":
+            self.close()
+            self.state = "guarding"
+            self.buffers = self._collect()
+        if not self.buffers:
+            return
+        if overflow:
+            if self.snapshot is not None:
+                self._restore(step)
+            return
+        if self.snapshot is None:
+            self.snapshot = [b.detach().clone() for b in self.buffers]
+        else:
+            torch._foreach_copy_(self.snapshot, self.buffers)
+
+    def _collect(self) -> list[torch.Tensor]:
+        found: dict[int, torch.Tensor] = {}
+        total = 0
+        for ref in self._modules.values():
+            module = ref()
+            if module is None:
+                continue
+            for buffer in module._buffers.values():
+                if buffer is None or id(buffer) in found or buffer.numel() > MAX_ELEMENTS or buffer.is_sparse:
+                    continue
+                if total + buffer.numel() > MAX_TOTAL:
+                    break
+                found[id(buffer)] = buffer
+                total += buffer.numel()
+        self._modules = {}
+        return list(found.values())
+
+    def _restore(self, step: int) -> None:
+        assert self.snapshot is not None
+        with torch.no_grad():
+            torch._foreach_copy_(self.buffers, self.snapshot)
+        self.restores += 1
+        if not self._reported:
+            self._reported = True
+            logger.warning(RESTORED.format(step=step, count=len(self.buffers)))

@@ -1,0 +1,225 @@
+"""After a forward overflow: what SafeGradScaler hands over when a loss was itself inf/NaN.
+
+A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by
+the loss scale, so the scaler skips and counts the step but keeps the scale and
+its growth tracker (:func:`keep_scale`, :func:`keep_scale_on_device`). A run
+without non-finite losses is untouched and stays bit-identical to torch's.
+
+With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow
+also
+
+* restores the small buffers the forward pass updated (:mod:`ampguard.buffers`);
+* arms the probe (:mod:`ampguard.probe`) for the following forward passes; its
+  verdict rides on the scaler's one host read (:func:`add_verdict`,
+  :func:`note_read`) and, at the next forward overflow, names the module;
+* makes that module an fp32 island, or reports why not (:mod:`ampguard.islands`).
+
+The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
+optimizer steps without another forward overflow.
+
+Under torch.distributed (world size > 1), a skipped step's "was the loss
+non-finite" and the probe's verdict are all-reduced (MAX) between ranks, so
+every rank keeps the same scale and makes the same islands. That exchange runs
+only on skipped steps (found_inf is the same on every rank under DDP and FSDP,
+whose gradients are all-reduced), never on a healthy one.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampguard import islands
+from ampguard.buffers import BufferGuard
+from ampguard.log import logger
+from ampguard.probe import Probe
+from ampguard.syncs import read_to_host
+
+if TYPE_CHECKING:
+    from ampguard.config import Config
+
+UNLOCATED = (
+    "step {step} overflowed in the forward pass while the probe watched, but no module turned finite inputs "
+    "into inf/NaN: the batch itself held inf/NaN, the overflow is in code outside any module (a loss computed "
+    "by plain functions), an input passed only as a keyword argument, or compiled code. No fp32 island made."
+)
+
+
+@dataclass
+class _Healing:
+    mode: str
+    max_islands: int
+    probe_steps: int
+    probe: Probe = field(default_factory=Probe)
+    buffers: BufferGuard = field(default_factory=BufferGuard)
+    verdict: int = 0  # the probe's verdict decoded from this iteration's read
+    quiet_steps: int = 0
+    exhausted: bool = False
+    warned: set[str] = field(default_factory=set)
+
+
+_active: _Healing | None = None
+
+
+def activate(config: Config) -> None:
+    global _active
+    deactivate()
+    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps)
+
+
+def deactivate() -> None:
+    global _active
+    if _active is not None:
+        _active.probe.disarm()
+        _active.buffers.close()
+        islands.clear()
+    _active = None
+
+
+def is_active() -> bool:
+    return _active is not None
+
+
+# -- the scaler's one read -----------------------------------------------------------------
+
+
+def add_verdict(code: torch.Tensor) -> torch.Tensor:
+    """``code`` plus ``4 * verdict`` while the probe is armed; ``code`` itself otherwise."""
+    if _active is None or not _active.probe.armed:
+        return code
+    return _active.probe.add_to(code)
+
+
+def note_read(value: int) -> None:
+    """The number the scaler read: bits 2 and up are the probe's verdict."""
+    if _active is not None and value >= 4:
+        _active.verdict = max(_active.verdict, value >> 2)
+
+
+# -- the scale --------------------------------------------------------------------------------
+
+
+def agreed_forward_overflow(local: bool) -> bool:
+    """On a skipped step: was a loss non-finite, on any rank? (one all-reduce under torch.distributed, else free)."""
+    dist = _distributed()
+    if dist is None:
+        return local
+    verdict = _active.verdict if _active is not None else 0
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        flags = torch.tensor([float(local), float(verdict)], device=device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        agreed, verdict_value = read_to_host(flags)
+    except Exception as error:
+        _warn_once("exchange", "ampguard could not exchange the forward-overflow verdict between ranks (%r).", error)
+        return local
+    if _active is not None:
+        _active.verdict = int(verdict_value)
+    return bool(agreed)
+
+
+def _distributed() -> Any:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist
+    except Exception:
+        pass
+    return None
+
+
+def keep_scale(scaler: Any, scale: float, tracker: int) -> tuple[float, int]:
+    """Undo the back-off torch's ``update()`` just made (host values: no read)."""
+    scaler._scale.fill_(scale)
+    scaler._growth_tracker.fill_(tracker)
+    return scale, tracker
+
+
+def hold_scale(scaler: Any, new_scale: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Device mode, before torch's ``update()``: the scale and tracker to keep if a loss was non-finite."""
+    if new_scale is not None or scaler._loss_check is None or _distributed() is not None:
+        return None  # (under torch.distributed each rank's loss differs: torch's back-off keeps the ranks equal)
+    return scaler._scale.clone(), scaler._growth_tracker.clone()
+
+
+def keep_scale_on_device(scaler: Any, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+    """Device mode, after torch's ``update()``: the held values back where a loss was non-finite (no read)."""
+    if held is None:
+        return
+    nonfinite = scaler._loss_check.isnan().to(scaler._scale.device)
+    scaler._scale.copy_(torch.where(nonfinite, held[0], scaler._scale))
+    scaler._growth_tracker.copy_(torch.where(nonfinite, held[1], scaler._growth_tracker))
+
+
+def backward_only(found: torch.Tensor, loss_check: torch.Tensor | None) -> torch.Tensor:
+    """Device mode: the found flag, zeroed where the loss itself was non-finite (a forward overflow)."""
+    if loss_check is None or _distributed() is not None:
+        return found
+    return found * (~loss_check.isnan()).to(found)
+
+
+# -- the end of each host-mode update ---------------------------------------------------------
+
+
+def end_iteration(scaler: Any, overflow: bool) -> None:
+    """Buffers, probe and islands after an update: ``overflow`` is the agreed forward-overflow verdict."""
+    active = _active
+    if active is None:
+        return
+    step = int(getattr(scaler, "_steps", 0))
+    try:
+        islands.end_restore_window()
+        active.buffers.on_update(overflow, step)
+        verdict, active.verdict = active.verdict, 0
+        probe = active.probe
+        if overflow:
+            active.quiet_steps = 0
+            if not probe.armed:
+                if not active.exhausted:
+                    probe.arm()
+                return
+            call = probe.call(verdict)
+            if call is None:
+                _warn_once("unlocated", UNLOCATED.format(step=step))
+            else:
+                islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
+                probe.disarm()
+                active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
+                return
+        elif probe.armed:
+            active.quiet_steps += 1
+            if active.quiet_steps >= active.probe_steps:
+                probe.disarm()
+                logger.info("forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps)
+                return
+        if probe.armed:
+            probe.reset()
+    except Exception as error:  # never the reason a run dies
+        active.probe.disarm()
+        _warn_once("end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error)
+
+
+def _warn_once(key: str, message: str, *args: Any) -> None:
+    if _active is not None and key not in _active.warned:
+        _active.warned.add(key)
+        logger.warning(message, *args)
+
+
+# -- stats and checkpoints --------------------------------------------------------------------
+
+
+def stats_fields() -> dict[str, Any]:
+    """The fields of ScalerStats this module fills."""
+    return {
+        "fp32_islands": islands.names(),
+        "buffers_restored": _active.buffers.restores if _active is not None else 0,
+    }
+
+
+def restore_islands(names: Any) -> None:
+    """A loaded checkpoint's island names: re-applied at the next forward when the patch is applied."""
+    if _active is not None and _active.mode == "auto" and names:
+        islands.restore(names)

@@ -1,0 +1,255 @@
+"""fp32 islands: a module that overflowed float16 in the forward pass runs in float32 from then on.
+
+An island is one module *instance* with two hooks of its own: a forward
+pre-hook that casts the floating-point inputs on the autocast device to float32
+and enters ``torch.autocast(device, enabled=False)``, and a forward hook
+(``always_call=True``, so an exception still leaves the region) that exits it.
+That is what ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does to a
+function; the parameters are untouched. Modules that are not islands, and
+models that never overflow, carry no hook at all.
+
+:func:`decide` turns a probe verdict into an island, or into a report when an
+island cannot help or cannot be made: the root module itself (the overflow is in
+code no submodule owns), a module with float16/bfloat16 parameters (float32
+compute does not widen them), a compiled model (its inside is not seen), the
+``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
+
+Islands are process state (they belong to modules, not to a scaler); their
+names ride in the scaler's ``state_dict()["ampguard"]["fp32_islands"]``, and
+:func:`restore` re-applies them at the next forward after loading.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.nn.modules import module as nn_module
+
+from ampguard import messages
+from ampguard.log import logger
+from ampguard.probe import is_compiled, qualified_name, unwrap
+
+_LOW_PRECISION = (torch.float16, torch.bfloat16)
+
+
+def _autocast_enabled(device_type: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(device_type))  # torch >= 2.4
+    except TypeError:
+        if device_type == "cpu":
+            return bool(torch.is_autocast_cpu_enabled())
+        return device_type == "cuda" and bool(torch.is_autocast_enabled())
+
+
+def _to_float32(value: Any, device_type: str) -> Any:
+    """custom_fwd's cast: floating tensors on the autocast device, except float64, to float32."""
+    if isinstance(value, torch.Tensor):
+        eligible = value.is_floating_point() and value.device.type == device_type and value.dtype is not torch.float64
+        return value.float() if eligible else value
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(_to_float32(v, device_type) for v in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {k: _to_float32(v, device_type) for k, v in value.items()}
+    return value
+
+
+def _device_type(module: torch.nn.Module, args: Any) -> str:
+    for tensor in module.parameters():
+        return tensor.device.type
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+_regions = threading.local()
+_fallback_warned = False
+
+
+def _enter(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+    stack = _regions.__dict__.setdefault("stack", [])
+    try:
+        device_type = _device_type(module, args)
+        if not _autocast_enabled(device_type):
+            stack.append(None)
+            return None
+        region = torch.autocast(device_type, enabled=False)
+        region.__enter__()
+        stack.append(region)
+        return _to_float32(args, device_type), _to_float32(kwargs, device_type)
+    except Exception as error:  # never the reason a run dies: this call runs as without the island
+        stack.append(None)
+        _warn_fallback(error)
+        return None
+
+
+def _exit(module: torch.nn.Module, args: Any, output: Any) -> None:
+    stack = _regions.__dict__.get("stack")
+    if not stack:
+        return
+    region = stack.pop()
+    if region is not None:
+        try:
+            region.__exit__(None, None, None)
+        except Exception as error:
+            _warn_fallback(error)
+
+
+def _warn_fallback(error: Exception) -> None:
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        logger.warning("an fp32 island could not run in float32 (%s: %s); it runs under autocast as before.",
+                       type(error).__name__, error)
+
+
+@dataclass
+class Island:
+    name: str
+    module: weakref.ref[torch.nn.Module]
+    handles: list[Any] = field(default_factory=list)
+
+
+islands: dict[str, Island] = {}
+reported: set[str] = set()
+_pending: dict[str, Any] = {"names": [], "handle": None}
+
+
+def names() -> tuple[str, ...]:
+    """The islands whose module is alive, in the order they were made."""
+    return tuple(name for name, island in islands.items() if island.module() is not None)
+
+
+def make(module: torch.nn.Module, name: str) -> Island:
+    """Run ``module`` in float32 from its next call on (idempotent per name)."""
+    existing = islands.get(name)
+    if existing is not None and existing.module() is module:
+        return existing
+    if existing is not None:
+        remove(name)
+    island = Island(name, weakref.ref(module))
+    island.handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
+    island.handles.append(module.register_forward_hook(_exit, always_call=True))
+    islands[name] = island
+    return island
+
+
+def remove(name: str) -> None:
+    island = islands.pop(name, None)
+    if island is not None:
+        for handle in island.handles:
+            handle.remove()
+
+
+def clear() -> None:
+    """Remove every island and forget what was reported (uninstall)."""
+    for name in list(islands):
+        remove(name)
+    reported.clear()
+    _stop_restoring()
+
+
+def permanent_line(name: str, device_type: str) -> str:
+    """The one line that makes an island permanent without ampguard (``model`` is the user's model)."""
+    get = f'model.get_submodule("{name}")'
+    if hasattr(torch.amp, "custom_fwd"):  # torch >= 2.4
+        wrapped = f'torch.amp.custom_fwd(m.forward, device_type="{device_type}", cast_inputs=torch.float32)'
+    elif device_type == "cuda":
+        wrapped = "torch.cuda.amp.custom_fwd(m.forward, cast_inputs=torch.float32)"
+    else:  # no custom_fwd for this device: autocast off inside, and the caller passes float32 inputs
+        wrapped = f'torch.autocast("{device_type}", enabled=False)(m.forward)'
+    return f"m = {get}; m.forward = {wrapped}"
+
+
+def decide(module: torch.nn.Module, root: torch.nn.Module, *, step: int, mode: str, max_islands: int) -> bool:
+    """Make ``module`` an island, or report why not (each name once). True when the probe's work is done."""
+    name = qualified_name(module, root)
+    label = name or type(unwrap(root)).__name__
+    device_type = _device_type(module, ())
+    what = {"name": label, "cls": type(module).__name__, "step": step, "line": permanent_line(name or "", device_type)}
+    if name in islands and islands[name].module() is module:
+        return True
+    if name is None or name == "":
+        _report_once(label, messages.ISLAND_ROOT.format(**what))
+        if is_compiled(root):
+            _report_once(label + " (compiled)", messages.ISLAND_COMPILED.format(**what))
+        return True
+    low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in _LOW_PRECISION})
+    if low:
+        _report_once(name, messages.ISLAND_LOW_PRECISION.format(dtypes="/".join(low), **what))
+        return True
+    if is_compiled(root):
+        _report_once(name, messages.ISLAND_COMPILED.format(**what))
+        return True
+    if mode == "report":
+        _report_once(name, messages.ISLAND_REPORT.format(**what))
+        return True
+    if len(names()) >= max_islands:
+        _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
+        return True
+    make(module, name)
+    logger.warning(messages.ISLAND_MADE.format(**what))
+    return True
+
+
+def _report_once(key: str, message: str) -> None:
+    if key not in reported:
+        reported.add(key)
+        logger.warning(message)
+
+
+# -- re-applying islands named in a checkpoint --------------------------------------------
+
+
+def restore(saved: Any) -> None:
+    """Re-apply the islands named in a checkpoint at the next forward pass (a one-shot global pre-hook)."""
+    wanted = [str(name) for name in saved or () if str(name) and str(name) not in islands]
+    if not wanted:
+        return
+    _pending["names"] = wanted
+    if _pending["handle"] is None:
+        _pending["handle"] = nn_module.register_module_forward_pre_hook(_restore_into)
+
+
+def _restore_into(module: torch.nn.Module, args: Any) -> None:
+    try:
+        inner = unwrap(module)
+        left = []
+        for name in _pending["names"]:
+            try:
+                target = inner.get_submodule(name)
+            except AttributeError:
+                left.append(name)
+                continue
+            make(target, name)
+            logger.info("fp32 island %s (%s) re-applied from the checkpoint.", name, type(target).__name__)
+        _pending["names"] = left
+    except Exception as error:
+        logger.warning("ampguard could not re-apply fp32 islands from the checkpoint (%r).", error)
+        _pending["names"] = []
+    if not _pending["names"]:
+        _stop_restoring()
+
+
+def end_restore_window() -> None:
+    """At the end of the first iteration after loading: names still unresolved are reported once."""
+    if _pending["handle"] is None:
+        return
+    left = _pending["names"]
+    _stop_restoring()
+    if left:
+        logger.warning("the checkpoint names fp32 islands %s, but no module called since has them: not re-applied.",
+                       ", ".join(left))
+
+
+def _stop_restoring() -> None:
+    handle = _pending["handle"]
+    _pending["handle"] = None
+    _pending["names"] = []
+    if handle is not None:
+        handle.remove()
+

@@ -1,0 +1,161 @@
+"""Which module overflowed float16 in the forward pass: a probe armed only after a non-finite loss.
+
+Nothing here runs on a healthy step. After an optimizer step whose loss was
+inf/NaN, :mod:`ampguard.healing` arms the probe: two global module hooks
+(``register_module_forward_pre_hook`` / ``register_module_forward_hook``) that
+see every module call of the following forward passes. For each call the
+probe notes, on the device, whether the floating-point inputs were finite and
+whether the output is; the first call (in the order calls *finish*, so the
+innermost module comes first) whose output holds inf/NaN while its inputs did
+not is the verdict: ``index + 1`` in a float32 device scalar, 0 while there is
+none. No host read: the scaler adds ``4 * verdict`` to the one number it reads
+per step anyway (found_inf in bit 0, loss non-finite in bit 1).
+
+The module is named relative to the outermost module called (the *root*),
+seen through DDP / DataParallel / torch.compile wrappers (:func:`unwrap`).
+Only positional inputs are checked (global hooks do not see keyword
+arguments), and compiled code is opaque: inside ``torch.compile`` the hooks do
+nothing, so a compiled model is seen as one module.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import torch
+from torch.nn.modules import module as nn_module
+from torch.utils._pytree import tree_flatten
+
+# The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
+MAX_CALLS = 2**22 - 1
+
+WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+
+
+def _is_compiling() -> bool:
+    check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if check is None:
+        check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return bool(check and check())
+
+
+def nonfinite_mark(value: Any) -> torch.Tensor | None:
+    """NaN when a floating tensor in ``value`` holds inf/NaN, else 0 (a device scalar); None without any tensor."""
+    mark: torch.Tensor | None = None
+    for leaf in tree_flatten(value)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
+            t = leaf.detach()
+            check = (t - t).sum().float()  # 0, or NaN if any element is inf/NaN
+            mark = check if mark is None else mark + check.to(mark.device)
+    return mark
+
+
+def unwrap(root: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / DataParallel / FSDP / torch.compile wrappers (names are relative to it)."""
+    while True:
+        inner = getattr(root, "_orig_mod", None)
+        if not isinstance(inner, torch.nn.Module) and type(root).__name__ in WRAPPERS:
+            inner = getattr(root, "module", None)
+        if not isinstance(inner, torch.nn.Module):
+            return root
+        root = inner
+
+
+def is_compiled(root: torch.nn.Module) -> bool:
+    return any(isinstance(getattr(m, "_orig_mod", None), torch.nn.Module) for m in (root, unwrap(root)))
+
+
+def qualified_name(module: torch.nn.Module, root: torch.nn.Module) -> str | None:
+    """``module``'s name in ``root`` ('' for the root itself), or None when it is not inside it."""
+    inner = unwrap(root)
+    if module is root or module is inner:
+        return ""
+    for name, sub in inner.named_modules(remove_duplicate=False):
+        if sub is module:
+            return name
+    return None
+
+
+class Probe:
+    """Global forward hooks recording, on the device, the first module call that turned finite inputs into inf/NaN."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] = []
+        self._local = threading.local()
+        self.calls: list[tuple[torch.nn.Module, torch.nn.Module]] = []  # (module, root) per recorded call
+        self.verdict: torch.Tensor | None = None
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        if self._handles:
+            return
+        self.reset()
+        self._handles = [
+            nn_module.register_module_forward_pre_hook(self._before),
+            nn_module.register_module_forward_hook(self._after, always_call=True),
+        ]
+
+    def disarm(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget the calls and the verdict (after each optimizer step's read)."""
+        self.calls = []
+        self.verdict = None
+        self._local.stack = []
+
+    def add_to(self, code: torch.Tensor) -> torch.Tensor:
+        """``code + 4 * verdict``: the verdict joins the scaler's one host read."""
+        if self.verdict is None:
+            return code
+        return code + 4.0 * self.verdict.to(code.device, non_blocking=True)
+
+    def call(self, index: int) -> tuple[torch.nn.Module, torch.nn.Module] | None:
+        """The (module, root) of a decoded verdict (``index`` as read: 1-based), if recorded."""
+        return self.calls[index - 1] if 0 < index <= len(self.calls) else None
+
+    def _stack(self) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _before(self, module: torch.nn.Module, args: Any) -> None:
+        if _is_compiling():
+            return
+        try:
+            self._stack().append((module, nonfinite_mark(args)))
+        except Exception:  # a diagnostic must never break the forward pass
+            self._stack().append((module, None))
+
+    def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if _is_compiling():
+            return
+        stack = self._stack()
+        if not stack or stack[-1][0] is not module:
+            return
+        _, inputs_mark = stack.pop()
+        if output is None or len(self.calls) >= MAX_CALLS:
+            return
+        try:
+            output_mark = nonfinite_mark(output)
+            if output_mark is None:
+                return
+            root = stack[0][0] if stack else module
+            self.calls.append((module, root))
+            bad = output_mark.isnan()
+            if inputs_mark is not None:
+                bad = bad & ~inputs_mark.to(bad.device).isnan()
+            if self.verdict is None:
+                self.verdict = torch.zeros((), dtype=torch.float32, device=bad.device)
+            fresh = bad.to(self.verdict.device) & (self.verdict == 0)
+            self.verdict = torch.where(fresh, float(len(self.calls)), self.verdict)
+        except Exception:
+            return

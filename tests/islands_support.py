@@ -1,0 +1,118 @@
+"""A tiny multi-block attention model whose block ``blocks.1.attn`` overflows float16 on every 10th batch.
+
+Block 1's attention has query/key weights scaled up: on an ordinary batch its
+logits stay well inside float16 (a few thousand), on every ``EVERY``-th batch
+(inputs 30x larger) they pass 65504, so under fp16 autocast the logits are inf
+and the softmax gives NaN, inside ``blocks.1.attn`` only. In float32 the same
+logits are harmless, and the classification loss (cross-entropy) keeps the
+gradients bounded whatever the input size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+DIM = 16
+TOKENS = 6
+BATCH = 4
+CLASSES = 4
+EVERY = 10
+
+
+class Attention(nn.Module):
+    def __init__(self, dim: int, sharpness: float = 1.0) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+        self.v = nn.Linear(dim, dim)
+        self.out = nn.Linear(dim, dim)
+        with torch.no_grad():
+            self.q.weight.mul_(sharpness)
+            self.k.weight.mul_(sharpness)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        logits = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
+        return self.out(logits.softmax(-1) @ self.v(x))
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, sharpness: float = 1.0) -> None:
+        super().__init__()
+        self.attn = Attention(dim, sharpness)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(x)
+        return x + self.mlp(x) * 0.1
+
+
+class Net(nn.Module):
+    def __init__(self, blocks: int = 3, hot: int = 1, sharpness: float = 36.0) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(DIM, sharpness if i == hot else 0.3) for i in range(blocks))
+        self.head = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x.mean(1))
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def overflows(step: int) -> bool:
+    return step % EVERY == EVERY - 1
+
+
+def batch(step: int, healthy: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randn(BATCH, TOKENS, DIM, generator=gen)
+    if overflows(step) and not healthy:
+        x = x * 8.0
+    return x, torch.randint(0, CLASSES, (BATCH,), generator=gen)
+
+
+@dataclass
+class Result:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    scales: list[float] = field(default_factory=list)
+    nonfinite_losses: int = 0
+
+
+def train(steps: int, *, model: nn.Module | None = None, scaler: Any = None, start: int = 0,
+          optimizer: torch.optim.Optimizer | None = None, healthy: bool = False, check_losses: bool = True,
+          after_update: Any = None) -> Result:
+    """fp16 autocast on CPU with a GradScaler (default: whatever class ``torch.amp.GradScaler`` is now).
+
+    ``healthy``: no batch overflows. ``check_losses``: count non-finite losses (one host read per step).
+    ``after_update(step)`` runs after each ``scaler.update()``.
+    """
+    model = make_net() if model is None else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if optimizer is None else optimizer
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100) if scaler is None else scaler
+    result = Result(model, optimizer, scaler)
+    for step in range(start, start + steps):
+        x, y = batch(step, healthy)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        if check_losses and not torch.isfinite(loss):
+            result.nonfinite_losses += 1
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if check_losses:
+            result.scales.append(scaler.get_scale())
+        if after_update is not None:
+            after_update(step)
+    return result
