@@ -1,0 +1,111 @@
+"""A tiny fine-tuning problem for the master-weights tests: a linear student moved toward its teacher.
+
+The student starts as the teacher plus a small perturbation (a fine-tune), so
+that the updates are small next to the weights: exactly where float16 weights
+without fp32 masters lose them (updates below half an ulp round away; AdamW's
+eps and second moment underflow). Every run is deterministic (fixed seeds); the
+same run with a float32 student is the reference.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+WIDTH = 32
+BATCH = 64
+
+
+@dataclass
+class Result:
+    start_loss: float
+    end_loss: float
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    scaler: Any
+    norms: list[float] = field(default_factory=list)
+
+    @property
+    def reduction(self) -> float:
+        return self.start_loss - self.end_loss
+
+    def finite(self) -> bool:
+        return all(bool(torch.isfinite(p).all()) for p in self.model.parameters())
+
+    def dtypes(self) -> set[torch.dtype]:
+        return {p.dtype for p in self.model.parameters()}
+
+
+def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr)
+    if name == "adamw_fused":
+        return torch.optim.AdamW(params, lr=lr, fused=True)
+    assert name == "sgd"
+    return torch.optim.SGD(params, lr=lr, momentum=0.9)
+
+
+def teacher_and_student(
+    dtype: torch.dtype, start_like: torch.dtype | None = None, seed: int = 0
+) -> tuple[torch.nn.Linear, torch.nn.Linear]:
+    """The student in ``dtype``, starting from weights representable in ``start_like`` (the same start as a half run)."""
+    torch.manual_seed(seed)
+    teacher = torch.nn.Linear(WIDTH, WIDTH)
+    student = torch.nn.Linear(WIDTH, WIDTH)
+    with torch.no_grad():
+        student.weight.copy_(teacher.weight + 3e-3 * torch.randn_like(teacher.weight))
+        student.bias.copy_(teacher.bias + 3e-3 * torch.randn_like(teacher.bias))
+    return teacher, student.to(start_like or dtype).to(dtype)
+
+
+def held_out_loss(student: torch.nn.Linear, teacher: torch.nn.Linear, x: torch.Tensor) -> float:
+    """The student's weights judged in float32 arithmetic: what they are worth, whatever their dtype."""
+    with torch.no_grad():
+        return F.mse_loss(F.linear(x, student.weight.float(), student.bias.float()), teacher(x)).item()
+
+
+def fine_tune(
+    dtype: torch.dtype,
+    optimizer: str,
+    lr: float,
+    *,
+    steps: int = 200,
+    scaler: bool = True,
+    clip: float | None = None,
+    start_like: torch.dtype | None = None,
+) -> Result:
+    """Train the student under fp16 autocast; ``scaler=False``: plain ``loss.backward(); opt.step()``.
+
+    ``start_like``: start from weights rounded to that dtype (the float32 reference of a half run).
+    """
+    teacher, student = teacher_and_student(dtype, start_like)
+    opt = make_optimizer(optimizer, student.parameters(), lr)
+    grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
+    data = torch.Generator().manual_seed(1)
+    held_out = torch.randn(256, WIDTH, generator=data)
+    result = Result(held_out_loss(student, teacher, held_out), float("nan"), student, opt, grad_scaler)
+    for _ in range(steps):
+        x = torch.randn(BATCH, WIDTH, generator=data)
+        with torch.no_grad():
+            y = teacher(x)
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = student(x)
+        loss = F.mse_loss(out.float(), y)
+        if grad_scaler is not None:
+            grad_scaler.scale(loss).backward()
+            if clip is not None:
+                grad_scaler.unscale_(opt)
+                result.norms.append(torch.nn.utils.clip_grad_norm_(student.parameters(), clip).item())
+            grad_scaler.step(opt)
+            grad_scaler.update()
+        else:
+            loss.backward()
+            if clip is not None:
+                result.norms.append(torch.nn.utils.clip_grad_norm_(student.parameters(), clip).item())
+            opt.step()
+    result.end_loss = held_out_loss(student, teacher, held_out)
+    return result
