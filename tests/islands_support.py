@@ -14,8 +14,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+import pytest
 import torch
 from torch import nn
+
+import ampguard
 
 DIM = 16
 TOKENS = 6
@@ -116,3 +119,10 @@ def train(steps: int, *, model: nn.Module | None = None, scaler: Any = None, sta
         if after_update is not None:
             after_update(step)
     return result
+
+
+@pytest.fixture
+def fresh_islands():
+    """Islands and reports are process state: the test starts without any (install again)."""
+    ampguard.uninstall()
+    ampguard.install()

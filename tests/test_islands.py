@@ -23,17 +23,10 @@ import ampguard
 import ampguard.scaler
 from ampguard import healing, islands
 from ampguard.syncs import HostReadCounter
-from islands_support import CLASSES, DIM, EVERY, make_net, train
+from islands_support import CLASSES, DIM, EVERY, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
-
-
-@pytest.fixture
-def fresh_islands():
-    """Islands and reports are process state: every test starts without any."""
-    ampguard.uninstall()
-    ampguard.install()
 
 HYPER = {"init_scale": 1024.0, "growth_interval": 100}
 ISLAND = "fp32 island: blocks.1.attn (Attention)"

@@ -1,0 +1,99 @@
+"""The forward-overflow probe: which module turned finite inputs into inf/NaN, without a host read."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ampguard
+from ampguard import healing, probe
+from ampguard.syncs import HostReadCounter
+from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
+
+OVERFLOWING = EVERY - 1  # batch 9 overflows inside blocks.1.attn
+
+
+def _verdict(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, probe.Probe]:
+    watcher = probe.Probe()
+    watcher.arm()
+    try:
+        with torch.autocast("cpu", dtype=torch.float16):
+            model(x)
+        code = watcher.add_to(torch.zeros(()))
+        return int(code.item()) >> 2, watcher
+    finally:
+        handles = list(watcher._handles)
+        watcher._handles = []
+        for handle in handles:
+            handle.remove()
+
+
+def _named(model: torch.nn.Module, x: torch.Tensor) -> str | None:
+    index, watcher = _verdict(model, x)
+    call = watcher.call(index)
+    return None if call is None else probe.qualified_name(*call)
+
+
+def test_names_the_innermost_module_whose_output_overflowed():
+    assert _named(make_net(), batch(OVERFLOWING)[0]) == "blocks.1.attn"
+
+
+def test_no_verdict_on_a_healthy_batch_or_one_that_is_already_nan():
+    model = make_net()
+    assert _verdict(model, batch(0)[0])[0] == 0
+    poisoned = batch(0)[0]
+    poisoned[0, 0, 0] = float("nan")
+    assert _verdict(model, poisoned)[0] == 0  # inputs were not finite: no module is to blame
+
+
+def test_modules_fed_inf_are_not_blamed():
+    class Outer(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = torch.nn.Softmax(-1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(x @ x.transpose(-1, -2))  # the overflow happens here, in Outer's own code
+
+    class Model(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.outer = Outer()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.outer(x) + 1
+
+    assert _named(Model(), torch.full((2, 3, 3), 300.0)) == "outer"  # not outer.norm, fed inf
+
+
+def test_the_verdict_joins_the_scalers_one_read_and_costs_no_other():
+    healthy = 2 * EVERY - 2
+    with HostReadCounter() as reads:
+        run = train(healthy, check_losses=False, after_update=lambda step: healing._active.probe.arm())
+    assert run.scaler.stats.steps == healthy
+    assert reads.by_source["aten::_local_scalar_dense"] == healthy  # one per step: torch's own
+    assert reads.by_source["ampguard.read_to_host"] == 1  # diagnose, at the skipped step
+
+
+def test_names_are_relative_to_the_model_inside_ddp(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        wrapped = torch.nn.parallel.DistributedDataParallel(make_net())
+        assert _named(wrapped, batch(OVERFLOWING)[0]) == "blocks.1.attn"
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_compiled_model_is_reported_and_never_crashes(ampguard_log):
+    compiled = torch.compile(make_net(), backend="eager")
+    run = train(3 * EVERY, model=compiled)
+    assert run.scaler.stats.fp32_islands == ()
+    assert records(ampguard_log, logging.WARNING, "torch.compile'd model")
+    assert all(torch.isfinite(p).all() for p in compiled.parameters())
