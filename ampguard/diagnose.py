@@ -29,6 +29,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ampguard import master, messages
 from ampguard.log import logger
 from ampguard.syncs import read_to_host
 
@@ -57,6 +58,9 @@ class _ReportState:
     # update() replaces it, so the same object means the same iteration.
     iteration: Any = None
     unreported: int = 0
+    # Names of parameters found holding inf/NaN at the last report: the collapse and stall messages then
+    # blame them, not the loss scale, clipping or bf16 weights.
+    corrupt: str = ""
 
 
 _states: weakref.WeakKeyDictionary[Any, _ReportState] = weakref.WeakKeyDictionary()
@@ -107,25 +111,56 @@ class NonFinite:
 
 
 def _grads(optimizer: Any) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
+    holders = iter(master.gradients(optimizer))  # a master's float32 gradient once unscale_ copied it there
     for g, group in enumerate(optimizer.param_groups):
-        for i, param in enumerate(group["params"]):
-            grad = param.grad
+        for i, _ in enumerate(group["params"]):
+            param, grad = next(holders)
             if grad is None:
                 continue
             yield g, i, param, (grad._values() if grad.is_sparse else grad)
 
 
+def _weights(optimizer: Any) -> list[tuple[int, int, torch.Tensor]]:
+    """The optimizer's parameters, then those of watched models it does not hold (a frozen base), as (g, i, p)."""
+    entries = [(g, i, p) for g, group in enumerate(optimizer.param_groups) for i, p in enumerate(group["params"])]
+    seen = {id(p) for _, _, p in entries}
+    for model in list(_watched):
+        for param in model.parameters():
+            if id(param) not in seen:
+                seen.add(id(param))
+                entries.append((-1, -1, param))
+    return entries
+
+
+def _finite(tensors: list[torch.Tensor]) -> list[bool]:
+    """Whether each tensor is all finite: one pass over them, one host read for all."""
+    if not tensors:
+        return []
+    home = tensors[0].device
+    with torch.no_grad():
+        flags = torch.stack([torch.isfinite(t.detach()).all().to(home, non_blocking=True) for t in tensors])
+    return [bool(ok) for ok in read_to_host(flags)]
+
+
+def _nonfinite(optimizer: Any, entries: list[tuple[int, int, torch.Tensor]], finite: list[bool]) -> NonFinite:
+    bad = [entry for entry, ok in zip(entries, finite) if not ok]
+    return NonFinite(_names_for(optimizer, bad[:NAMES_SHOWN]), len(bad), len(entries))
+
+
 def nonfinite_parameters(optimizer: Any) -> NonFinite:
     """Which of the optimizer's gradients hold inf/NaN: one pass over them, one host read."""
-    entries = list(_grads(optimizer))
-    if not entries:
-        return NonFinite([], 0, 0)
-    home = entries[0][3].device
-    with torch.no_grad():
-        flags = torch.stack([torch.isfinite(grad).all().to(home, non_blocking=True) for _, _, _, grad in entries])
-    finite = read_to_host(flags)
-    bad = [(g, i, param) for (g, i, param, _), ok in zip(entries, finite) if not ok]
-    return NonFinite(_names_for(optimizer, bad[:NAMES_SHOWN]), len(bad), len(entries))
+    return nonfinite_gradients_and_weights(optimizer, weights=False)[0]
+
+
+def nonfinite_gradients_and_weights(optimizer: Any, *, weights: bool = True) -> tuple[NonFinite, NonFinite]:
+    """Gradients of the optimizer, and weights (its own and watched models'), holding inf/NaN: one host read."""
+    grads = list(_grads(optimizer))
+    params = _weights(optimizer) if weights else []
+    finite = _finite([grad for *_, grad in grads] + [p for _, _, p in params])
+    return (
+        _nonfinite(optimizer, [(g, i, p) for g, i, p, _ in grads], finite[: len(grads)]),
+        _nonfinite(optimizer, params, finite[len(grads):]),
+    )
 
 
 def _names_for(optimizer: Any, params: list[tuple[int, int, torch.Tensor]]) -> list[str]:
@@ -138,13 +173,14 @@ def _names_for(optimizer: Any, params: list[tuple[int, int, torch.Tensor]]) -> l
     names = []
     for g, i, param in params:
         name = by_id.get(id(param))
-        if name is None:
+        if name is None and g >= 0:
             group_names = optimizer.param_groups[g].get("param_names")
             if group_names is not None and i < len(group_names):
                 name = str(group_names[i])
         if name is None:
             shape = "x".join(str(s) for s in param.shape) or "scalar"
-            name = f"param_groups[{g}][{i}] ({shape} {str(param.dtype).replace('torch.', '')})"
+            where = f"param_groups[{g}][{i}]" if g >= 0 else "a watched model's parameter"
+            name = f"{where} ({shape} {str(param.dtype).replace('torch.', '')})"
         names.append(name)
     return names
 
@@ -153,40 +189,47 @@ def names_known(optimizer: Any) -> bool:
     return bool(_watched) or any("param_names" in group for group in optimizer.param_groups)
 
 
+def parameters_note(scaler: Any) -> str:
+    """For the collapse and stall messages: a sentence naming parameters found holding inf/NaN, or ""."""
+    state = _states.get(scaler)
+    return messages.PARAMETERS_NOTE.format(names=state.corrupt) if state is not None and state.corrupt else ""
+
+
+def _listed(found: NonFinite) -> str:
+    more = f" and {found.total - len(found.names)} more" if found.total > len(found.names) else ""
+    return ", ".join(found.names) + more
+
+
 def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unreported: int, every: int) -> None:
-    found = nonfinite_parameters(optimizer)
+    found, weights = nonfinite_gradients_and_weights(optimizer)
     scale = getattr(scaler, "_mirror_scale", None)
     at_scale = f" at loss scale {scale:g}" if isinstance(scale, float) else ""
-    label = f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
-    if found.total:
-        shown = ", ".join(found.names)
-        more = f" and {found.total - len(found.names)} more" if found.total > len(found.names) else ""
-        which = (
-            f"inf/NaN gradients in {found.total} of the {found.with_grad} parameters of {label} "
-            f"that have gradients: {shown}{more}."
+    label = master.label(optimizer)
+    state = _states.get(scaler)
+    if state is not None:
+        state.corrupt = _listed(weights) if weights.total else ""
+    hint = "" if names_known(optimizer) else " (ampguard.watch(model) names them.)"
+    if weights.total:  # said first: whatever else happened, these parameters make every step fail
+        message = messages.PARAMETERS_NONFINITE.format(
+            step=step, at_scale=at_scale, total=weights.total, checked=weights.with_grad, optimizer=label,
+            names=_listed(weights), hint=hint,
         )
-        if not names_known(optimizer):
-            which += " (ampguard.watch(model) names them.)"
-    else:
-        which = (
-            f"No gradient of {label} holds inf/NaN any more: the overflow flag was raised elsewhere "
-            "(by another rank's gradients under DDP/FSDP, or by a clip_grad_norm_ that found an inf/NaN norm)."
-        )
-    if loss_nonfinite:
+        level = logging.ERROR
+    elif loss_nonfinite:
         message = (
             f"step {step} skipped{at_scale}: forward overflow: the loss itself was inf/NaN before scaling, "
-            f"so no loss scale can help. {which} Likely causes: activations beyond float16's range (65504) in "
-            "the forward pass, typical of weights pretrained in bfloat16 (run that block in float32 with "
-            "torch.autocast(..., enabled=False), or train in bf16 on a GPU with native bf16); a bad batch; "
-            "log(0) or a division by zero in the loss."
+            f"so no loss scale can help. {_gradients_found(found, label, hint)} Likely causes: activations beyond "
+            "float16's range (65504) in the forward pass, typical of weights pretrained in bfloat16 (run that block "
+            "in float32 with torch.autocast(..., enabled=False), or train in bf16 on a GPU with native bf16); "
+            "a bad batch; log(0) or a division by zero in the loss."
         )
         level = logging.WARNING
     else:
         message = (
             f"step {step} skipped{at_scale}: backward overflow: the loss was finite, the gradients were not. "
-            f"{which} The scaler lowers the scale and retries; a few such skips while it calibrates are normal. "
-            "If they persist: lower the learning rate, clip gradients after scaler.unscale_(), or keep the "
-            "named layers in float32."
+            f"{_gradients_found(found, label, hint)} The scaler lowers the scale and retries; a few such skips "
+            "while it calibrates are normal. If they persist: lower the learning rate, clip gradients after "
+            "scaler.unscale_(), or keep the named layers in float32."
         )
         if found.total > 1 and found.total == found.with_grad:
             message += (
@@ -200,3 +243,15 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     if every > 0:
         message += f" (Next description from step {((step - 1) // every + 1) * every + 1} on.)"
     logger.log(level, message)
+
+
+def _gradients_found(found: NonFinite, label: str, hint: str) -> str:
+    if found.total:
+        return (
+            f"inf/NaN gradients in {found.total} of the {found.with_grad} parameters of {label} "
+            f"that have gradients: {_listed(found)}.{hint}"
+        )
+    return (
+        f"No gradient of {label} holds inf/NaN any more: the overflow flag was raised elsewhere "
+        "(by another rank's gradients under DDP/FSDP, or by a clip_grad_norm_ that found an inf/NaN norm)."
+    )

@@ -13,12 +13,13 @@ NO_GRADIENTS = (
 )
 
 FP16_GRADIENTS = (
-    "optimizer {optimizer} has float16 parameters; torch's GradScaler would raise "
+    "optimizer {optimizer} has float16 parameters without float32 master weights "
+    "(AMPGUARD_MASTER_WEIGHTS=off, or an optimizer ampguard cannot wrap); torch's GradScaler would raise "
     "'Attempting to unscale FP16 gradients.' ampguard unscales them in float16 and overflow "
-    "skipping keeps working, but small gradients underflow to zero and the weight updates "
-    "lose precision. Fix: keep the weights in float32 and train under fp16 autocast "
-    "(do not load the model with torch_dtype=torch.float16 for training), or use bf16 where "
-    "the GPU has it natively. AMPGUARD_FP16_GRADS=error restores torch's error."
+    "skipping keeps working, but small gradients underflow to zero and the optimizer steps the float16 "
+    "weights themselves: small updates round away and AdamW can turn them into NaN. Fix: leave "
+    "AMPGUARD_MASTER_WEIGHTS at its default (fp16) with an optimizer ampguard can wrap, or keep the weights "
+    "in float32 and train under fp16 autocast. AMPGUARD_FP16_GRADS=error restores torch's error."
 )
 
 SCALE_COLLAPSE = (
@@ -39,6 +40,22 @@ LOSS_WAS_NONFINITE = (
     " The loss itself was inf/NaN before scaling: the forward pass overflowed, "
     "which no loss scale can fix."
 )
+
+PARAMETERS_NONFINITE = (
+    "step {step} skipped{at_scale}: the parameters themselves hold inf/NaN: {total} of the {checked} parameters "
+    "checked ({optimizer}'s and those of watched models): {names}.{hint} This is no overflow a loss scale can fix: "
+    "every forward pass through them gives inf/NaN, so every step will be skipped. They were corrupted before "
+    "this step: by an optimizer step on float16/bfloat16 weights without float32 master weights "
+    "(AMPGUARD_MASTER_WEIGHTS, docs/master-weights.md), by a step taken with inf/NaN gradients outside a "
+    "GradScaler, or by loading weights that already held inf/NaN. Reload the last good checkpoint."
+)
+
+PARAMETERS_NOTE = (
+    " The parameters themselves hold inf/NaN ({names}): no loss scale, learning rate or clipping can help; "
+    "reload the last good checkpoint (see the skipped-step report)."
+)
+
+SCALE_COLLAPSE_PARAMETERS = "the loss scale collapsed: step {step} overflowed with the scale at {scale:g}{floor}.{note}"
 
 ISLAND_MADE = (
     "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "

@@ -541,7 +541,9 @@ class SafeGradScaler(TorchGradScaler):
         self._collapse_reported = True
         at_floor = self._min_scale > 0 and scale <= self._min_scale
         floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
-        logger.critical(messages.SCALE_COLLAPSE.format(step=self._steps, scale=scale, floor=floor))
+        note = diagnose.parameters_note(self)  # inf/NaN parameters: the usual causes do not apply
+        template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
+        logger.critical(template.format(step=self._steps, scale=scale, floor=floor, note=note))
 
     def _check_stall(self, consecutive: int) -> None:
         """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
@@ -552,7 +554,7 @@ class SafeGradScaler(TorchGradScaler):
             count=consecutive,
             step=self._steps,
             scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
-            loss=messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else "",
+            loss=diagnose.parameters_note(self) or (messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else ""),
         )
         if self._settings.on_stall == "raise":
             self._stall_error = ScaleCollapseError(message)

@@ -111,7 +111,8 @@ def test_torch_raises_on_fp16_parameters(stock_torch):
         iteration(stock(), model, opt)
 
 
-def test_fp16_parameters_are_unscaled_with_one_warning_and_overflows_still_skip(ampguard_log):
+def test_fp16_parameters_are_unscaled_with_one_warning_and_overflows_still_skip(ampguard_log, reinstall):
+    reinstall(AMPGUARD_MASTER_WEIGHTS="off")  # the default gives them fp32 masters: tests/test_master_weights.py
     model, opt = _half_model()
     calls = _spy_step(opt)
     scaler = safe()
@@ -129,7 +130,8 @@ def test_fp16_parameters_are_unscaled_with_one_warning_and_overflows_still_skip(
     assert "fp32" in warned[0].getMessage().replace("float32", "fp32") and "AMPGUARD_FP16_GRADS=error" in warned[0].getMessage()
 
 
-def test_fp16_gradients_unscaled_exactly_as_torchs_kernel_would():
+def test_fp16_gradients_unscaled_exactly_as_torchs_kernel_would(reinstall):
+    reinstall(AMPGUARD_MASTER_WEIGHTS="off")
     model, opt = _half_model()
     scaler = safe(init_scale=64.0)
     with torch.autocast("cpu", dtype=torch.float16):
