@@ -14,6 +14,14 @@ Under ampguard the clip is right whatever the caller did:
   unscaled twice. Parameters already unscaled (accelerate, HF Trainer,
   Lightning automatic optimisation, the coqui trainer) are clipped as they are;
   a call may mix both kinds.
+* **A threshold for scaled gradients.** The idiom from before ``unscale_``
+  existed, ``clip_grad_norm_(params, max_norm * scaler.get_scale())`` on
+  still-scaled gradients, gives torch's result (gradients and returned norm):
+  when the caller read ``get_scale()`` after ``scale()`` in this iteration,
+  ``max_norm`` is taken as a threshold for the scaled gradients. The one
+  ambiguity: code that reads ``get_scale()`` that way for another reason
+  (logging) and then clips still-scaled gradients with an unscaled threshold
+  gets torch's behaviour too (docs/clipping.md).
 * **Norms in float32** for float16 and bfloat16 gradients: torch computes them
   in the gradients' dtype, so a float16 norm above 65504 becomes inf, the
   coefficient 0 and every gradient a finite zero that no scaler notices.
@@ -40,6 +48,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import types
 import warnings
 from dataclasses import dataclass
@@ -51,7 +60,7 @@ from torch import Tensor
 
 from ampguard import master
 from ampguard.log import RateLimiter, is_rank_zero, logger
-from ampguard.scaler import SafeGradScaler, params_of, scalers_in_iteration
+from ampguard.scaler import SafeGradScaler, live_scalers, params_of, scalers_in_iteration
 from ampguard.stats import process_counters
 
 try:  # private torch helpers, present 2.3 .. 2.14; clip_grad_norm_ itself uses them
@@ -324,7 +333,10 @@ def safe_clip_grad_norm_(
     pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
         return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
-    scalers = [s for s in scalers_in_iteration if getattr(s, "_scale", None) is not None]
+    scalers = [s for s in live_scalers() if getattr(s, "_scale", None) is not None]
+    if len(scalers) > 1:  # threads training models of their own: each clips with its own scaler
+        here = threading.get_ident()
+        scalers = [s for s in scalers if s._scaling_thread == here] or scalers
     if not scalers and not guard_active():
         return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     max_norm = float(max_norm)
@@ -377,23 +389,44 @@ def _clip_with_scaler(
     vectors = []
     if unscaled_norms:
         vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
+    # The "0-norm" counts non-zeros: scale-free.
+    scale_known = scale is not None and norm_type != 0.0
+    scaled_vector: Tensor | None = None
     if scaled_norms:
-        vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
-        if scale is not None and norm_type != 0.0:  # the "0-norm" counts non-zeros: scale-free
+        vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
+        if scale_known:
             vector = vector / scale.to(first_device)
         vectors.append(vector)
     total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+    threshold: float | Tensor = max_norm
+    if scale_known and _scaled_threshold(scalers[0], max_norm):
+        if still_scaled is None:
+            # Every gradient still scaled: torch's own total and coefficient, bit for bit.
+            total = torch.linalg.vector_norm(scaled_vector, norm_type)
+        else:
+            threshold = max_norm / scale.to(first_device)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
     # total - total is 0 for a finite norm and NaN for an inf/NaN one (2 kernels here, against 5 for
     # isfinite + div): added to the coefficient it leaves it unchanged or makes it NaN, and every
     # clipped step is skipped.
     nan_if_nonfinite = total - total
-    coefficient = _clip_coefficient(max_norm, total) + nan_if_nonfinite
+    coefficient = _clip_coefficient(threshold, total) + nan_if_nonfinite
     _multiply_(groups, coefficient)
     if unscaled_by:
         _raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, nan_if_nonfinite)
     return total
+
+
+def _scaled_threshold(scaler: SafeGradScaler, max_norm: float) -> bool:
+    """Whether ``max_norm`` is a threshold for the still-scaled gradients (see the module docstring).
+
+    It is when the caller read ``scaler.get_scale()`` after ``scale()`` in this
+    iteration: the idiom from before ``unscale_`` existed,
+    ``clip_grad_norm_(params, max_norm * scaler.get_scale())``, still in torch's
+    own tests. ``max_norm=inf`` means the same either way.
+    """
+    return scaler._scale_read_in_iteration and math.isfinite(max_norm)
 
 
 def _raise_found_inf(
@@ -500,7 +533,7 @@ def _norms(group: _Group, grads: list[Tensor], norm_type: float) -> list[Tensor]
     return [torch.linalg.vector_norm(g, norm_type) for g in grads]
 
 
-def _clip_coefficient(max_norm: float, total: Tensor) -> Tensor:
+def _clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
     # torch's expression: no branch, so no host read.
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)
 

@@ -12,6 +12,13 @@ NO_GRADIENTS = (
     "was moved to its device, so it holds the old parameter tensors."
 )
 
+NO_INF_CHECKS_CLOSURE = (
+    "No inf checks were recorded for this optimizer. (torch's error: scaler.step(optimizer, closure) was "
+    "called before any gradient existed, and GradScaler does not support closures: the gradients the "
+    "closure makes would be scaled and never checked. Run the forward and scaler.scale(loss).backward() "
+    "yourself, then scaler.step(optimizer) without a closure.)"
+)
+
 FP16_GRADIENTS = (
     "optimizer {optimizer} has float16 parameters without float32 master weights "
     "(AMPGUARD_MASTER_WEIGHTS=off, or an optimizer ampguard cannot wrap); torch's GradScaler would raise "

@@ -29,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import math
+import threading
 import weakref
 from collections import defaultdict
 from dataclasses import dataclass
@@ -38,6 +39,8 @@ import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
 from ampguard import diagnose, healing, master, messages
+from ampguard.accumulation import rescale_unscaled_gradients
+from ampguard.config import FLOAT32_MAX
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import logger
 from ampguard.stats import ScalerStats, log_stats
@@ -51,8 +54,18 @@ TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever na
 DEFAULT_INIT_SCALE = 1024.0
 DEFAULT_GROWTH_INTERVAL = 100
 
-# Scalers that scaled a loss since their last update(); the clip patch reads it.
+# Scalers that scaled a loss since their last update(); the clip patch reads it
+# through live_scalers().
 scalers_in_iteration: weakref.WeakSet[SafeGradScaler] = weakref.WeakSet()
+
+
+def live_scalers() -> list[SafeGradScaler]:
+    """The scalers in :data:`scalers_in_iteration`, safe while other threads add or discard some.
+
+    Iterating a WeakSet that another thread changes raises "Set changed size
+    during iteration"; copying its set of references is one C call under the GIL.
+    """
+    return [scaler for scaler in (ref() for ref in scalers_in_iteration.data.copy()) if scaler is not None]
 
 _overrides_logged: set[str] = set()
 
@@ -106,7 +119,7 @@ def _resolve_settings(
             logger.info("%s=%g overrides the %g the code asked for.", variable, from_env, explicit)
         return from_env
 
-    return _Settings(
+    settings = _Settings(
         init_scale=float(pick("AMPGUARD_INIT_SCALE", config.init_scale, init_scale, DEFAULT_INIT_SCALE)),
         growth_interval=int(pick("AMPGUARD_GROWTH_INTERVAL", config.growth_interval, growth_interval, DEFAULT_GROWTH_INTERVAL)),
         min_scale=float(config.min_scale if min_scale is None else min_scale),
@@ -116,6 +129,12 @@ def _resolve_settings(
         stats_every=config.stats_every,
         fp16_grads=config.fp16_grads,
     )
+    if not 0.0 <= settings.min_scale <= settings.max_scale <= FLOAT32_MAX:
+        raise ValueError(
+            f"min_scale={settings.min_scale:g}, max_scale={settings.max_scale:g}: the scale is a float32 tensor, "
+            f"so 0 <= min_scale <= max_scale <= {FLOAT32_MAX:g} is needed (min_scale=0: no floor)."
+        )
+    return settings
 
 
 def _optimizer_label(optimizer: Any) -> str:
@@ -259,29 +278,46 @@ class SafeGradScaler(TorchGradScaler):
         self._host_found: dict[int, bool] = {}
         self._unscaled_optimizers: list[Any] = []
         self._iteration_loss_nonfinite = False
+        # get_scale() read after scale(): clip thresholds may be scaled ones (ampguard.clip).
+        self._scale_read_in_iteration = False
+        # The thread that called scale(): clip_grad_norm_ in a thread looks at that thread's scalers.
+        self._scaling_thread: int | None = None
 
     # -- scale ------------------------------------------------------------------------
 
     def scale(self, outputs):  # type: ignore[override]
-        """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite."""
+        """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
+
+        Called again after ``unscale_()`` in the same iteration (gradient
+        accumulation), it first multiplies the unscaled gradients back by the
+        scale (:mod:`ampguard.accumulation`).
+        """
+        if self._enabled and self._unscaled_optimizers:
+            rescale_unscaled_gradients(self)
         scaled = super().scale(outputs)
         if self._enabled:
-            if isinstance(outputs, torch.Tensor):
-                loss = outputs.detach()
-                check = loss - loss  # one kernel; torch.isfinite(...).all() is five
-                if check.dim():
-                    check = check.sum()
-                self._loss_check = check if self._loss_check is None else self._loss_check + check
+            self._scaling_thread = threading.get_ident()
+            check = _loss_check(outputs)
+            if check is not None:
+                self._loss_check = check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
             scalers_in_iteration.add(self)
         return scaled
+
+    def get_scale(self) -> float:
+        """As torch's ``get_scale()`` (one host read)."""
+        if self._enabled and self in scalers_in_iteration:
+            self._scale_read_in_iteration = True
+        return super().get_scale()
 
     # -- unscale ----------------------------------------------------------------------
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """As torch's ``unscale_()``, except that a second call in the same iteration is a no-op.
+        """As torch's ``unscale_()``, except that a second call with no ``scale()`` in between is a no-op.
 
         Libraries and users both call it (accelerate, Lightning manual
-        optimisation); the gradients are divided once.
+        optimisation); the gradients are divided once. After another
+        ``scale()`` (gradient accumulation) the gradients were multiplied back,
+        and this call unscales and checks all of them (:mod:`ampguard.accumulation`).
         """
         if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
             logger.debug("unscale_() called again for %s in one iteration: ignored.", _optimizer_label(optimizer))
@@ -345,6 +381,9 @@ class SafeGradScaler(TorchGradScaler):
         if not fused and state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+            if args and callable(args[0]):
+                # A positional closure would make the gradients now, scaled and unchecked: torch's error.
+                raise AssertionError(messages.NO_INF_CHECKS_CLOSURE)
             self._note_no_gradients(optimizer)
             result = optimizer.step(*args, **kwargs)
             state["stage"] = OptState.STEPPED
@@ -576,7 +615,7 @@ class SafeGradScaler(TorchGradScaler):
             skipped=self._skipped,
             no_grad_steps=self._no_grad_steps,
             nonfinite_loss=self._nonfinite_loss,
-            scale=float(scale if scale is not None else self.get_scale()),
+            scale=float(scale if scale is not None else TorchGradScaler.get_scale(self)),
             min_scale_seen=self._min_seen,
             max_scale_seen=self._max_seen,
             consecutive_skipped=self._consecutive,
@@ -648,7 +687,7 @@ class SafeGradScaler(TorchGradScaler):
         if self._enabled:
             self._fold_device_ledger()
         state = super().__getstate__()
-        state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None)
+        state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -668,6 +707,27 @@ class SafeGradScaler(TorchGradScaler):
             self._mirror_tracker = int(state.get("_init_growth_tracker", 0))
             if config.growth_interval is not None:
                 self._growth_interval = config.growth_interval
+
+
+def _loss_check(outputs: Any) -> torch.Tensor | None:
+    """``loss - loss`` summed over every tensor of ``outputs`` (nested lists and tuples, as ``scale()`` takes).
+
+    0 while every loss is finite, NaN otherwise; one kernel per loss
+    (``torch.isfinite(...).all()`` is five). None when there is no tensor, or
+    ``outputs`` is another iterable, which ``scale()`` maps lazily.
+    """
+    if isinstance(outputs, torch.Tensor):
+        loss = outputs.detach()
+        check = loss - loss
+        return check.sum() if check.dim() else check
+    if not isinstance(outputs, (list, tuple)):
+        return None
+    total: torch.Tensor | None = None
+    for item in outputs:
+        check = _loss_check(item)
+        if check is not None:
+            total = check if total is None else total + check.to(total.device)
+    return total
 
 
 _sharded_classes: dict[type, type] = {}
@@ -708,8 +768,22 @@ def safe_sharded_scaler_class(sharded: type) -> type:
             self._ampguard_setup(settings)
 
     SafeShardedGradScaler.__name__ = "ShardedGradScaler"
+    # Found by pickle (torch.save of the scaler object) through this module's __getattr__.
+    SafeShardedGradScaler.__qualname__ = "SafeShardedGradScaler"
     _sharded_classes[sharded] = SafeShardedGradScaler
     return SafeShardedGradScaler
+
+
+def __getattr__(name: str) -> Any:
+    # ``ampguard.scaler.SafeShardedGradScaler``, the name pickle stores for FSDP's
+    # scaler under ampguard: the class is made when FSDP's module is imported,
+    # so unpickling in a fresh process builds it here.
+    if name == "SafeShardedGradScaler":
+        import importlib
+
+        sharded = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler").ShardedGradScaler
+        return sharded if sharded in _sharded_classes.values() else safe_sharded_scaler_class(sharded)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 _DEFAULT_GROUP = object()

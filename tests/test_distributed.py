@@ -289,6 +289,7 @@ else:
 
 from ampguard.scaler import SafeGradScaler, TorchGradScaler
 
+import torch
 
 def describe():
     cls = sharded_module.ShardedGradScaler
@@ -301,7 +302,7 @@ def describe():
         "stock_id": id(stock[0]) if stock else None,
         "stock_bases_are_torch": bool(stock) and stock[0].__bases__ == (TorchGradScaler,),
         "module_gradscaler_is_torch": sharded_module.GradScaler is TorchGradScaler,
-        "module_gradscaler_is_safe": sharded_module.GradScaler is SafeGradScaler,
+        "module_gradscaler_is_safe": sharded_module.GradScaler is torch.amp.GradScaler,
         "bound_early_is_current": bound_early is None or globals()["bound_early"] is cls,
         "instance_is_safe": isinstance(scaler, SafeGradScaler),
         "instance_is_sharded": isinstance(scaler, stock[0]) if stock else False,

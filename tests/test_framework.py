@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ampguard
+import ampguard.scaler
 from ampguard import registry
 from ampguard.bindings import Bindings, rebind_queued
 from ampguard.errors import PatchUnavailable
@@ -64,9 +65,9 @@ def test_install_is_thread_safe(stock_torch):
     for thread in threads:
         thread.join()
     assert len({tuple(r) for r in results}) == 1
-    assert torch.amp.GradScaler is ampguard.SafeGradScaler
+    assert issubclass(torch.amp.GradScaler, ampguard.SafeGradScaler)
     ampguard.uninstall()
-    assert torch.amp.GradScaler is not ampguard.SafeGradScaler  # one install, undone once
+    assert torch.amp.GradScaler is ampguard.scaler.TorchGradScaler  # one install, undone once
 
 
 def test_master_switch_patches_nothing(reinstall):
@@ -149,9 +150,9 @@ def test_names_bound_earlier_are_rebound_and_restored(stock_torch):
     sys.modules[module.__name__] = module
     try:
         ampguard.install()
-        assert module.GradScaler is ampguard.SafeGradScaler
+        assert module.GradScaler is torch.amp.GradScaler and issubclass(module.GradScaler, ampguard.SafeGradScaler)
         assert issubclass(module.LegacyScaler, ampguard.SafeGradScaler)
-        assert held_elsewhere.func is ampguard.SafeGradScaler  # the very same partial object
+        assert held_elsewhere.func is torch.amp.GradScaler  # the very same partial object
         assert held_elsewhere.keywords == {"device": "cuda"}
         ampguard.uninstall()
         assert module.GradScaler is original

@@ -14,6 +14,7 @@ import torch
 
 import ampguard
 import ampguard.scaler
+from ampguard.patches.grad_scaler import GradScaler as PatchedGradScaler
 from ampguard.scaler import SafeGradScaler
 from scaler_support import iteration, tiny
 
@@ -36,12 +37,13 @@ def _works(scaler) -> None:
 
 
 def test_modern_names_all_give_safegradscaler():
-    assert torch.amp.GradScaler is torch.GradScaler is torch.amp.grad_scaler.GradScaler is SafeGradScaler
+    assert torch.amp.GradScaler is torch.GradScaler is torch.amp.grad_scaler.GradScaler is PatchedGradScaler
+    assert issubclass(PatchedGradScaler, SafeGradScaler) and PatchedGradScaler is not SafeGradScaler
     for make in (torch.amp.GradScaler, torch.GradScaler, torch.amp.grad_scaler.GradScaler):
         scaler = make("cpu")
-        assert type(scaler) is SafeGradScaler and scaler.get_scale() == 1024.0
+        assert type(scaler) is PatchedGradScaler and scaler.get_scale() == 1024.0
         _works(scaler)
-    assert type(torch.amp.GradScaler(device="cpu", init_scale=8.0)).__mro__[1] is ampguard.scaler.TorchGradScaler
+    assert type(torch.amp.GradScaler(device="cpu", init_scale=8.0)).__mro__[1:3] == (SafeGradScaler, ampguard.scaler.TorchGradScaler)
 
 
 def test_legacy_cuda_scaler_takes_init_scale_first(monkeypatch):
@@ -96,11 +98,11 @@ def test_names_bound_before_install_and_uninstall_restores_them(stock_torch, tmp
     assert early.GradScaler is originals["torch.amp.GradScaler"] and partial.func is originals["torch.GradScaler"]
 
     ampguard.install()
-    assert early.GradScaler is SafeGradScaler
+    assert early.GradScaler is PatchedGradScaler
     assert issubclass(early.CudaScaler, SafeGradScaler)
-    assert early.make_scaler is partial and partial.func is SafeGradScaler  # retargeted in place
+    assert early.make_scaler is partial and partial.func is PatchedGradScaler  # retargeted in place
     scaler = early.make_scaler()
-    assert type(scaler) is SafeGradScaler and scaler._device == "cpu" and scaler.get_scale() == 1024.0
+    assert type(scaler) is PatchedGradScaler and scaler._device == "cpu" and scaler.get_scale() == 1024.0
     _works(scaler)
     _works(early.GradScaler("cpu"))
     assert isinstance(functools.partial(torch.GradScaler, device="cpu")(), SafeGradScaler)
@@ -118,7 +120,7 @@ def test_names_bound_before_install_and_uninstall_restores_them(stock_torch, tmp
 def test_install_again_patches_again(stock_torch):
     assert torch.GradScaler is ampguard.scaler.TorchGradScaler
     ampguard.install()
-    assert torch.GradScaler is SafeGradScaler and issubclass(torch.cpu.amp.GradScaler, SafeGradScaler)
+    assert torch.GradScaler is PatchedGradScaler and issubclass(torch.cpu.amp.GradScaler, PatchedGradScaler)
 
 
 def test_disabled_patch_leaves_torch_alone(reinstall):

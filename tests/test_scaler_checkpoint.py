@@ -189,7 +189,7 @@ def test_torch_scaler_pickled_before_install_unpickles_as_a_working_safegradscal
 
     ampguard.install()
     restored = pickle.loads(blob)
-    assert type(restored) is SafeGradScaler
+    assert type(restored) is torch.amp.GradScaler and isinstance(restored, SafeGradScaler)
     assert (restored.get_scale(), restored.get_growth_interval(), restored._mirror_tracker) == (256.0, 3, 1)
     for _ in range(2):
         iteration(restored, model, opt)

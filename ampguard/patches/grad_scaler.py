@@ -3,7 +3,8 @@
 * ``torch.amp.GradScaler``, ``torch.GradScaler``, ``torch.amp.grad_scaler.GradScaler``
   and every name bound to that class before ampguard was imported (including
   ``functools.partial(torch.GradScaler, ...)``, as the coqui trainer holds) become
-  :class:`~ampguard.SafeGradScaler`.
+  :class:`GradScaler`, a :class:`~ampguard.SafeGradScaler` subclass of its own
+  (uninstall gives torch's class back to those names and to no other).
 * ``torch.cuda.amp.GradScaler`` / ``torch.cpu.amp.GradScaler`` become
   SafeGradScaler subclasses with the legacy signature (init_scale first).
 * FSDP's ``ShardedGradScaler``, whenever its module is imported, becomes a
@@ -26,7 +27,17 @@ from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler
 SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
 
-class _LegacyGradScaler(SafeGradScaler):
+class GradScaler(SafeGradScaler):
+    """``torch.amp.GradScaler`` (also ``torch.GradScaler``) under ampguard: a :class:`~ampguard.SafeGradScaler`.
+
+    A class of its own rather than SafeGradScaler itself, so that uninstall can
+    tell the names ampguard rebound (given torch's class back) from a user's
+    own ``ampguard.SafeGradScaler`` or ``partial(ampguard.SafeGradScaler, ...)``
+    (kept as they are).
+    """
+
+
+class _LegacyGradScaler(GradScaler):
     """A SafeGradScaler with the legacy signature: init_scale first, the device fixed by the subclass."""
 
     legacy_device: str
@@ -71,11 +82,11 @@ class GradScalerPatch(Patch):
     def apply(self, config: Config) -> None:
         global _active_patch
         original = torch.amp.grad_scaler.GradScaler
-        if original is SafeGradScaler or not isinstance(original, type):
+        if not isinstance(original, type) or issubclass(original, SafeGradScaler):
             raise PatchUnavailable("torch.amp.grad_scaler.GradScaler is not torch's class")
         if not hasattr(original, "_maybe_opt_step") or not hasattr(original, "_unscale_grads_"):
             raise PatchUnavailable("torch's GradScaler no longer has _maybe_opt_step/_unscale_grads_")
-        self.bindings.rebind_names_of(original, SafeGradScaler)
+        self.bindings.rebind_names_of(original, GradScaler)
         self.bindings.rebind_names_of(torch.cuda.amp.GradScaler, CudaGradScaler)
         cpu_legacy = getattr(torch.cpu.amp, "GradScaler", None)
         if cpu_legacy is not None:
@@ -94,14 +105,14 @@ class GradScalerPatch(Patch):
 
         sharded = module.ShardedGradScaler
         stock = TorchGradScaler
-        if sharded.__bases__ == (SafeGradScaler,):
+        if sharded.__bases__ == (GradScaler,):
             # Imported after install, it subclassed SafeGradScaler through the
             # rebound name; give it torch's base back so that uninstall leaves it stock.
             sharded.__bases__ = (stock,)
             module.GradScaler = stock
         self.bindings.rebind_names_of(sharded, safe_sharded_scaler_class(sharded))
         if getattr(module, "GradScaler", None) is stock:
-            self.bindings.rebind_names_of(stock, SafeGradScaler)
+            self.bindings.rebind_names_of(stock, GradScaler)
         rebind_queued([self.bindings])
 
 
