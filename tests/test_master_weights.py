@@ -381,3 +381,20 @@ def test_host_reads_per_step_with_masters_at_most_the_float32_model(optimizer, s
     assert counts[torch.float16] <= counts[torch.float32]
     if scaler:
         assert counts[torch.float32] >= 20  # the scaler's one read per step is counted: the counter works here
+
+
+@pytest.mark.parametrize("scaler", [True, False], ids=["grad_scaler", "plain_step"])
+def test_a_failure_inside_falls_back_to_torch_with_one_warning(scaler, monkeypatch, ampguard_log):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(master, "_sync", broken)
+    model = torch.nn.Linear(8, 8).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
+    before = model.weight.detach().clone()
+    for _ in range(3):
+        _half_step(model, opt, grad_scaler)
+    [warning] = records(ampguard_log, logging.WARNING, "master weights failed")
+    assert "RuntimeError: boom" in warning.getMessage()
+    assert not master.masters_of(opt) and not torch.equal(before, model.weight)
