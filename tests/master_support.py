@@ -109,3 +109,44 @@ def fine_tune(
             opt.step()
     result.end_loss = held_out_loss(student, teacher, held_out)
     return result
+
+
+def table(width: int = 128) -> None:
+    """Print docs/master-weights.md's table: each half-precision run's loss reduction against float32's."""
+    import logging
+    import os
+
+    import ampguard
+
+    global WIDTH
+    WIDTH = width
+    logging.getLogger("ampguard").setLevel(logging.CRITICAL + 1)
+
+    def install(mode: str) -> None:
+        os.environ["AMPGUARD_MASTER_WEIGHTS"] = mode
+        ampguard.uninstall()
+        ampguard.install()
+
+    def share(result: Result, reference: float) -> str:
+        return f"{100 * result.reduction / reference:.0f}%" if result.finite() else "NaN weights"
+
+    print("| optimizer | lr | loop | float16, no masters | float16, masters | bfloat16, no masters | bfloat16, masters (`all`) |")
+    print("|---|---|---|---|---|---|---|")
+    for optimizer, lr in [("adamw", 1e-4), ("adamw", 1e-5), ("sgd", 1e-3)]:
+        for scaler in (True, False):
+            references = {d: fine_tune(torch.float32, optimizer, lr, scaler=scaler, start_like=d).reduction
+                          for d in (torch.float16, torch.bfloat16)}
+            cells = []
+            for dtype in (torch.float16, torch.bfloat16):
+                for mode in ("off", "all"):
+                    install(mode)
+                    cells.append(share(fine_tune(dtype, optimizer, lr, scaler=scaler), references[dtype]))
+            loop = "GradScaler" if scaler else "plain step"
+            print(f"| {optimizer} | {lr:g} | {loop} | " + " | ".join(cells) + " |", flush=True)
+
+
+if __name__ == "__main__":  # python tests/master_support.py
+    import os
+
+    os.environ["AMPGUARD_QUIET"] = "1"
+    table()

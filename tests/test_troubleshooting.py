@@ -94,9 +94,20 @@ def test_fp16_gradients_symptom_on_stock_torch(stock_torch):
 
 
 def test_fp16_gradients_handled(caplog):
-    with caplog.at_level(logging.WARNING, logger="ampguard"):
+    with caplog.at_level(logging.INFO, logger="ampguard"):
         namespace = run("fp16-gradients")
     assert namespace["scaler"].stats.skipped == 0
+    assert all(p.dtype is torch.float16 and torch.isfinite(p).all() for p in namespace["model"].parameters())
+    assert not ampguard_warnings(caplog)
+    assert any("keeps float32 master copies of 5 float16 parameters" in r.getMessage() for r in caplog.records)
+    assert all(s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32
+               for s in namespace["optimizer"].state.values())
+
+
+def test_fp16_gradients_without_master_weights_warn_once(caplog, reinstall):
+    reinstall(AMPGUARD_MASTER_WEIGHTS="off")
+    with caplog.at_level(logging.WARNING, logger="ampguard"):
+        namespace = run("fp16-gradients")
     assert all(p.dtype is torch.float16 and torch.isfinite(p).all() for p in namespace["model"].parameters())
     assert any("Attempting to unscale FP16 gradients" in m and "float32" in m for m in ampguard_warnings(caplog))
 
