@@ -333,10 +333,7 @@ def safe_clip_grad_norm_(
     pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
         return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
-    scalers = [s for s in live_scalers() if getattr(s, "_scale", None) is not None]
-    if len(scalers) > 1:  # threads training models of their own: each clips with its own scaler
-        here = threading.get_ident()
-        scalers = [s for s in scalers if s._scaling_thread == here] or scalers
+    scalers = scalers_in_play()
     if not scalers and not guard_active():
         return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     max_norm = float(max_norm)
@@ -345,6 +342,34 @@ def safe_clip_grad_norm_(
         if scalers:
             return _clip_with_scaler(pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
         return _clip_without_scaler(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def scalers_in_play() -> list[SafeGradScaler]:
+    """The SafeGradScalers that scaled a loss in this iteration (in this thread when several threads scale)."""
+    scalers = [s for s in live_scalers() if getattr(s, "_scale", None) is not None]
+    if len(scalers) > 1:  # threads training models of their own: each clips with its own scaler
+        here = threading.get_ident()
+        scalers = [s for s in scalers if s._scaling_thread == here] or scalers
+    return scalers
+
+
+def unscaled_optimizers(scalers: list[SafeGradScaler]) -> list[tuple[SafeGradScaler, Any, set[int]]]:
+    """``(scaler, optimizer, ids of its parameters)`` for every optimizer the scalers already unscaled."""
+    return [
+        (scaler, optimizer, params_of([optimizer]))
+        for scaler in scalers
+        for optimizer in getattr(scaler, "_unscaled_optimizers", ())
+    ]
+
+
+def single_scale(scalers: list[SafeGradScaler]) -> Tensor | None:
+    """The scale still-scaled gradients carry: None when several scalers are in play (one WARNING)."""
+    if len(scalers) == 1:
+        return scalers[0]._scale
+    if not state.warned_ambiguous:
+        state.warned_ambiguous = True
+        logger.warning(AMBIGUOUS_SCALERS.format(count=len(scalers)))
+    return None
 
 
 def _clip_with_scaler(
@@ -356,48 +381,16 @@ def _clip_with_scaler(
     foreach: bool | None,
 ) -> Tensor:
     """A SafeGradScaler scaled a loss this iteration: zero host reads (beyond torch's own)."""
-    unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]] = [
-        (scaler, optimizer, params_of([optimizer]))
-        for scaler in scalers
-        for optimizer in getattr(scaler, "_unscaled_optimizers", ())
-    ]
+    unscaled_by = unscaled_optimizers(scalers)
     unscaled_params: set[int] = set().union(*(ids for _, _, ids in unscaled_by))
     grads = [g for _, g in pairs]
     # None: every gradient is still scaled (unscale_ forgotten, the common case).
     still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled_params} if unscaled_params else None
-    scale: Tensor | None = None
-    if still_scaled is None or still_scaled:
-        if len(scalers) == 1:
-            scale = scalers[0]._scale
-        elif not state.warned_ambiguous:
-            state.warned_ambiguous = True
-            logger.warning(AMBIGUOUS_SCALERS.format(count=len(scalers)))
+    scale = single_scale(scalers) if still_scaled is None or still_scaled else None
     groups = _groups(grads, foreach)
-    unscaled_norms: list[Tensor] = []
-    scaled_norms: list[Tensor] = []
-    for group in groups:
-        if still_scaled is None:
-            scaled_norms.extend(_norms(group, group.grads, norm_type))
-            continue
-        scaled = [g for g in group.grads if id(g) in still_scaled]
-        unscaled = [g for g in group.grads if id(g) not in still_scaled]
-        if unscaled:
-            unscaled_norms.extend(_norms(group, unscaled, norm_type))
-        if scaled:
-            scaled_norms.extend(_norms(group, scaled, norm_type))
-    first_device = grads[0].device
-    vectors = []
-    if unscaled_norms:
-        vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
-    # The "0-norm" counts non-zeros: scale-free.
+    total, scaled_vector = scaled_total_norm(groups, still_scaled, scale, norm_type)
     scale_known = scale is not None and norm_type != 0.0
-    scaled_vector: Tensor | None = None
-    if scaled_norms:
-        vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
-        if scale_known:
-            vector = vector / scale.to(first_device)
-        vectors.append(vector)
-    total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+    first_device = grads[0].device
     threshold: float | Tensor = max_norm
     if scale_known and _scaled_threshold(scalers[0], max_norm):
         if still_scaled is None:
@@ -416,6 +409,42 @@ def _clip_with_scaler(
     if unscaled_by:
         _raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, nan_if_nonfinite)
     return total
+
+
+def scaled_total_norm(
+    groups: list[_Group], still_scaled: set[int] | None, scale: Tensor | None, norm_type: float
+) -> tuple[Tensor, Tensor | None]:
+    """The total norm of the unscaled gradients, and the vector of the still-scaled ones' norms (None if none).
+
+    ``still_scaled``: ids of the gradients that still carry ``scale`` (None: all
+    of them); ``scale`` None: unknown, their norms are taken as they are.
+    """
+    unscaled_norms: list[Tensor] = []
+    scaled_norms: list[Tensor] = []
+    for group in groups:
+        if still_scaled is None:
+            scaled_norms.extend(_norms(group, group.grads, norm_type))
+            continue
+        scaled = [g for g in group.grads if id(g) in still_scaled]
+        unscaled = [g for g in group.grads if id(g) not in still_scaled]
+        if unscaled:
+            unscaled_norms.extend(_norms(group, unscaled, norm_type))
+        if scaled:
+            scaled_norms.extend(_norms(group, scaled, norm_type))
+    first_device = groups[0].grads[0].device
+    vectors = []
+    if unscaled_norms:
+        vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
+    # The "0-norm" counts non-zeros: scale-free.
+    scale_known = scale is not None and norm_type != 0.0
+    scaled_vector: Tensor | None = None
+    if scaled_norms:
+        vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
+        if scale_known:
+            vector = vector / scale.to(first_device)
+        vectors.append(vector)
+    total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+    return total, scaled_vector
 
 
 def _scaled_threshold(scaler: SafeGradScaler, max_norm: float) -> bool:

@@ -3,8 +3,11 @@
 Wraps, with wrapt (signature, docstring and return value kept),
 ``torch.nn.utils.clip_grad_norm_`` and ``torch.nn.utils.clip_grad.clip_grad_norm_``
 (two names of one function), the deprecated ``torch.nn.utils.clip_grad_norm``,
-and every name bound to them before ampguard was imported. The behaviour is
-:mod:`ampguard.clip`'s; docs/clipping.md describes it.
+``clip_grad_value_``, torch >= 2.6's ``get_total_norm`` and ``clip_grads_with_norm_``
+(``_get_total_norm`` / ``_clip_grads_with_norm_`` in ``torch.nn.utils.clip_grad``,
+which torch's own ``clip_grad_norm_`` calls), and every name bound to them before
+ampguard was imported. The behaviour is :mod:`ampguard.clip`'s and
+:mod:`ampguard.clip_api`'s; docs/clipping.md describes it.
 
 When the grad_scaler patch is applied (it is applied before this one), every
 GradScaler is a SafeGradScaler, so "no SafeGradScaler scaled a loss" means "no
@@ -19,7 +22,7 @@ from __future__ import annotations
 import torch
 import wrapt
 
-from ampguard import clip
+from ampguard import clip, clip_api
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
@@ -35,7 +38,8 @@ def _grad_scaler_patch_applied() -> bool:
 class ClipGradPatch(Patch):
     name = "clip_grad"
     summary = (
-        "clip_grad_norm_ clips unscaled gradients with float32 norms; "
+        "clip_grad_norm_, clip_grad_value_, get_total_norm, clip_grads_with_norm_ act on unscaled gradients, "
+        "float32 norms; "
         "an inf/NaN norm skips the step (no GradScaler: grads set to None)"
     )
     requires_torch = ">=2.3"
@@ -48,6 +52,10 @@ class ClipGradPatch(Patch):
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
         self.bindings.rebind_names_of(original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper, idle=clip.idle))
+        for name, wrapper, idle in clip_api.WRAPPED:
+            function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6
+            if callable(function) and not isinstance(function, wrapt.FunctionWrapper):
+                self.bindings.rebind_names_of(function, clip.safe_function_wrapper(function, wrapper, idle=idle))
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
