@@ -180,6 +180,8 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
             if not probe.armed:
                 if not active.exhausted:
                     probe.arm()
+                    logger.info("forward overflow at step %d: watching the next forward passes to find the module "
+                                "(AMPGUARD_PROBE_STEPS=%d).", step, active.probe_steps)
                 return
             call = probe.call(verdict)
             if call is None:

@@ -259,6 +259,7 @@ def test_stats_snapshot_attributes_and_as_dict():
     assert stats.as_dict() == {
         "steps": 0, "skipped": 0, "no_grad_steps": 0, "nonfinite_loss": 0, "scale": 1024.0,
         "min_scale_seen": 1024.0, "max_scale_seen": 1024.0, "consecutive_skipped": 0,
+        "fp32_islands": (), "buffers_restored": 0,
     }
     with pytest.raises(AttributeError):
         stats.steps = 3  # a snapshot
@@ -278,7 +279,9 @@ def test_counts_with_two_optimizers_and_nonfinite_losses():
     stats = scaler.stats
     # steps and skipped count optimizer steps; nonfinite_loss counts iterations
     assert (stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps) == (12, 6, 2, 0)
-    assert stats.scale == torch_scaler.get_scale() == 1024.0 / 16
+    # torch halves its scale for all four skipped iterations; ampguard only for the two backward overflows:
+    # a non-finite loss was not caused by the scale (docs/islands.md).
+    assert torch_scaler.get_scale() == 1024.0 / 16 and stats.scale == 1024.0 / 4
 
 
 def test_nonfinite_loss_counted_in_device_mode():

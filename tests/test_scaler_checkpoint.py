@@ -31,6 +31,8 @@ FAULTS_B = {5, 9, 31}
 
 
 def _plain(value) -> bool:
+    if isinstance(value, list):  # fp32_islands: module names
+        return all(type(v) is str for v in value)
     return type(value) in (int, float) or (isinstance(value, dict) and all(_plain(v) for v in value.values()))
 
 
@@ -44,6 +46,7 @@ def test_state_dict_keeps_torchs_five_keys_and_adds_plain_counters():
     assert state["ampguard"] == {
         "steps": 40, "skipped": 4, "no_grad_steps": 0, "nonfinite_loss": 0, "consecutive_skipped": 0,
         "min_scale_seen": safe_run.scaler.stats.min_scale_seen, "max_scale_seen": safe_run.scaler.stats.max_scale_seen,
+        "fp32_islands": [],
     }
 
 
