@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fresh interpreters for the import-time measurement (default: 5; 0 skips it)")
     parser.add_argument("--threads", type=int, default=None, metavar="N",
                         help="torch CPU threads (default: torch's own choice); 1 is steadier on a busy machine")
+    parser.add_argument("--half-params", action="store_true",
+                        help="instead: the model stored in the autocast dtype, trained with fp32 master weights, "
+                             "against the same model in float32 (docs/master-weights.md)")
     parser.add_argument("--json", action="store_true", help="print the measurements as JSON")
 
 
@@ -71,6 +74,8 @@ def main(args: argparse.Namespace) -> int:
         import_runs=args.import_runs,
         progress=progress,
     )
+    if args.half_params:
+        return _half_params(options, args.json)
     result = bench.run(options)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
@@ -87,3 +92,21 @@ def main(args: argparse.Namespace) -> int:
     if not result["clip_wrapped"]:
         print("note: the clip_grad patch is not applied: both variants call torch's clip_grad_norm_.")
     return 0
+
+
+def _half_params(options: object, as_json: bool) -> int:
+    from ampguard import bench_half
+    from ampguard.console import print_table
+
+    result = bench_half.run(options)  # type: ignore[arg-type]
+    if as_json:
+        json.dump(result, sys.stdout, indent=2)
+        sys.stdout.write("\n")
+        return 0
+    dtype = result["autocast_dtype"]
+    print_table(
+        f"ampguard bench --half-params: {dtype} parameters with fp32 master weights against float32 parameters",
+        ["measure", "float32 parameters", f"{dtype} + masters", "note"], bench_half.table_rows(result),
+    )
+    return 0
+
