@@ -33,10 +33,23 @@ __all__ = [
 ]
 
 
+def _invoked_as_the_command() -> bool:
+    """``ampguard ...`` or ``python -m ampguard ...``: the command reports a bad variable itself (ampguard.cli)."""
+    import os
+    import sys
+
+    if sys.argv and os.path.splitext(os.path.basename(sys.argv[0]))[0] == "ampguard":
+        return True
+    orig_argv = getattr(sys, "orig_argv", [])
+    return "-m" in orig_argv and orig_argv[orig_argv.index("-m") + 1 : orig_argv.index("-m") + 2] == ["ampguard"]
+
+
 def _install_on_import() -> None:
     try:
         install()
     except ConfigError:
+        if _invoked_as_the_command():
+            return  # --help, --version and doctor still work; the rest stop with one line
         raise
     except Exception as error:  # ampguard must never be the reason a training run dies
         from ampguard.log import logger

@@ -11,6 +11,8 @@ import importlib
 import sys
 from typing import Sequence
 
+from ampguard.errors import ConfigError
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "patches": ("ampguard.commands.patches", "show each patch: applied, disabled or unavailable, and why"),
     "run": ("ampguard.commands.run", "run a training script (or -m module) with ampguard installed first"),
@@ -36,8 +38,31 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# What works with a bad AMPGUARD_* variable: the doctor reports it as a finding.
+WORKS_WITHOUT_CONFIG = ("doctor",)
+
+
+def config_error() -> ConfigError | None:
+    """The ConfigError the environment's ``AMPGUARD_*`` variables give, if any."""
+    from ampguard import config, registry
+
+    try:
+        config.load(patch_names=registry.patch_names())
+    except ConfigError as error:
+        return error
+    return None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    command = next((a for a in argv if not a.startswith("-")), None)
+    # ampguard --help / --version, ampguard COMMAND --help (not a script's own --help after `run script.py`)
+    asks_for_help = not argv or any(a in ("-h", "--help", "--version") for a in argv[:2])
+    if not asks_for_help and command not in WORKS_WITHOUT_CONFIG:
+        error = config_error()
+        if error is not None:
+            print(f"ampguard: error: {error}", file=sys.stderr)
+            return 2
     parser = build_parser()
     if argv and argv[0] == "run":
         # Everything after the script or module belongs to it, not to us.

@@ -75,6 +75,35 @@ def _suggest(value: str, known: Iterable[str]) -> str:
     return f"Did you mean {close[0]!r}?" if close else ""
 
 
+# Words people use for what a variable does, for suggestions by meaning as well as by spelling.
+_MEANINGS: dict[str, tuple[str, ...]] = {
+    "PATCH": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
+    "PATCHES": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
+    "OFF": ("AMPGUARD_DISABLE",), "SKIP": ("AMPGUARD_DISABLE",), "EXCLUDE": ("AMPGUARD_DISABLE",),
+    "ON": ("AMPGUARD_ENABLE",), "INCLUDE": ("AMPGUARD_ENABLE",), "OPT": ("AMPGUARD_ENABLE",),
+    "SCALE": ("AMPGUARD_INIT_SCALE", "AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE"),
+    "FLOOR": ("AMPGUARD_MIN_SCALE",), "CAP": ("AMPGUARD_MAX_SCALE",), "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
+    "SILENT": ("AMPGUARD_QUIET",), "BANNER": ("AMPGUARD_QUIET",), "VERBOSE": ("AMPGUARD_QUIET",),
+    "STALL": ("AMPGUARD_ON_STALL", "AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
+    "STATS": ("AMPGUARD_STATS_EVERY",), "LOG": ("AMPGUARD_STATS_EVERY",),
+    "FP16": ("AMPGUARD_FP16_GRADS",), "BF16": ("AMPGUARD_BF16_FALLBACK",),
+    "MASTER": ("AMPGUARD_MASTER_WEIGHTS",), "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
+    "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"), "PROBE": ("AMPGUARD_PROBE_STEPS",),
+}
+
+
+def _suggest_variable(name: str) -> str:
+    """Known variables close to ``name`` by meaning (``AMPGUARD_PATCHES`` -> DISABLE / ENABLE), else by spelling."""
+    words = name.upper().removeprefix("AMPGUARD_").split("_")
+    by_meaning = [v for word in words for v in _MEANINGS.get(word, ()) if v in SETTINGS_BY_VARIABLE]
+    if not by_meaning:  # spelling, of the part after the prefix that every variable shares
+        suffixes = {v.removeprefix("AMPGUARD_"): v for v in SETTINGS_BY_VARIABLE if v != "AMPGUARD"}
+        close = difflib.get_close_matches(name.upper().removeprefix("AMPGUARD_"), list(suffixes), n=1, cutoff=0.6)
+        by_meaning = [suffixes[c] for c in close]
+    close = list(dict.fromkeys(by_meaning))
+    return "Did you mean " + " or ".join(close) + "?" if close else ""
+
+
 @dataclass(frozen=True)
 class Setting:
     """One environment variable: what it sets, its default and what it accepts."""
@@ -229,9 +258,10 @@ def load(
     unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in SETTINGS_BY_VARIABLE)
     if unknown:
         name = unknown[0]
+        known = ", ".join(SETTINGS_BY_VARIABLE)
         raise ConfigError(
-            name, environ[name], "no such variable; known: " + ", ".join(SETTINGS_BY_VARIABLE),
-            _suggest(name, SETTINGS_BY_VARIABLE),
+            name, environ[name], f"one of the known variables: {known}", _suggest_variable(name),
+            message=f"{name} is not an ampguard variable (it is set to {environ[name]!r}). The known ones are: {known}.",
         )
     config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
     if config.min_scale > config.max_scale:

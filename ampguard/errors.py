@@ -14,11 +14,11 @@ class ConfigError(AmpguardError, ValueError):
     only exception that ``import ampguard`` lets escape.
     """
 
-    def __init__(self, variable: str, value: str, accepted: str, hint: str = "") -> None:
+    def __init__(self, variable: str, value: str, accepted: str, hint: str = "", *, message: str = "") -> None:
         self.variable = variable
         self.value = value
         self.accepted = accepted
-        message = f"{variable}={value!r} is not valid: accepted values are {accepted}."
+        message = message or f"{variable}={value!r} is not valid: accepted values are {accepted}."
         if hint:
             message += f" {hint}"
         super().__init__(message)

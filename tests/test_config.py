@@ -116,10 +116,27 @@ def test_unknown_patch_name_suggests_the_close_one():
     assert "autocast, grad_scaler, clip_grad, anomaly" in message
 
 
-def test_unknown_variable_is_an_error_with_suggestion():
+@pytest.mark.parametrize(
+    ("variable", "suggestion"),
+    [
+        ("AMPGUARD_INIT_SCAL", "Did you mean AMPGUARD_INIT_SCALE?"),  # by spelling
+        ("AMPGUARD_QUITE", "Did you mean AMPGUARD_QUIET?"),
+        ("AMPGUARD_PATCHES", "Did you mean AMPGUARD_DISABLE or AMPGUARD_ENABLE?"),  # by meaning
+        ("AMPGUARD_SKIP_PATCH", "Did you mean AMPGUARD_DISABLE or AMPGUARD_ENABLE?"),
+        ("AMPGUARD_LOSS_SCALE", "Did you mean AMPGUARD_INIT_SCALE or AMPGUARD_MIN_SCALE or AMPGUARD_MAX_SCALE?"),
+        ("AMPGUARD_FOO", None),
+    ],
+)
+def test_unknown_variable_says_so_and_suggests_by_meaning_and_spelling(variable, suggestion):
     with pytest.raises(ConfigError) as caught:
-        load({"AMPGUARD_INIT_SCAL": "4096"}, patch_names=PATCHES)
-    assert "AMPGUARD_INIT_SCAL" in str(caught.value) and "Did you mean 'AMPGUARD_INIT_SCALE'?" in str(caught.value)
+        load({variable: "nonsense"}, patch_names=PATCHES)
+    message = str(caught.value)
+    assert message.startswith(f"{variable} is not an ampguard variable (it is set to 'nonsense'). The known ones are: ")
+    assert "accepted values are" not in message and "AMPGUARD_DISABLE, AMPGUARD_ENABLE" in message
+    if suggestion is None:
+        assert "Did you mean" not in message
+    else:
+        assert message.endswith(suggestion)
 
 
 def test_choice_misspelling_gets_a_suggestion():

@@ -29,9 +29,16 @@ def collect() -> dict[str, Any]:
 
     import ampguard
     from ampguard import config as config_module
+    from ampguard.errors import ConfigError
     from ampguard.registry import active_config
 
     report = machine.cuda_report()
+    try:
+        config = active_config()
+        problem = None
+    except ConfigError as error:  # a finding: the rest of the report still helps
+        config = config_module.load({}, patch_names=[])
+        problem = str(error)
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "ampguard_version": ampguard.__version__,
@@ -48,7 +55,8 @@ def collect() -> dict[str, Any]:
         },
         "gpus": [gpu.as_dict() for gpu in report.gpus],
         "patches": [entry.as_dict() for entry in ampguard.status()],
-        "config": active_config().as_dict(),
+        "config": config.as_dict(),
+        "config_error": problem,
         "environment": {
             setting.variable: os.environ[setting.variable]
             for setting in config_module.SETTINGS
@@ -81,6 +89,8 @@ def render(data: dict[str, Any]) -> None:
         rows.append(["CUDA problem", torch_info["cuda_error"]])
     if torch_info["is_bf16_supported"] is not None:
         rows.append(["torch.cuda.is_bf16_supported()", torch_info["is_bf16_supported"]])
+    if data.get("config_error"):
+        rows.append(["configuration problem", data["config_error"]])
     print_table("ampguard doctor", ["item", "value"], rows, out)
     out.write("\n")
 

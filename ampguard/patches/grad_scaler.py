@@ -68,6 +68,8 @@ class CpuGradScaler(_LegacyGradScaler):
 
 for _cls in (CudaGradScaler, CpuGradScaler):
     _cls.__name__ = "GradScaler"  # as torch's legacy classes are named; pickle uses the __qualname__
+# What scripts print as type(scaler).__name__: ampguard's scaler is in use. Pickle uses the __qualname__.
+GradScaler.__name__ = "SafeGradScaler"
 
 
 _hook_registered = False
