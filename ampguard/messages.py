@@ -43,6 +43,21 @@ STALL = (
     "Set AMPGUARD_ON_STALL=raise to stop the run here, or see docs/troubleshooting.md."
 )
 
+STALL_RAISED = (
+    "{count} consecutive optimizer steps were skipped for inf/NaN gradients (step {step}, "
+    "scale {scale:g}); training is not progressing.{loss} "
+    "The run was stopped here because AMPGUARD_ON_STALL=raise (the limit is "
+    "AMPGUARD_MAX_CONSECUTIVE_SKIPS={limit}); update() completed its iteration first, so the scaler's "
+    "state is consistent for a checkpoint. See docs/troubleshooting.md."
+)
+
+TORCH_STATE_LOADED = (
+    "loaded a GradScaler state saved without ampguard: its scale {scale:g} and growth interval "
+    "{interval} are kept (torch's defaults are 65536 and 2000; ampguard's are 1024 and 100). "
+    "AMPGUARD_GROWTH_INTERVAL overrides the interval, AMPGUARD_MAX_SCALE caps the scale; "
+    "the counters in scaler.stats start from this scaler's own."
+)
+
 LOSS_WAS_NONFINITE = (
     " The loss itself was inf/NaN before scaling: the forward pass overflowed, "
     "which no loss scale can fix."

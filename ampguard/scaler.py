@@ -589,13 +589,15 @@ class SafeGradScaler(TorchGradScaler):
         if consecutive < self._settings.max_consecutive_skips or self._stall_reported:
             return
         self._stall_reported = True
-        message = messages.STALL.format(
+        raising = self._settings.on_stall == "raise"
+        message = (messages.STALL_RAISED if raising else messages.STALL).format(
             count=consecutive,
             step=self._steps,
             scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
             loss=diagnose.parameters_note(self) or (messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else ""),
         )
-        if self._settings.on_stall == "raise":
+            limit=self._settings.max_consecutive_skips,
+        if raising:
             self._stall_error = ScaleCollapseError(message)
         else:
             logger.critical(message)
@@ -673,13 +675,17 @@ class SafeGradScaler(TorchGradScaler):
             self._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
             self._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
             healing.restore_islands(counters.get("fp32_islands"))
-        elif self._steps == 0:
-            self._min_seen = self._max_seen = bounded  # the init scale was never used
         else:
-            self._min_seen, self._max_seen = min(self._min_seen, bounded), max(self._max_seen, bounded)
+            logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=self._growth_interval))
+            if self._steps == 0:
+                self._min_seen = self._max_seen = bounded  # the init scale was never used
+            else:
+                self._min_seen, self._max_seen = min(self._min_seen, bounded), max(self._max_seen, bounded)
         self._skipped_at_last_report = self._skipped
         self._collapse_reported = False
-        self._stall_reported = self._consecutive >= self._settings.max_consecutive_skips
+        # A streak loaded at or past the limit is reported (or raises) at the next skipped step: the run
+        # that saved it may have ended before it could, or saved it mid-stall.
+        self._stall_reported = False
         every = self._settings.stats_every
         self._next_report = (self._steps // every + 1) * every if every else 0
 

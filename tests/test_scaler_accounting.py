@@ -218,6 +218,63 @@ def test_stall_raises_scale_collapse_error_with_on_stall_raise(reinstall, ampgua
     assert scaler.stats.consecutive_skipped == 0
 
 
+def test_stall_raised_message_says_what_happened(reinstall):
+    reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS="2", AMPGUARD_ON_STALL="raise")
+    model, opt = tiny()
+    scaler = safe(init_scale=2.0**20)
+    iteration(scaler, model, opt, fault=True)
+    with pytest.raises(ampguard.ScaleCollapseError) as raised:
+        iteration(scaler, model, opt, fault=True)
+    message = str(raised.value)
+    assert "stopped here because AMPGUARD_ON_STALL=raise" in message and "AMPGUARD_MAX_CONSECUTIVE_SKIPS=2" in message
+    assert "Set AMPGUARD_ON_STALL=raise" not in message
+
+
+@pytest.mark.parametrize("streak", [3, 5], ids=["at_the_limit", "past_the_limit"])
+def test_resume_mid_stall_raises_at_the_next_skipped_step(reinstall, streak):
+    """The XTTS recipe resumed with --continue_path from a checkpoint saved mid-stall: the guard holds."""
+    reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS="3")  # the run that saved it only warned
+    model, opt = tiny()
+    saving = safe(init_scale=2.0**20)
+    for _ in range(streak):
+        iteration(saving, model, opt, fault=True)
+    state = saving.state_dict()
+    assert state["ampguard"]["consecutive_skipped"] == streak
+    reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS="3", AMPGUARD_ON_STALL="raise")
+    resumed = safe()
+    resumed.load_state_dict(state)
+    with pytest.raises(ampguard.ScaleCollapseError, match=f"{streak + 1} consecutive optimizer steps"):
+        iteration(resumed, model, opt, fault=True)
+    iteration(resumed, model, opt, fault=True)  # once per streak
+    iteration(resumed, model, opt)
+    assert resumed.stats.consecutive_skipped == 0
+
+
+def test_resume_mid_stall_with_a_healthy_step_does_not_raise(reinstall):
+    reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS="3", AMPGUARD_ON_STALL="raise")
+    model, opt = tiny()
+    state = safe(init_scale=2.0**20).state_dict() | {}
+    state["ampguard"] = dict(state.get("ampguard") or {}, consecutive_skipped=7)
+    resumed = safe()
+    resumed.load_state_dict(state)
+    iteration(resumed, model, opt)  # the streak ends: nothing to raise
+    assert resumed.stats.consecutive_skipped == 0
+
+
+def test_loading_torchs_state_says_which_settings_it_keeps(ampguard_log):
+    model, opt = tiny()
+    torch_scaler = stock()  # torch's defaults: 65536, every 2000 steps
+    iteration(torch_scaler, model, opt)
+    scaler = safe()
+    scaler.load_state_dict(torch_scaler.state_dict())
+    notes = [r.getMessage() for r in ampguard_log.records if "saved without ampguard" in r.getMessage()]
+    assert len(notes) == 1
+    assert "scale 65536 and growth interval 2000 are kept" in notes[0] and "AMPGUARD_GROWTH_INTERVAL" in notes[0]
+    assert (scaler.get_scale(), scaler.get_growth_interval()) == (65536.0, 2000)
+    scaler.load_state_dict(scaler.state_dict())  # ampguard's own state: nothing to say
+    assert len([r for r in ampguard_log.records if "saved without ampguard" in r.getMessage()]) == 1
+
+
 def test_device_mode_stall_and_collapse_found_at_the_next_read(reinstall, ampguard_log):
     reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS="4", AMPGUARD_STATS_EVERY="0")
     model = torch.nn.Linear(4, 1)
