@@ -30,7 +30,7 @@ from typing import Any, Iterator
 import torch
 
 from ampguard import master, messages
-from ampguard.log import logger
+from ampguard.log import ANY_RANK, logger
 from ampguard.syncs import read_to_host
 
 NAMES_SHOWN = 5
@@ -242,7 +242,17 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
         message += f" ({unreported} {what} not described.)"
     if every > 0:
         message += f" (Next description from step {((step - 1) // every + 1) * every + 1} on.)"
+    global _own_loss_told
+    if loss_nonfinite and not _own_loss_told:
+        # Under DDP the other ranks see only inf/NaN gradients: that this rank's loss was inf/NaN is
+        # known here alone, so it is said once from whichever rank this is.
+        _own_loss_told = True
+        logger.log(level, message, extra=ANY_RANK)
+        return
     logger.log(level, message)
+
+
+_own_loss_told = False
 
 
 def _gradients_found(found: NonFinite, label: str, hint: str) -> str:

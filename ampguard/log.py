@@ -7,7 +7,9 @@ logging still sees the banner and the stats lines. Attach your own handler to
 ``logging.getLogger("ampguard")`` beforehand and ampguard adds none.
 
 In a process that is one of several (``RANK`` / ``LOCAL_RANK`` set, as torchrun
-does), only rank 0 prints below ERROR.
+does), only rank 0's records below ERROR pass the logger (whoever's handlers are
+attached), except a fact only another rank knows, logged with ``extra=ANY_RANK``
+and tagged ``[rank N]``.
 """
 
 from __future__ import annotations
@@ -42,9 +44,24 @@ def is_rank_zero() -> bool:
     return process_rank() == 0
 
 
+# ``logger.info(..., extra=ANY_RANK)``: a fact only this rank knows (its own loss was inf/NaN), which
+# the other ranks' records cannot say; logged on any rank, tagged with it.
+ANY_RANK = {"ampguard_any_rank": True}
+
+
 class _RankZeroFilter(logging.Filter):
+    """On the logger itself, so that no handler (the user's, a trainer's) sees other ranks' records below ERROR."""
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return record.levelno >= logging.ERROR or is_rank_zero()
+        if record.levelno >= logging.ERROR or is_rank_zero():
+            return True
+        if getattr(record, "ampguard_any_rank", False):
+            record.msg = f"[rank {process_rank()}] {record.msg}"
+            return True
+        return False
+
+
+logger.addFilter(_RankZeroFilter())
 
 
 class _PlainFormatter(logging.Formatter):
@@ -101,7 +118,6 @@ def ensure_default_handler() -> None:
     else:
         handler = logging.StreamHandler(sys.stderr)
         handler.setFormatter(_PlainFormatter())
-    handler.addFilter(_RankZeroFilter())
     logger.addHandler(handler)
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.INFO)
