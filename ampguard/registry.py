@@ -28,6 +28,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.fp32_islands:Fp32IslandsPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
     "ampguard.patches.master_weights:MasterWeightsPatch",
+    "ampguard.patches.scheduler_hold:SchedulerHoldPatch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]

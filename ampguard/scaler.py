@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 import torch
 from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
 
-from ampguard import diagnose, healing, master, messages
+from ampguard import diagnose, healing, master, messages, scheduler_hold
 from ampguard.accumulation import rescale_unscaled_gradients
 from ampguard.config import FLOAT32_MAX
 from ampguard.errors import ScaleCollapseError
@@ -415,6 +415,7 @@ class SafeGradScaler(TorchGradScaler):
         healing.note_read(value)
         found = bool(value & 1)
         self._host_found[id(optimizer)] = found
+        scheduler_hold.note_step(optimizer, found)  # LR schedulers hold on a skipped step
         if value & 2:
             self._iteration_loss_nonfinite = True
         if found:

@@ -55,6 +55,7 @@ class ProcessCounters:
     """Counters that belong to no scaler."""
 
     clip_skipped: int = 0
+    scheduler_held: int = 0  # lr_scheduler.step() calls held on skipped steps (ampguard.scheduler_hold)
 
 
 process_counters = ProcessCounters()

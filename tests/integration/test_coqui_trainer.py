@@ -161,13 +161,22 @@ def _storm_against_torch(tmp_path):
     return coqui, stock
 
 
-def test_at_the_scale_floor_coqui_skip_detection_misses_skips_that_stats_count(tmp_path):
+def test_at_the_scale_floor_coqui_skip_detection_misses_skips_that_stats_count(tmp_path, reinstall):
     # Known interaction, documented in docs/troubleshooting.md: the floor (AMPGUARD_MIN_SCALE=1) keeps the
     # scale at 1 on an overflow, so coqui's "scale_prev <= scale_now" takes the two skips at the floor for
     # real steps and steps its LR scheduler on them. ampguard's own count stays exact.
+    reinstall(AMPGUARD_DISABLE="scheduler_hold")
     coqui, stock = _storm_against_torch(tmp_path)
     assert coqui.scaler.stats.min_scale_seen == 1.0
     assert coqui.scheduler[0].last_epoch == stock.scheduler[0].last_epoch + 2
+
+
+def test_at_the_scale_floor_the_scheduler_hold_patch_holds_the_skips_coqui_misses(tmp_path):
+    # coqui calls scheduler.step() after the two skips at the floor; the scheduler_hold patch holds them:
+    # the schedule counts real steps only, as with torch's scaler (docs/schedulers.md).
+    coqui, stock = _storm_against_torch(tmp_path)
+    assert coqui.scaler.stats.min_scale_seen == 1.0
+    assert coqui.scheduler[0].last_epoch == stock.scheduler[0].last_epoch == 16 - 12
 
 
 def test_without_a_floor_coqui_sees_every_skip(tmp_path, reinstall):

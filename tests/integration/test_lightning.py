@@ -8,7 +8,8 @@ the Trainer test lets Lightning create the scaler, the Fabric test hands one in
 with ``scaler=torch.amp.GradScaler("cpu")``.
 
 Lightning has no skip tracking (issue 5558): its LR schedulers step after
-skipped steps with torch's scaler too. Checkpoints hold the scaler state under
+skipped steps with torch's scaler; under ampguard the scheduler_hold patch
+holds them. Checkpoints hold the scaler state under
 the plugin's class name ``"MixedPrecision"``; ``fit(ckpt_path=...,
 weights_only=True)`` restores it.
 """
@@ -113,7 +114,8 @@ def test_the_mixed_precision_plugin_creates_a_safe_grad_scaler(monkeypatch):
         assert_safe(FabricMixedPrecision(precision="16-mixed", device="cuda").scaler)
 
 
-def test_trainer_fit_skips_and_counts_and_schedules_as_with_torch_s_scaler(tmp_path, ci_line):
+def test_trainer_fit_skips_and_counts_and_schedules_as_with_torch_s_scaler(tmp_path, ci_line, reinstall):
+    reinstall(AMPGUARD_DISABLE="scheduler_hold")  # torch's schedulers, so that the weights compare with stock's
     trainer, module = _fit(tmp_path / "ampguard", {2, 5})
     scaler = trainer.precision_plugin.scaler
     assert_safe(scaler)  # created by Lightning's plugin
@@ -132,6 +134,13 @@ def test_trainer_fit_skips_and_counts_and_schedules_as_with_torch_s_scaler(tmp_p
         torch.testing.assert_close(ours, theirs)
 
     ci_line("lightning", stats.skipped, stats.steps)
+
+
+def test_trainer_fit_lr_scheduler_holds_on_skipped_steps(tmp_path):
+    """With the scheduler_hold patch (default), Lightning's per-step scheduler holds on the two skips."""
+    trainer, _ = _fit(tmp_path, {2, 5})
+    assert trainer.precision_plugin.scaler.stats.skipped == 2
+    assert trainer.lr_scheduler_configs[0].scheduler.last_epoch == STEPS - 2
 
 
 def test_trainer_checkpoint_resume_round_trips_the_scaler(tmp_path):

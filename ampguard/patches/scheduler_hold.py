@@ -1,0 +1,44 @@
+"""Patch ``scheduler_hold``: an LR scheduler does not advance on an optimizer step the GradScaler skipped.
+
+Wraps ``step`` of ``torch.optim.lr_scheduler.LRScheduler`` and of every
+scheduler class in that module that defines its own (``SequentialLR``,
+``ChainedScheduler``, ``ReduceLROnPlateau``, ``CosineAnnealingWarmRestarts``).
+The behaviour is :mod:`ampguard.scheduler_hold`'s; docs/schedulers.md
+describes it. ``AMPGUARD_DISABLE=scheduler_hold`` keeps torch's schedulers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ampguard import scheduler_hold
+from ampguard.config import Config
+from ampguard.errors import PatchUnavailable
+from ampguard.patches.base import Patch
+
+
+class SchedulerHoldPatch(Patch):
+    name = "scheduler_hold"
+    summary = (
+        "an LR scheduler does not advance on an optimizer step the GradScaler skipped "
+        "(and torch's 'lr_scheduler.step() before optimizer.step()' warning is not raised for it)"
+    )
+    requires_torch = ">=2.3"
+
+    def apply(self, config: Config) -> None:
+        module = torch.optim.lr_scheduler
+        base = getattr(module, "LRScheduler", None)
+        if not isinstance(base, type) or not callable(vars(base).get("step")):
+            raise PatchUnavailable("torch.optim.lr_scheduler.LRScheduler.step is missing")
+        classes = [
+            cls
+            for cls in vars(module).values()
+            if isinstance(cls, type) and issubclass(cls, base) and callable(vars(cls).get("step"))
+        ]
+        for cls in classes:
+            self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"]))
+        scheduler_hold.activate()
+
+    def revert(self) -> None:
+        scheduler_hold.deactivate()
+        super().revert()

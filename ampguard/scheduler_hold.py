@@ -1,0 +1,142 @@
+"""LR schedulers hold on the optimizer steps a SafeGradScaler skipped.
+
+When the scaler skips a step (inf/NaN gradients), torch's LR schedulers still
+advance: a warm-up is consumed by steps that never happened, and when the very
+first step is skipped torch warns "Detected call of `lr_scheduler.step()` before
+`optimizer.step()`", which sends users after a bug they do not have. DeepSpeed
+and accelerate hold the scheduler on a skipped step; this module makes every
+``torch.optim.lr_scheduler`` scheduler do so:
+
+* **What the scaler tells.** ``SafeGradScaler._maybe_opt_step`` knows on the
+  host whether it skips an optimizer's step (the one read torch makes there)
+  and calls :func:`note_step`, which counts the optimizer's step attempts and
+  how many of the last ones in a row were skipped (two integer writes on an
+  attribute of the optimizer; torch's ``Optimizer.__getstate__`` does not
+  carry it into pickles or copies).
+* **When a scheduler holds.** ``scheduler.step()`` does nothing (and is counted
+  in ``ampguard.stats.process_counters.scheduler_held``) when at least one
+  step of its optimizer was attempted through a SafeGradScaler since the
+  scheduler last advanced and every one of those attempts was skipped. A
+  scheduler stepped once per optimizer step holds exactly on the skipped ones;
+  one stepped per epoch holds only if the whole epoch was skipped; a scheduler
+  stepped several times per optimizer step (accelerate with
+  ``split_batches=False`` on N processes) holds all of them. Two schedulers on
+  one optimizer each hold. ``SequentialLR`` / ``ChainedScheduler`` hold as a
+  whole (their children are not called).
+* **accelerate** already holds its prepared scheduler: ``AcceleratedScheduler``
+  does not call the scheduler when ``optimizer.step_was_skipped``, so the
+  scheduler is not called at all on that step and holds once, not twice.
+* **Fused optimizers** (``Adam(fused=True)``) skip on the device: torch's
+  GradScaler hands them the found-inf flag and the host never learns of the
+  skip without a synchronisation. Their schedulers advance as under torch.
+
+A scheduler whose first ``step()`` ampguard sees after some steps were
+attempted (``SequentialLR`` and ``ChainedScheduler``, whose constructors make
+no initial step; one created before ``import ampguard``) is taken, for that
+first call, as stepped once per optimizer step. torch's initial step, made by a
+scheduler's constructor, always runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import weakref
+from typing import Any, Callable
+
+from ampguard.log import is_rank_zero, logger
+from ampguard.stats import process_counters
+
+_ATTRIBUTE = "_ampguard_scaler_steps"
+
+HELD = (
+    "lr_scheduler.step() held: the GradScaler skipped the optimizer step (inf/NaN gradients), so the learning-rate "
+    "schedule waits for the steps that happen ({count} held so far, "
+    "ampguard.stats.process_counters.scheduler_held). AMPGUARD_DISABLE=scheduler_hold restores torch's behaviour."
+)
+
+
+class _Steps:
+    """One optimizer's step attempts through a SafeGradScaler."""
+
+    def __init__(self) -> None:
+        self.attempts = 0
+        self.skipped_run = 0  # how many of the last attempts in a row were skipped
+
+
+class _State:
+    def __init__(self) -> None:
+        self.active = False
+        self.logged = False
+        # scheduler -> its optimizer's attempt count when it last advanced. Not an attribute of the
+        # scheduler: torch's LRScheduler.state_dict() saves every attribute.
+        self.advanced_at: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+state = _State()
+
+
+def activate() -> None:
+    state.active = True
+    state.logged = False
+
+
+def deactivate() -> None:
+    state.active = False
+
+
+def note_step(optimizer: Any, skipped: bool) -> None:
+    """The scaler stepped (``skipped=False``) or skipped ``optimizer``'s step: called on every non-fused step."""
+    try:
+        steps = optimizer.__dict__.get(_ATTRIBUTE)
+        if steps is None:
+            steps = optimizer.__dict__[_ATTRIBUTE] = _Steps()
+        steps.attempts += 1
+        steps.skipped_run = steps.skipped_run + 1 if skipped else 0
+    except Exception:  # an optimizer without a __dict__: its schedulers advance as under torch
+        logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
+
+
+def should_hold(scheduler: Any) -> bool:
+    """Whether this ``scheduler.step()`` call is one to skip; records the advance when it is not."""
+    steps = getattr(getattr(scheduler, "optimizer", None), "__dict__", {}).get(_ATTRIBUTE)
+    if steps is None:
+        state.advanced_at[scheduler] = 0
+        return False
+    # torch's initial step (made by the constructor, _step_count still 0) always runs.
+    if getattr(scheduler, "_step_count", None) != 0:
+        # A scheduler first seen now (SequentialLR and ChainedScheduler make no initial step; one
+        # created before import ampguard) is taken as stepped once per optimizer step.
+        advanced_at = state.advanced_at.get(scheduler, steps.attempts - steps.skipped_run)
+        if 0 < steps.attempts - advanced_at <= steps.skipped_run:
+            return True
+    state.advanced_at[scheduler] = steps.attempts
+    return False
+
+
+def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` of an LR scheduler class, held on skipped optimizer steps."""
+
+    @functools.wraps(original)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if state.active:
+            try:
+                hold = should_hold(self)
+            except Exception:  # never the reason a run dies: torch's behaviour for this call
+                logger.warning("scheduler_hold failed; lr_scheduler.step() runs as in torch", exc_info=True)
+                hold = False
+            if hold:
+                _count_hold()
+                return None
+        return original(self, *args, **kwargs)
+
+    return step
+
+
+def _count_hold() -> None:
+    process_counters.scheduler_held += 1
+    if not state.logged and is_rank_zero():
+        state.logged = True
+        logger.info(HELD.format(count=process_counters.scheduler_held))
+    elif logger.isEnabledFor(logging.DEBUG):
+        logger.debug("lr_scheduler.step() held (%d so far)", process_counters.scheduler_held)

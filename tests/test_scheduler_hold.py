@@ -1,0 +1,266 @@
+"""The scheduler_hold patch: LR schedulers hold on the optimizer steps a SafeGradScaler skipped.
+
+A tiny model trains under fp16 autocast with the recipe (scale, backward,
+step, update, scheduler.step); a gradient hook makes the gradients inf on
+chosen iterations, as a real overflow would. The learning rates the optimizer
+steps with must be those of the same schedule run in fp32 without the skipped
+iterations.
+"""
+
+from __future__ import annotations
+
+import logging
+import pickle
+import warnings
+from typing import Any, Callable, Iterator
+
+import pytest
+import torch
+from torch import nn
+
+import ampguard
+import ampguard.scaler
+import ampguard.scheduler_hold
+from ampguard.stats import process_counters
+from ampguard.syncs import HostReadCounter
+
+TORCH_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+WARMUP = 6
+
+
+@pytest.fixture(autouse=True)
+def _no_scaler_left_mid_iteration() -> Iterator[None]:
+    ampguard.scaler.scalers_in_iteration.clear()
+    yield
+    ampguard.scaler.scalers_in_iteration.clear()
+
+
+def warmup_lambda(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / WARMUP))
+
+
+def warmup_linear(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=WARMUP)
+
+
+def warmup_then_cosine(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    warm = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=3)
+    cosine = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=8)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [warm, cosine], milestones=[3])
+
+
+SCHEDULES = {"LambdaLR": warmup_lambda, "LinearLR": warmup_linear, "SequentialLR": warmup_then_cosine}
+
+
+class Run:
+    """A model, an optimizer and a scheduler; ``iteration(i)`` trains one batch, inf gradients when ``i`` in ``overflow_at``."""
+
+    def __init__(
+        self,
+        schedule: Callable[[torch.optim.Optimizer], Any],
+        overflow_at: set[int] = frozenset(),
+        *,
+        fp16: bool = True,
+        fused: bool = False,
+    ) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.model = nn.Linear(8, 4)
+        self.xs = torch.randn(40, 16, 8, generator=generator)
+        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, fused=fused) if fused else torch.optim.SGD(
+            self.model.parameters(), lr=0.1
+        )
+        self.scheduler = schedule(self.optimizer)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if fp16 else None
+        self.overflow_at = overflow_at
+        self.index = 0
+        self.model.weight.register_hook(self._hook)
+        self.lrs: list[float] = []  # the learning rate each optimizer step used (skipped steps included)
+
+    def _hook(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return torch.full_like(grad, float("inf")) if self.index in self.overflow_at else None
+
+    def iteration(self, index: int, *, step_scheduler: bool = True) -> None:
+        self.index = index
+        self.optimizer.zero_grad()
+        self.lrs.append(self.optimizer.param_groups[0]["lr"])
+        if self.scaler is None:
+            (self.model(self.xs[index]) ** 2).mean().backward()
+            self.optimizer.step()
+        else:
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = self.model(self.xs[index])
+            self.scaler.scale((out.float() ** 2).mean()).backward()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        if step_scheduler:
+            self.scheduler.step()
+
+    def train(self, iterations: int) -> Run:
+        for index in range(iterations):
+            self.iteration(index)
+        return self
+
+
+def successful_lrs(run: Run) -> list[float]:
+    return [lr for i, lr in enumerate(run.lrs) if i not in run.overflow_at]
+
+
+OVERFLOWS = {0, 3, 4, 9}
+ITERATIONS = 14
+
+
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_warmup_after_n_successful_steps_is_the_fp32_runs(name: str) -> None:
+    run = Run(SCHEDULES[name], OVERFLOWS).train(ITERATIONS)
+    assert run.scaler.stats.skipped == len(OVERFLOWS)
+    successful = ITERATIONS - len(OVERFLOWS)
+    fp32 = Run(SCHEDULES[name], fp16=False).train(successful)
+    assert successful_lrs(run) == fp32.lrs
+    assert run.optimizer.param_groups[0]["lr"] == fp32.optimizer.param_groups[0]["lr"]
+    assert run.scheduler.last_epoch == fp32.scheduler.last_epoch == successful
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")  # torch's, for the skipped first step
+@pytest.mark.parametrize("name", list(SCHEDULES))
+def test_disabled_patch_is_torchs_behaviour(name: str, reinstall: Callable) -> None:
+    """The comparison above can fail: torch's schedulers advance on skipped steps."""
+    reinstall(AMPGUARD_DISABLE="scheduler_hold")
+    run = Run(SCHEDULES[name], OVERFLOWS).train(ITERATIONS)
+    assert run.scheduler.last_epoch == ITERATIONS
+    with_torch = Run(SCHEDULES[name]).train(ITERATIONS)  # the schedule does not depend on the gradients
+    assert run.lrs == with_torch.lrs
+    ampguard.uninstall()
+    try:
+        stock = Run(SCHEDULES[name], OVERFLOWS).train(ITERATIONS)
+    finally:
+        ampguard.install()
+    assert stock.lrs == run.lrs and stock.scaler.get_scale() == run.scaler.get_scale() == 1024.0 / 2 ** len(OVERFLOWS)
+
+
+def _first_step_warnings() -> list[str]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        Run(warmup_lambda, {0}).train(3)
+    return [str(w.message) for w in caught if TORCH_WARNING in str(w.message)]
+
+
+def test_torchs_warning_is_not_raised_for_a_skipped_first_step(reinstall: Callable) -> None:
+    assert _first_step_warnings() == []
+    reinstall(AMPGUARD_DISABLE="scheduler_hold")
+    assert len(_first_step_warnings()) == 1
+
+
+def test_the_torch_warning_for_a_real_ordering_bug_is_kept() -> None:
+    """scheduler.step() before any optimizer step, no skip involved: torch's warning, as it should."""
+    optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
+    scheduler = warmup_lambda(optimizer)
+    with pytest.warns(UserWarning, match="Detected call of"):
+        scheduler.step()
+
+
+def test_holds_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ampguard.scheduler_hold.state, "logged", False)  # once per installation
+    before = process_counters.scheduler_held
+    with caplog.at_level(logging.DEBUG, logger="ampguard"):
+        Run(warmup_lambda, OVERFLOWS).train(ITERATIONS)
+    assert process_counters.scheduler_held - before == len(OVERFLOWS)
+    held = [r for r in caplog.records if r.name == "ampguard" and "lr_scheduler.step() held" in r.getMessage()]
+    assert [r.levelno for r in held] == [logging.INFO] + [logging.DEBUG] * (len(OVERFLOWS) - 1)
+
+
+def test_an_epoch_scheduler_holds_only_when_the_whole_epoch_was_skipped() -> None:
+    def per_epoch(optimizer: torch.optim.Optimizer) -> Any:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    run = Run(per_epoch, {1, 4, 5, 6, 7})  # epoch 0: one skip of 4; epoch 1: all 4 skipped
+    for epoch in range(3):
+        for index in range(4 * epoch, 4 * epoch + 4):
+            run.iteration(index, step_scheduler=False)
+        run.scheduler.step()
+    assert run.scheduler.last_epoch == 2
+
+
+def test_two_schedulers_on_one_optimizer_each_hold() -> None:
+    run = Run(warmup_lambda, {2})
+    second = torch.optim.lr_scheduler.StepLR(run.optimizer, step_size=1, gamma=1.0)  # only counts
+    for index in range(5):
+        run.iteration(index)
+        second.step()
+    assert run.scheduler.last_epoch == second.last_epoch == 4
+
+
+def test_fused_optimizer_follows_torch() -> None:
+    """Fused optimizers skip on the device: the host never learns of it, the scheduler advances as in torch."""
+    try:
+        run = Run(warmup_lambda, {1}, fused=True)
+    except RuntimeError:
+        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
+    run.train(4)
+    assert run.scheduler.last_epoch == 4
+
+
+def _host_reads(overflow_at: set[int]) -> int:
+    run = Run(warmup_lambda, overflow_at)
+    with HostReadCounter() as reads:
+        run.train(3)
+    return reads.total
+
+
+@pytest.mark.parametrize("overflow_at", [set(), {1}], ids=["healthy", "one skip"])
+def test_no_extra_host_read(overflow_at: set[int], reinstall: Callable) -> None:
+    reads = _host_reads(overflow_at)
+    if not overflow_at:
+        assert reads == 3  # torch's own: one per non-fused scaler.step
+    reinstall(AMPGUARD_DISABLE="scheduler_hold")
+    assert _host_reads(overflow_at) == reads
+
+
+def test_nothing_in_the_checkpoints() -> None:
+    run = Run(warmup_lambda, {1}).train(3)
+    state = run.scheduler.state_dict()
+    assert not any("ampguard" in key for key in state)
+    assert not any("ampguard" in key for key in pickle.loads(pickle.dumps(run.optimizer)).__dict__)
+
+
+# -- accelerate ------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def accelerate() -> Iterator[Any]:
+    accelerate = pytest.importorskip("accelerate")
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    yield accelerate
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+
+
+def _accelerate_run(accelerate: Any, overflow_at: set[int], iterations: int) -> tuple[Any, list[bool]]:
+    accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    # On CPU accelerate makes no scaler: do what Accelerator.__init__ does on CUDA
+    # (tests/integration/test_accelerate_hf.py, hand_cpu_scaler).
+    accelerator.native_amp = True
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run = Run(warmup_lambda, overflow_at, fp16=False)
+    model, optimizer, scheduler = accelerator.prepare(run.model, run.optimizer, run.scheduler)
+    skipped = []
+    for index in range(iterations):
+        run.index = index
+        optimizer.zero_grad()
+        run.lrs.append(optimizer.param_groups[0]["lr"])
+        accelerator.backward((model(run.xs[index]).float() ** 2).mean())
+        optimizer.step()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        scheduler.step()
+    return run, skipped
+
+
+def test_accelerate_prepared_scheduler_holds_once_not_twice(accelerate: Any) -> None:
+    run, skipped = _accelerate_run(accelerate, OVERFLOWS, ITERATIONS)
+    assert skipped == [i in OVERFLOWS for i in range(ITERATIONS)]  # accelerate saw the skips and held
+    successful = ITERATIONS - len(OVERFLOWS)
+    fp32 = Run(warmup_lambda, fp16=False).train(successful)
+    assert run.scheduler.last_epoch == successful
+    assert successful_lrs(run) == fp32.lrs
