@@ -34,7 +34,7 @@ from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
-from torch.amp.grad_scaler import OptState
+from torch.amp import grad_scaler
 
 from ampguard import master
 
@@ -50,11 +50,11 @@ def rescale_unscaled_gradients(scaler: SafeGradScaler) -> None:
     kept: list[Any] = []
     for optimizer in scaler._unscaled_optimizers:
         state = scaler._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
-        if state is None or state["stage"] is not OptState.UNSCALED:
+        if state is None or state["stage"] is not grad_scaler.OptState.UNSCALED:
             kept.append(optimizer)
             continue
         _multiply_gradients(optimizer, scale)
-        state["stage"] = OptState.READY
+        state["stage"] = grad_scaler.OptState.READY
         state["found_inf_per_device"] = {}
     scaler._unscaled_optimizers = kept
 

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
 from ampguard import config as config_module
+from ampguard import torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
 from ampguard.log import ensure_default_handler, is_rank_zero, logger
@@ -93,6 +94,9 @@ def _decide(patch: Patch, config: config_module.Config) -> tuple[State, str] | N
         return "disabled", f"opt-in: set AMPGUARD_ENABLE={patch.name}"
     if not patch.supports():
         return "unavailable", f"needs torch {patch.requires_torch}, this is {torch_release()}"
+    changed = torch_privates.problem(patch.requires_privates)
+    if changed is not None:
+        return "unavailable", f"a torch internal it relies on changed: {changed}"
     return None
 
 

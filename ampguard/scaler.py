@@ -36,7 +36,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
-from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+
+try:
+    from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator, _refresh_per_optimizer_state
+except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
+    OptState = _MultiDeviceReplicator = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
 
 from ampguard import diagnose, healing, master, messages, scheduler_hold
 from ampguard.accumulation import rescale_unscaled_gradients
@@ -596,8 +600,8 @@ class SafeGradScaler(TorchGradScaler):
             step=self._steps,
             scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
             loss=diagnose.parameters_note(self) or (messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else ""),
-        )
             limit=self._settings.max_consecutive_skips,
+        )
         if raising:
             self._stall_error = ScaleCollapseError(message)
         else:

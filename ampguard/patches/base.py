@@ -10,6 +10,7 @@ from packaging.version import Version
 
 from ampguard.bindings import Bindings
 from ampguard.config import Config
+from ampguard.torch_privates import Private
 
 
 def torch_release(version: str | None = None) -> Version:
@@ -67,6 +68,8 @@ class Patch:
     name: ClassVar[str]
     summary: ClassVar[str]
     requires_torch: ClassVar[str] = ""
+    # torch internals the patch relies on: checked at install (ampguard.torch_privates)
+    requires_privates: ClassVar[tuple[Private, ...]] = ()
     opt_in: ClassVar[bool] = False
 
     def __init__(self) -> None:

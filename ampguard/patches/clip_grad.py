@@ -23,6 +23,7 @@ import torch
 import wrapt
 
 from ampguard import clip, clip_api
+from ampguard import torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
@@ -43,6 +44,7 @@ class ClipGradPatch(Patch):
         "an inf/NaN norm skips the step (no GradScaler: grads set to None)"
     )
     requires_torch = ">=2.3"
+    requires_privates = torch_privates.CLIP_GRAD
 
     def apply(self, config: Config) -> None:
         module = torch.nn.utils.clip_grad

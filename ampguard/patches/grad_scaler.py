@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from ampguard import torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
@@ -80,14 +81,13 @@ class GradScalerPatch(Patch):
     name = "grad_scaler"
     summary = "every GradScaler is a SafeGradScaler: init_scale 1024, growth every 100 steps, skip accounting"
     requires_torch = ">=2.3"
+    requires_privates = torch_privates.GRAD_SCALER
 
     def apply(self, config: Config) -> None:
         global _active_patch
         original = torch.amp.grad_scaler.GradScaler
         if not isinstance(original, type) or issubclass(original, SafeGradScaler):
             raise PatchUnavailable("torch.amp.grad_scaler.GradScaler is not torch's class")
-        if not hasattr(original, "_maybe_opt_step") or not hasattr(original, "_unscale_grads_"):
-            raise PatchUnavailable("torch's GradScaler no longer has _maybe_opt_step/_unscale_grads_")
         self.bindings.rebind_names_of(original, GradScaler)
         self.bindings.rebind_names_of(torch.cuda.amp.GradScaler, CudaGradScaler)
         cpu_legacy = getattr(torch.cpu.amp, "GradScaler", None)

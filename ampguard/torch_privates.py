@@ -1,0 +1,75 @@
+"""The torch internals ampguard relies on, and the check that they are still there.
+
+torch's public API cannot do some of what ampguard does (carry the loss-finite
+bit on the scaler's one host read, unscale bfloat16 gradients without the CUDA
+kernel, clip with torch's own grouping), so a few private names are used, and
+ampguard's torch requirement is open-ended: a future torch may rename one.
+Each patch declares the privates it needs (``Patch.requires_privates``, lists
+of :class:`Private` below); install checks them, existence and the parameters
+ampguard passes, and a patch whose privates changed is reported unavailable
+with the name (``ampguard patches``) instead of failing inside a training step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from typing import Any, Iterable
+
+
+@dataclass(frozen=True)
+class Private:
+    """A torch name ampguard uses, and the leading parameters it calls it with (checked when given)."""
+
+    path: str
+    parameters: tuple[str, ...] = ()
+
+
+GRAD_SCALER: tuple[Private, ...] = (
+    Private("torch.amp.grad_scaler.OptState"),
+    Private("torch.amp.grad_scaler._MultiDeviceReplicator"),
+    Private("torch.amp.grad_scaler._refresh_per_optimizer_state"),
+    Private("torch.amp.grad_scaler.GradScaler._maybe_opt_step", ("self", "optimizer", "optimizer_state")),
+    Private("torch.amp.grad_scaler.GradScaler._unscale_grads_", ("self", "optimizer", "inv_scale", "found_inf", "allow_fp16")),
+    Private("torch.amp.grad_scaler.GradScaler._lazy_init_scale_growth_tracker", ("self", "dev")),
+    Private("torch._amp_foreach_non_finite_check_and_unscale_"),
+    Private("torch._amp_update_scale_"),
+)
+
+CLIP_GRAD: tuple[Private, ...] = (
+    Private("torch._foreach_norm"),
+    Private("torch._foreach_mul_"),
+)
+
+
+def resolve(path: str) -> Any:
+    """The object at a dotted path: the longest importable module, then attributes."""
+    parts = path.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        for name in parts[split:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(path)
+
+
+def problem(privates: Iterable[Private]) -> str | None:
+    """What is missing or changed among ``privates``, or None when all are as ampguard expects."""
+    for private in privates:
+        try:
+            found = resolve(private.path)
+        except (ImportError, AttributeError):
+            return f"torch has no {private.path}"
+        if not private.parameters:
+            continue
+        try:
+            names = tuple(inspect.signature(found).parameters)
+        except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
+            continue
+        if names[: len(private.parameters)] != private.parameters:
+            return f"{private.path} takes ({', '.join(names)}), ampguard calls it with ({', '.join(private.parameters)})"
+    return None
