@@ -154,8 +154,9 @@ def test_the_torch_warning_for_a_real_ordering_bug_is_kept() -> None:
     """scheduler.step() before any optimizer step, no skip involved: torch's warning, as it should."""
     optimizer = torch.optim.SGD([nn.Parameter(torch.zeros(2))], lr=0.1)
     scheduler = warmup_lambda(optimizer)
-    with pytest.warns(UserWarning, match="Detected call of"):
+    with pytest.warns(UserWarning, match="Detected call of") as caught:
         scheduler.step()
+    assert [w.filename for w in caught] == [__file__]  # attributed to this line, as torch does
 
 
 def test_holds_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
