@@ -398,3 +398,33 @@ def test_a_failure_inside_falls_back_to_torch_with_one_warning(scaler, monkeypat
     [warning] = records(ampguard_log, logging.WARNING, "master weights failed")
     assert "RuntimeError: boom" in warning.getMessage()
     assert not master.masters_of(opt) and not torch.equal(before, model.weight)
+
+
+def test_a_second_unscale_leaves_the_master_gradients_alone():
+    model = torch.nn.Linear(8, 8).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean()).backward()
+    scaler.unscale_(opt)
+    once = [g.clone() for _, g in master.gradients(opt)]
+    scaler.unscale_(opt)  # a library and the user both call it
+    assert all(torch.equal(a, b) for a, b in zip(once, (g for _, g in master.gradients(opt))))
+    before = [m.clone() for _, m in master.masters_of(opt)]
+    scaler.step(opt)
+    scaler.update()
+    assert all(torch.equal(m, torch.add(b, g, alpha=-0.1)) for (_, m), b, g in zip(master.masters_of(opt), before, once))
+
+
+def test_zero_grad_without_set_to_none_steps_like_float32():
+    """Zeroed (not None) gradients reach the masters as zeros: momentum keeps moving the weights, as in float32."""
+    results = {}
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 8).to(torch.float16).to(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        model(torch.randn(4, 8).to(dtype)).float().square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=False)
+        opt.step()  # zero gradients: only momentum moves the weights
+        results[dtype] = model.weight.detach().float()
+    torch.testing.assert_close(results[torch.float16], results[torch.float32], atol=1e-3, rtol=0)
