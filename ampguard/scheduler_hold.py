@@ -42,7 +42,6 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-import weakref
 from typing import Any, Callable
 
 from ampguard.log import is_rank_zero, logger
@@ -63,15 +62,16 @@ class _Steps:
     def __init__(self) -> None:
         self.attempts = 0
         self.skipped_run = 0  # how many of the last attempts in a row were skipped
+        # id(scheduler) -> attempts when it last advanced. Not an attribute of the scheduler: torch's
+        # LRScheduler.state_dict() saves every attribute. A new scheduler reusing an id starts afresh
+        # with its initial step.
+        self.advanced_at: dict[int, int] = {}
 
 
 class _State:
     def __init__(self) -> None:
         self.active = False
         self.logged = False
-        # scheduler -> its optimizer's attempt count when it last advanced. Not an attribute of the
-        # scheduler: torch's LRScheduler.state_dict() saves every attribute.
-        self.advanced_at: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 
 
 state = _State()
@@ -100,18 +100,21 @@ def note_step(optimizer: Any, skipped: bool) -> None:
 
 def should_hold(scheduler: Any) -> bool:
     """Whether this ``scheduler.step()`` call is one to skip; records the advance when it is not."""
-    steps = getattr(getattr(scheduler, "optimizer", None), "__dict__", {}).get(_ATTRIBUTE)
-    if steps is None:
-        state.advanced_at[scheduler] = 0
+    optimizer_dict = getattr(getattr(scheduler, "optimizer", None), "__dict__", None)
+    if optimizer_dict is None:
         return False
+    steps = optimizer_dict.get(_ATTRIBUTE)
+    if steps is None:
+        steps = optimizer_dict[_ATTRIBUTE] = _Steps()
+    key = id(scheduler)
     # torch's initial step (made by the constructor, _step_count still 0) always runs.
     if getattr(scheduler, "_step_count", None) != 0:
         # A scheduler first seen now (SequentialLR and ChainedScheduler make no initial step; one
         # created before import ampguard) is taken as stepped once per optimizer step.
-        advanced_at = state.advanced_at.get(scheduler, steps.attempts - steps.skipped_run)
+        advanced_at = steps.advanced_at.get(key, steps.attempts - steps.skipped_run)
         if 0 < steps.attempts - advanced_at <= steps.skipped_run:
             return True
-    state.advanced_at[scheduler] = steps.attempts
+    steps.advanced_at[key] = steps.attempts
     return False
 
 
