@@ -72,6 +72,7 @@ class _State:
     def __init__(self) -> None:
         self.active = False
         self.logged = False
+        self.failed = False
 
 
 state = _State()
@@ -127,7 +128,7 @@ def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             try:
                 hold = should_hold(self)
             except Exception:  # never the reason a run dies: torch's behaviour for this call
-                logger.warning("scheduler_hold failed; lr_scheduler.step() runs as in torch", exc_info=True)
+                _report_failure()
                 hold = False
             if hold:
                 _count_hold()
@@ -148,6 +149,13 @@ def _warning_at_caller(original: Callable[..., Any], scheduler: Any, args: tuple
         # 1: here, 2: step() above, 3: its caller, where torch's own warning points.
         warnings.warn(warning.message, warning.category, stacklevel=3)
     return result
+
+
+def _report_failure() -> None:
+    if not state.failed:
+        state.failed = True
+        logger.warning("scheduler_hold failed; lr_scheduler.step() runs as in torch (traceback at DEBUG)")
+    logger.debug("scheduler_hold failure", exc_info=True)
 
 
 def _count_hold() -> None:

@@ -265,3 +265,19 @@ def test_accelerate_prepared_scheduler_holds_once_not_twice(accelerate: Any) -> 
     fp32 = Run(warmup_lambda, fp16=False).train(successful)
     assert run.scheduler.last_epoch == successful
     assert successful_lrs(run) == fp32.lrs
+
+
+def test_a_failure_inside_the_hold_falls_back_to_torch_with_one_warning(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def broken(scheduler: Any) -> bool:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(ampguard.scheduler_hold, "should_hold", broken)
+    monkeypatch.setattr(ampguard.scheduler_hold.state, "failed", False)
+    with caplog.at_level(logging.WARNING, logger="ampguard"):
+        run = Run(warmup_lambda, {1, 2}).train(4)
+    assert run.scheduler.last_epoch == 4  # torch's behaviour
+    assert [r.getMessage() for r in caplog.records if "scheduler_hold failed" in r.getMessage()] == [
+        "scheduler_hold failed; lr_scheduler.step() runs as in torch (traceback at DEBUG)"
+    ]
