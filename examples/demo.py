@@ -64,9 +64,13 @@ def main() -> int:
             print("  ".join("-" * width for width in widths))
     print(
         "\ncalibration: torch starts at scale 65536 and burns steps finding a scale; ampguard starts at 1024."
-        "\nstorm:       a burst of forward overflows halves torch's scale far below 1, where it stays (it grows"
-        "\n             only every 2000 steps); ampguard stops at 1, says the loss itself was inf, and grows every 100."
+        "\nstorm:       a burst of batches a million times too loud (inf/NaN even in float32): torch halves its scale"
+        "\n             far below 1, where it stays; ampguard skips them too (no fp16 trick fixes such data: even"
+        "\n             in float32 their gradients are NaN), stops at the floor 1, and grows every 100."
         "\nno_grad:     an optimizer whose parameters got no gradient crashes torch's scaler; ampguard steps it as fp32 would."
+        "\nhot_block:   one block overflows float16 on every batch: torch skips them all and its scale sinks to ~1e-14;"
+        "\n             ampguard keeps the scale, finds the modules (blocks.0.linear1, then .linear2) and runs just"
+        "\n             them in float32 (fp32 islands, docs/islands.md): a few steps lost, then it trains as fp32 would."
     )
     return 0
 

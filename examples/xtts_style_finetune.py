@@ -11,7 +11,7 @@ It is written the way such scripts are, and knows nothing of ampguard:
 * a second optimizer (a speaker-adapter that this recipe keeps frozen), as
   multi-optimizer coqui models have.
 
-Three scenarios, each a short run:
+Four scenarios, each a short run:
 
 ``calibration``  the loss scale's first steps: how many optimizer steps the
                  scaler burns before it finds a scale that does not overflow;
@@ -19,6 +19,9 @@ Three scenarios, each a short run:
                  (as bf16-pretrained weights do), then normal data again: does
                  training recover?
 ``no_grad``      the frozen second optimizer gets no gradient.
+``hot_block``    one feed-forward block's weights are far larger than float16
+                 activations allow (as weights trained in bf16 can be): every
+                 batch overflows float16 in that block, none does in float32.
 
 Run it as is (plain torch), or with ampguard and no edit::
 
@@ -110,6 +113,9 @@ class Trainer:
 def run(scenario: str, steps: int) -> dict[str, object]:
     torch.manual_seed(0)
     model = TinyGPT()
+    if scenario == "hot_block":
+        with torch.no_grad():
+            model.blocks[0].linear1.weight.mul_(1e5)
     trainer = Trainer(model, grad_clip=1.0, accumulation=2, second_optimizer=scenario == "no_grad")
     data = batches(seed=1)
     storm = range(steps // 4, steps // 4 + 24) if scenario == "storm" else range(0)
@@ -140,11 +146,11 @@ def run(scenario: str, steps: int) -> dict[str, object]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--scenario", choices=["calibration", "storm", "no_grad", "all"], default="all")
+    parser.add_argument("--scenario", choices=["calibration", "storm", "no_grad", "hot_block", "all"], default="all")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per scenario")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    scenarios = ["calibration", "storm", "no_grad"] if args.scenario == "all" else [args.scenario]
+    scenarios = ["calibration", "storm", "no_grad", "hot_block"] if args.scenario == "all" else [args.scenario]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = [run(name, args.steps) for name in scenarios]

@@ -36,6 +36,10 @@ def test_demo_script_fails_plain_and_trains_through_with_ampguard():
     assert guarded["storm"]["final_scale"] >= 1.0  # the floor
     assert "loss scale collapsed" in guarded["stderr"] and "forward overflow" in guarded["stderr"]
 
+    assert plain["hot_block"]["skipped_steps"] == 40 and plain["hot_block"]["final_scale"] < 1e-6  # every step
+    assert guarded["hot_block"]["skipped_steps"] <= 4 and guarded["hot_block"]["final_scale"] >= 1024.0
+    assert "fp32 island: blocks.0.linear1 (Linear)" in guarded["stderr"]
+
     assert plain["no_grad"]["outcome"].startswith("crashed: AssertionError: No inf checks were recorded")
     assert guarded["no_grad"]["outcome"] == "finished"
     assert "got no gradient" in guarded["stderr"]
