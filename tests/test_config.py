@@ -69,6 +69,11 @@ def test_empty_value_means_default():
         ("AMPGUARD_STATS_EVERY", "-5", "whole number >= 0"),
         ("AMPGUARD_ON_STALL", "explode", "'warn' or 'raise'"),
         ("AMPGUARD_FP16_GRADS", "maybe", "'allow' or 'error'"),
+        ("AMPGUARD_FP32_ISLANDS", "on", "'auto' or 'report'"),
+        ("AMPGUARD_MAX_ISLANDS", "0", "a whole number >= 1"),
+        ("AMPGUARD_MAX_ISLANDS", "many", "a whole number >= 1"),
+        ("AMPGUARD_PROBE_STEPS", "-5", "a whole number >= 1"),
+        ("AMPGUARD_PROBE_STEPS", "1.5", "a whole number >= 1"),
     ],
 )
 def test_bad_values_name_variable_value_and_what_is_accepted(variable, raw, accepted_fragment):
