@@ -53,6 +53,10 @@ class BufferGuard:
             self._handle.remove()
             self._handle = None
 
+    def idle(self) -> bool:
+        """Nothing to do on a healthy update: discovery is over and there is nothing to guard."""
+        return self.state == "guarding" and not self.buffers
+
     def _note(self, module: torch.nn.Module, args: Any) -> None:
         if module._buffers and id(module) not in self._modules:
             self._modules[id(module)] = weakref.ref(module)

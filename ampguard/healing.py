@@ -169,6 +169,8 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     active = _active
     if active is None:
         return
+    if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
+        return  # the healthy step of a model without small buffers: nothing to do
     step = int(getattr(scaler, "_steps", 0))
     try:
         islands.end_restore_window()

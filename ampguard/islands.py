@@ -235,6 +235,10 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
         _stop_restoring()
 
 
+def restoring() -> bool:
+    return _pending["handle"] is not None
+
+
 def end_restore_window() -> None:
     """At the end of the first iteration after loading: names still unresolved are reported once."""
     if _pending["handle"] is None:
