@@ -58,7 +58,7 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import master
+from ampguard import containment, master, summary
 from ampguard.log import RateLimiter, is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler, live_scalers, params_of, scalers_in_iteration
 from ampguard.stats import process_counters
@@ -227,9 +227,18 @@ def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: 
         parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
     except TypeError:  # torch raises its own error, or knows an argument this torch added
         return wrapped(*args, **kwargs)
-    return safe_clip_grad_norm_(
-        parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
-    )
+    params, for_torch = _materialize(parameters)  # a generator is read once: torch gets a fresh one below
+    try:
+        return safe_clip_grad_norm_(
+            for_torch, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
+        )
+    except Exception as error:
+        passing = containment.passes_through(error)
+        if passing is not None:
+            raise passing from None
+        containment.report("safe clip_grad_norm_", error)
+        again = (p for p in params) if isinstance(for_torch, types.GeneratorType) else params
+        return wrapped(again, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def deprecated_clip_grad_norm_wrapper(
@@ -332,10 +341,10 @@ def safe_clip_grad_norm_(
     params, for_torch = _materialize(parameters)
     pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
-        return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+        return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()
     if not scalers and not guard_active():
-        return torch_clip(for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+        return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     with torch.no_grad():
@@ -510,6 +519,7 @@ def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
     for param, _ in pairs:
         param.grad = None
     process_counters.clip_skipped += 1
+    summary.arm()
     limiter = state.skip_log
     suppressed_before = limiter.suppressed
     if limiter.ready():
@@ -544,7 +554,9 @@ def _groups(grads: list[Tensor], foreach: bool | None) -> list[_Group]:
             or (foreach and _device_has_foreach_support(device))
         )
         if foreach and not use_foreach:
-            raise RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            raise containment.intended(
+                RuntimeError(f"foreach=True was passed, but can't use the foreach API on {device.type} tensors")
+            )
         groups.append(_Group(device, dtype, device_grads, use_foreach))
     return groups
 
@@ -579,7 +591,7 @@ def _multiply_(groups: list[_Group], coefficient: Tensor) -> None:
 
 def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
     if torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(NONFINITE_ERROR.format(norm_type=norm_type))
+        raise containment.intended(RuntimeError(NONFINITE_ERROR.format(norm_type=norm_type)))
 
 
 def _group(tensors: list[Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[Tensor]]]:

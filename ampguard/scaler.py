@@ -42,7 +42,7 @@ try:
 except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
     OptState = _MultiDeviceReplicator = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
 
-from ampguard import diagnose, healing, master, messages, scheduler_hold
+from ampguard import containment, diagnose, healing, master, messages, scheduler_hold, summary
 from ampguard.accumulation import rescale_unscaled_gradients
 from ampguard.config import FLOAT32_MAX
 from ampguard.errors import ScaleCollapseError
@@ -273,6 +273,8 @@ class SafeGradScaler(TorchGradScaler):
         self._warned_no_grad: set[int] = set()
         self._warned_fp16 = False
         self._reset_iteration()
+        if self._enabled:
+            summary.track(self)
         if self._enabled and settings.init_scale != self._mirror_scale:
             self._init_scale = self._mirror_scale
 
@@ -297,14 +299,20 @@ class SafeGradScaler(TorchGradScaler):
         scale (:mod:`ampguard.accumulation`).
         """
         if self._enabled and self._unscaled_optimizers:
-            rescale_unscaled_gradients(self)
+            try:
+                rescale_unscaled_gradients(self)
+            except Exception as error:
+                containment.report("re-scaling of gradients unscaled earlier (scale())", error)
         scaled = super().scale(outputs)
         if self._enabled:
-            self._scaling_thread = threading.get_ident()
-            check = _loss_check(outputs)
-            if check is not None:
-                self._loss_check = check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
             scalers_in_iteration.add(self)
+            try:
+                self._scaling_thread = threading.get_ident()
+                check = _loss_check(outputs)
+                if check is not None:
+                    self._loss_check = check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
+            except Exception as error:
+                containment.report("loss check (scale())", error)
         return scaled
 
     def get_scale(self) -> float:
@@ -405,7 +413,24 @@ class SafeGradScaler(TorchGradScaler):
             logger.warning(messages.NO_GRADIENTS.format(optimizer=_optimizer_label(optimizer)))
 
     def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
-        # The single host read torch makes here also carries "was the loss finite?".
+        # The single host read torch makes here also carries "was the loss finite?" and the probe's verdict.
+        try:
+            code = self._step_code(optimizer_state)
+        except Exception as error:
+            containment.report("skip check (step())", error)
+            return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
+        value = int(code.item())
+        try:
+            found = self._note_verdict(optimizer, value)
+        except Exception as error:
+            containment.report("bookkeeping of a step's verdict (step())", error)
+            found = bool(value & 1)
+        if found:
+            return None
+        return optimizer.step(*args, **kwargs)
+
+    def _step_code(self, optimizer_state: dict[str, Any]) -> torch.Tensor:
+        """found_inf (0/1), + 2 when a loss was non-finite, + the probe's verdict: one value for one read."""
         found_infs = list(optimizer_state["found_inf_per_device"].values())
         total = found_infs[0]
         for other in found_infs[1:]:
@@ -414,8 +439,10 @@ class SafeGradScaler(TorchGradScaler):
         if self._loss_check is not None:
             # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
             code = code + torch.nan_to_num(self._loss_check.to(code.device, non_blocking=True), nan=2.0)
-        code = healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
-        value = int(code.item())
+        return healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
+
+    def _note_verdict(self, optimizer: torch.optim.Optimizer, value: int) -> bool:
+        """Everything the host learns from the one read; returns whether the step is skipped."""
         healing.note_read(value)
         found = bool(value & 1)
         self._host_found[id(optimizer)] = found
@@ -424,8 +451,7 @@ class SafeGradScaler(TorchGradScaler):
             self._iteration_loss_nonfinite = True
         if found:
             diagnose.on_skipped_step(self, optimizer, loss_nonfinite=bool(value & 2), step=self._steps + 1)
-            return None
-        return optimizer.step(*args, **kwargs)
+        return found
 
     # -- update -----------------------------------------------------------------------
 
@@ -444,6 +470,7 @@ class SafeGradScaler(TorchGradScaler):
         recorded = [s for s in states.values() if s["found_inf_per_device"]]
         if self._scale is None:
             return super().update(new_scale)  # torch's error: scale() was never called
+        self._torch_updated = False
         try:
             if new_scale is None and not recorded:
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
@@ -453,6 +480,12 @@ class SafeGradScaler(TorchGradScaler):
                 self._update_in_host_mode()
             else:
                 self._update_in_device_mode(states, new_scale)
+        except Exception as error:
+            passing = containment.passes_through(error)
+            if passing is not None:
+                raise passing from None
+            containment.report("scale bookkeeping (update())", error)
+            self._resync_after_failed_update(new_scale)
         finally:
             self._end_iteration()
         error, self._stall_error = self._stall_error, None
@@ -465,7 +498,7 @@ class SafeGradScaler(TorchGradScaler):
         skipped_steps = sum(self._host_found.values())
         scale_before = self._mirror_scale
         assert scale_before is not None
-        super().update()
+        self._torch_update()
         if forward_overflow:  # the loss itself was inf/NaN: the scale did not cause it, so no back-off
             scale, tracker = healing.keep_scale(self, scale_before, self._mirror_tracker)
         else:
@@ -523,13 +556,27 @@ class SafeGradScaler(TorchGradScaler):
             if self._loss_check is not None:
                 ledger.nonfinite_loss.add_(self._loss_check.isnan().to(scale.device))
         held = healing.hold_scale(self, new_scale)  # kept where a loss was non-finite: no back-off
-        super().update(new_scale)
+        self._torch_update(new_scale)
         healing.keep_scale_on_device(self, held)
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
         torch.maximum(ledger.max_scale, scale, out=ledger.max_scale)
         self._mirror_scale = None
+
+    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
+        self._torch_updated = True
+
+    def _resync_after_failed_update(self, new_scale: float | torch.Tensor | None) -> None:
+        """After a failure in ampguard's bookkeeping: torch's update if it did not run, then the device's truth."""
+        if not self._torch_updated:
+            super().update(new_scale)
+        assert self._scale is not None and self._growth_tracker is not None
+        self._ledger = None
+        self._mirror_scale = float(self._scale.clamp(min=self._min_scale or None, max=self._max_scale).item())
+        self._scale.fill_(self._mirror_scale)
+        self._mirror_tracker = int(self._growth_tracker.item())
 
     def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
@@ -608,9 +655,12 @@ class SafeGradScaler(TorchGradScaler):
             logger.critical(message)
 
     def _report(self) -> None:
-        stats = self.stats
-        log_stats(stats, stats.skipped - self._skipped_at_last_report)
-        self._skipped_at_last_report = stats.skipped
+        try:
+            stats = self.stats
+            log_stats(stats, stats.skipped - self._skipped_at_last_report)
+            self._skipped_at_last_report = stats.skipped
+        except Exception as error:
+            containment.report("stats line", error)
 
     @property
     def stats(self) -> ScalerStats:

@@ -47,7 +47,8 @@ class ScalerStats:
         return 100.0 * self.skipped / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """Plain data, as JSON gives it back (``fp32_islands`` a list)."""
+        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
 
 
 @dataclass

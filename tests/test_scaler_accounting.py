@@ -316,7 +316,7 @@ def test_stats_snapshot_attributes_and_as_dict():
     assert stats.as_dict() == {
         "steps": 0, "skipped": 0, "no_grad_steps": 0, "nonfinite_loss": 0, "scale": 1024.0,
         "min_scale_seen": 1024.0, "max_scale_seen": 1024.0, "consecutive_skipped": 0,
-        "fp32_islands": (), "buffers_restored": 0,
+        "fp32_islands": [], "buffers_restored": 0,
     }
     with pytest.raises(AttributeError):
         stats.steps = 3  # a snapshot

@@ -1,0 +1,65 @@
+"""One line at interpreter exit, on rank 0, when anything was skipped: the tally a short run never showed.
+
+Skipped-step reports are rate limited (the first, then one per stats interval;
+the no-scaler clip guard at most once a minute) and a stats line comes every
+``AMPGUARD_STATS_EVERY`` steps, so a run of a few steps that skipped most of
+them may end without a tally. At exit, ampguard logs one INFO record with the
+totals of every SafeGradScaler that stepped and of the clip guard, when any of
+them skipped something; nothing when nothing was skipped.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from typing import Any
+
+from ampguard.log import is_rank_zero, logger
+from ampguard.stats import process_counters
+
+_scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+_registered = False
+
+
+def arm() -> None:
+    """Log the summary at exit (registered once, by the first scaler or the first step the clip guard skips)."""
+    global _registered
+    if not _registered:
+        _registered = True
+        atexit.register(log_summary)
+
+
+def track(scaler: Any) -> None:
+    """Count this scaler in the exit summary (a weak reference: a scaler gone before exit is not in it)."""
+    _scalers.add(scaler)
+    arm()
+
+
+def summary_line() -> str | None:
+    """The summary, or None when nothing was skipped."""
+    parts = []
+    for scaler in list(_scalers):
+        try:
+            stats = scaler.stats  # reads the device once for fused optimizers; only here, at exit
+        except Exception:  # a device already gone at exit: the host counters are all there is
+            continue
+        if stats.steps and (stats.skipped or stats.nonfinite_loss or stats.no_grad_steps):
+            parts.append(
+                f"{type(scaler).__name__}#{id(scaler) & 0xFFFF:04x}: {stats.skipped} of {stats.steps} steps skipped "
+                f"({stats.skipped_percent:.1f}%), {stats.nonfinite_loss} with a non-finite loss, "
+                f"{stats.no_grad_steps} without gradients, final scale {stats.scale:g}"
+            )
+    if process_counters.clip_skipped:
+        parts.append(f"clip_grad_norm_ without a GradScaler: {process_counters.clip_skipped} step(s) skipped for an inf/NaN norm")
+    return "run summary: " + "; ".join(parts) + "." if parts else None
+
+
+def log_summary() -> None:
+    if not is_rank_zero():
+        return
+    try:
+        line = summary_line()
+        if line is not None:
+            logger.info(line)
+    except Exception:  # at exit, never a traceback of ampguard's
+        pass

@@ -1,0 +1,87 @@
+"""Fault injection: every ampguard hook on the training path, forced to raise, leaves torch's results and one WARNING."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ampguard.clip
+import ampguard.healing
+import ampguard.scaler
+import ampguard.scheduler_hold
+from ampguard import containment
+from scaler_support import (  # noqa: F401
+    OPTIMIZER_PARAMS,
+    ampguard_log,
+    records,
+    safe,
+    same_parameters,
+    stock,
+    train,
+)
+
+FAULTS = {3, 4, 11}  # skipped steps, so that the skip paths run too
+SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
+
+# (module, attribute): each is ampguard's own work inside a training step.
+HOOKS = [
+    (ampguard.scaler, "_loss_check"),  # scale(): the loss check
+    (ampguard.healing, "add_verdict"),  # step(): what rides on the one host read
+    (ampguard.healing, "note_read"),  # step(): what the host learns from it
+    (ampguard.scheduler_hold, "note_step"),
+    (ampguard.scaler, "next_scale"),  # update(): the host mirror of the scale
+    (ampguard.healing, "end_iteration"),
+    (ampguard.scaler, "log_stats"),  # the stats line
+    (ampguard.clip, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
+]
+
+
+class Injected(Exception):
+    pass
+
+
+def _raise(*args, **kwargs):
+    raise Injected("injected fault")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_reports(monkeypatch):
+    monkeypatch.setattr(containment, "_reported", set())
+
+
+@pytest.mark.parametrize(("module", "name"), HOOKS, ids=[f"{m.__name__}.{n}" for m, n in HOOKS])
+@pytest.mark.parametrize("optimizer", ["sgd", "adam"])
+def test_a_failing_hook_leaves_torchs_results_and_one_warning(module, name, optimizer, monkeypatch, ampguard_log, reinstall):
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    reference = train(stock(**SETTINGS), optimizer=optimizer, steps=16, faults=FAULTS, clip=True)
+    monkeypatch.setattr(module, name, _raise)
+    run = train(safe(**SETTINGS), optimizer=optimizer, steps=16, faults=FAULTS, clip=True)
+    assert same_parameters(run.model, reference.model)
+    assert run.scaler.get_scale() == reference.scaler.get_scale()
+    warnings = records(ampguard_log, logging.WARNING, "failed (Injected: injected fault)")
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "torch's behaviour is used instead for this call" in warnings[0].getMessage()
+    debug = records(ampguard_log, logging.DEBUG, "failed")
+    assert debug and all(r.exc_info for r in debug)  # the traceback, every time
+
+
+@pytest.mark.parametrize("make", [stock, safe], ids=["torch", "ampguard"])
+def test_torchs_own_errors_inside_a_hook_still_reach_the_caller(make):
+    """torch's update() raises on a bad new_scale from inside ampguard's contained update(): it stays torch's error."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = make()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    scaler.step(opt)
+    with pytest.raises((AssertionError, ValueError), match="new_scale should be a float or a 1-element"):
+        scaler.update(torch.ones(2))
+
+
+def test_intended_errors_pass_through_the_clip(monkeypatch):
+    model = torch.nn.Linear(2, 1)
+    scaler = safe()
+    scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
