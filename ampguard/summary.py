@@ -55,8 +55,8 @@ def summary_line() -> str | None:
 
 
 def log_summary() -> None:
-    if not is_rank_zero():
-        return
+    if not is_rank_zero() or any(getattr(getattr(h, "stream", None), "closed", False) for h in logger.handlers):
+        return  # (a test runner may have closed the stream the handler was given)
     try:
         line = summary_line()
         if line is not None:

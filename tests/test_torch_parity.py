@@ -32,6 +32,14 @@ from scaler_support import needs_fused_adam
 SCENARIO_FILE = Path(scenarios.__file__)
 
 
+@pytest.fixture(autouse=True)
+def _no_scaler_left_in_play():
+    """A scaler that scaled and was never updated stays "in play" until collected: none from another test."""
+    ampguard.scaler.scalers_in_iteration.clear()
+    yield
+    ampguard.scaler.scalers_in_iteration.clear()
+
+
 @functools.cache
 def _plain_torch_outcomes() -> dict[str, dict]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}

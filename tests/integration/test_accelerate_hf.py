@@ -291,7 +291,7 @@ IMPORT_AFTER_ACCELERATE = textwrap.dedent(
     torch.cuda.is_available = lambda: True           # what a CUDA machine builds; no CUDA tensor is touched
     built = get_grad_scaler()                        # Accelerator(mixed_precision="fp16") on one GPU
     print("RESULT " + json.dumps({
-        "type": type(built).__qualname__,
+        "type": type(built).__name__,
         "is_safe": isinstance(built, ampguard.SafeGradScaler),
         "init_scale": built._init_scale,
         "growth_interval": built.get_growth_interval(),

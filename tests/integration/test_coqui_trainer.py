@@ -211,7 +211,7 @@ IMPORT_AFTER_TRAINER = textwrap.dedent(
     print("RESULT " + json.dumps({
         "held_was_torch": before,
         "held_is_safe": issubclass(held.func, ampguard.SafeGradScaler),
-        "built_type": type(as_built.scaler).__qualname__,
+        "built_type": type(as_built.scaler).__name__,
         "built_is_safe": isinstance(as_built.scaler, ampguard.SafeGradScaler),
         "cpu_scaler_init": coqui.scaler._init_scale,
         "skipped": coqui.scaler.stats.skipped,

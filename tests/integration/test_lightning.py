@@ -234,7 +234,7 @@ IMPORT_AFTER_LIGHTNING = textwrap.dedent(
     import ampguard                                   # after lightning
     plugin = MixedPrecision(precision="16-mixed", device="cpu")
     print("RESULT " + json.dumps({
-        "type": type(plugin.scaler).__qualname__,
+        "type": type(plugin.scaler).__name__,
         "init_scale": plugin.scaler._init_scale,
         "growth_interval": plugin.scaler.get_growth_interval(),
     }))

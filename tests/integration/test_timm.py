@@ -129,7 +129,7 @@ IMPORT_AFTER_TIMM = textwrap.dedent(
     import timm, timm.utils
     import ampguard                                   # after timm
     scaler = timm.utils.NativeScaler(device="cpu")._scaler
-    print("RESULT " + json.dumps({"type": type(scaler).__qualname__, "init_scale": scaler._init_scale}))
+    print("RESULT " + json.dumps({"type": type(scaler).__name__, "init_scale": scaler._init_scale}))
     """
 )
 
