@@ -1,0 +1,90 @@
+"""FSDP2 (``fully_shard``, DTensor parameters and gradients) on 2 gloo ranks: ampguard gives torch's numbers.
+
+The scaler unscales and checks DTensor gradients through torch's own kernels
+(DTensor dispatch), and ``clip_grad_norm_`` after ``unscale_`` hands DTensor
+gradients to torch's function unchanged (docs/clipping.md: still-scaled DTensor
+gradients are not covered). The same script runs under plain torch and under
+ampguard, with a backward overflow on rank 1 at one step.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+try:
+    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public from torch 2.6)
+except ImportError:  # pragma: no cover - torch 2.3
+    fully_shard = None
+
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.skipif(fully_shard is None, reason="torch.distributed.fsdp.fully_shard needs torch >= 2.6"),
+]
+
+WORKER = r'''
+import json, sys
+import torch, torch.distributed as dist
+if sys.argv[1] == "ampguard":
+    import ampguard
+from torch.distributed.fsdp import fully_shard
+
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+for layer in (model[0], model[2]):
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.SGD(model.parameters(), lr=0.05)
+scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+data = torch.Generator().manual_seed(10 + rank)  # every rank its own batches
+norms, scales = [], []
+for step in range(6):
+    x, y = torch.randn(16, 8, generator=data), torch.randn(16, 4, generator=data)
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = torch.nn.functional.mse_loss(model(x).float(), y)
+    if step == 3 and rank == 1:
+        loss = loss * 1e38  # finite, but inf once scaled: inf gradients on rank 1 only
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    norms.append(float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm))
+    scaler.step(opt)
+    scaler.update()
+    scales.append(scaler.get_scale())
+record = {
+    "safe": type(scaler).__name__ == "SafeGradScaler",
+    "scales": scales,
+    "norms": norms,
+    "params": [p.full_tensor().flatten().tolist() for p in model.parameters()],
+}
+if rank == 0:
+    print("RESULT " + json.dumps(record))
+dist.destroy_process_group()
+'''
+
+
+def _run(tmp_path: Path, mode: str) -> dict:
+    worker = tmp_path / "fsdp2_worker.py"
+    worker.write_text(WORKER)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker), mode]
+    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_fsdp2_dtensor_gradients_train_as_with_torch(tmp_path: Path) -> None:
+    plain, guarded = _run(tmp_path, "plain"), _run(tmp_path, "ampguard")
+    assert (plain["safe"], guarded["safe"]) == (False, True)
+    assert guarded["scales"] == plain["scales"] == [1024.0] * 3 + [512.0] * 3  # rank 1's overflow skipped on both
+    assert guarded["params"] == plain["params"]
+    assert json.dumps(guarded["norms"]) == json.dumps(plain["norms"])  # NaN at the skipped step on both
