@@ -70,6 +70,20 @@ def _choice_parser(choices: tuple[str, ...]) -> Callable[[str, str], str]:
     return parse
 
 
+def _parse_writable_path(variable: str, raw: str) -> str:
+    """A file path whose directory exists and is writable (the file itself is made on first use)."""
+    path = os.path.abspath(os.path.expanduser(raw.strip()))
+    directory = os.path.dirname(path)
+    describe = "a file path in an existing, writable directory"
+    if os.path.isdir(path):
+        raise ConfigError(variable, raw, describe + f" ({path} is a directory)")
+    if not os.path.isdir(directory):
+        raise ConfigError(variable, raw, describe + f" ({directory} does not exist)")
+    if not os.access(directory, os.W_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+        raise ConfigError(variable, raw, describe + f" ({path} is not writable)")
+    return path
+
+
 def _suggest(value: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
     return f"Did you mean {close[0]!r}?" if close else ""
@@ -85,7 +99,8 @@ _MEANINGS: dict[str, tuple[str, ...]] = {
     "FLOOR": ("AMPGUARD_MIN_SCALE",), "CAP": ("AMPGUARD_MAX_SCALE",), "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
     "SILENT": ("AMPGUARD_QUIET",), "BANNER": ("AMPGUARD_QUIET",), "VERBOSE": ("AMPGUARD_QUIET",),
     "STALL": ("AMPGUARD_ON_STALL", "AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
-    "STATS": ("AMPGUARD_STATS_EVERY",), "LOG": ("AMPGUARD_STATS_EVERY",),
+    "STATS": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"), "LOG": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
+    "JSON": ("AMPGUARD_STATS_FILE",), "JSONL": ("AMPGUARD_STATS_FILE",),
     "FP16": ("AMPGUARD_FP16_GRADS",), "BF16": ("AMPGUARD_BF16_FALLBACK",),
     "MASTER": ("AMPGUARD_MASTER_WEIGHTS",), "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
     "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"), "PROBE": ("AMPGUARD_PROBE_STEPS",),
@@ -152,6 +167,10 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("AMPGUARD_STATS_EVERY", "stats_every", 500, "a whole number >= 0",
             "Optimizer steps between two stats lines on logger `ampguard` (0: never).", "AMPGUARD_STATS_EVERY=100",
             _number_parser(int, 0, describe="a whole number >= 0")),
+    Setting("AMPGUARD_STATS_FILE", "stats_file", None, "a file path in an existing, writable directory",
+            "Append each stats line and each notable event (skipped step, collapse, stall, fp32 island, ...) to this "
+            "file as one JSON object per line, rank 0 only; `ampguard report FILE` summarises it "
+            "(see docs/stats-file.md).", "AMPGUARD_STATS_FILE=run.jsonl", _parse_writable_path),
     Setting("AMPGUARD_FP16_GRADS", "fp16_grads", "allow", "allow or error",
             "fp16 parameters under a GradScaler: unscale them with a warning, or raise torch's ValueError.",
             "AMPGUARD_FP16_GRADS=error", _choice_parser(("allow", "error"))),
@@ -197,6 +216,7 @@ class Config:
     max_islands: int = 8
     probe_steps: int = 200
     master_weights: str = "fp16"
+    stats_file: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

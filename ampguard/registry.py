@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal, Mapping
 
 from ampguard import config as config_module
-from ampguard import torch_privates
+from ampguard import stats_file, torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
 from ampguard.log import ensure_default_handler, is_rank_zero, logger
@@ -113,6 +113,7 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
             return status()
         config = config_module.load(environ, patch_names=_registry.names())
         ensure_default_handler()
+        stats_file.attach(config.stats_file)  # after the default handler, which ampguard adds only to a bare logger
         statuses: dict[str, PatchStatus] = {}
         for patch in _registry.patches:
             verdict = _decide(patch, config)
@@ -167,6 +168,7 @@ def uninstall() -> None:
         for patch in reversed(applied):
             _revert_quietly(patch)
         _registry.installed = False
+        stats_file.attach(None)
         _registry.config = None
         _registry.statuses = {}
 

@@ -1,0 +1,137 @@
+"""``AMPGUARD_STATS_FILE``: ampguard's records as JSON lines, for ``ampguard report`` and your own tools.
+
+A :class:`StatsFileHandler` on logger ``ampguard`` turns each record into one
+JSON object on one line, appended to the file and flushed at once, so a run that
+crashes loses nothing it logged. Only rank 0 writes. Stats lines carry their
+numbers (``extra={STATS_KEY: ScalerStats}`` from :func:`ampguard.stats.log_stats`);
+every other INFO/WARNING/CRITICAL record becomes an event of the kind named by
+where it comes from (:func:`event_kind`). The file is opened on the first record
+after the install banner, whose text becomes the run's ``start`` record, so a
+process that logs nothing (``ampguard report`` itself) writes nothing.
+The format is documented in docs/stats-file.md.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import IO, Any
+
+from ampguard import messages
+from ampguard.log import is_rank_zero, logger
+from ampguard.stats import ScalerStats, process_counters
+
+FORMAT_VERSION = 1
+STATS_KEY = "ampguard_stats"
+INTERVAL_KEY = "ampguard_skipped_in_interval"
+
+# Event kinds by the ampguard module that logged the record; the scaler's two kinds by their text.
+_KINDS_BY_MODULE = {
+    "diagnose": "skip",
+    "islands": "island",
+    "healing": "island",
+    "buffers": "buffers",
+    "master": "masters",
+    "summary": "summary",
+    "containment": "contained",
+}
+_COLLAPSE_START = messages.SCALE_COLLAPSE.split("{")[0]  # "the loss scale collapsed: step "
+_STALL_PART = messages.STALL.split("}")[1].split("{")[0]  # " consecutive optimizer steps were skipped ..."
+
+
+def event_kind(record: logging.LogRecord, message: str) -> str:
+    """``skip``, ``collapse``, ``stall``, ``island``, ``buffers``, ``masters``, ``summary``, ``contained`` or ``message``."""
+    if record.module == "scaler":
+        if message.startswith(_COLLAPSE_START):
+            return "collapse"
+        if _STALL_PART in message:
+            return "stall"
+    return _KINDS_BY_MODULE.get(record.module, "message")
+
+
+def record_as_dict(record: logging.LogRecord) -> dict[str, Any]:
+    """The JSON object one record becomes."""
+    stats = getattr(record, STATS_KEY, None)
+    if isinstance(stats, ScalerStats):
+        return {
+            "event": "stats",
+            "time": round(record.created, 3),
+            **stats.as_dict(),
+            "skipped_in_interval": getattr(record, INTERVAL_KEY, None),
+            "clip_skipped": process_counters.clip_skipped,
+        }
+    message = record.getMessage()
+    return {
+        "event": event_kind(record, message),
+        "level": record.levelname,
+        "time": round(record.created, 3),
+        "message": message,
+    }
+
+
+def _is_banner(record: logging.LogRecord) -> bool:
+    return record.module == "registry" and record.funcName == "_show_banner"
+
+
+class StatsFileHandler(logging.Handler):
+    """Appends one JSON line per record to ``path`` (rank 0 only), flushing after each."""
+
+    def __init__(self, path: str) -> None:
+        super().__init__(logging.INFO)
+        self.path = path
+        self._stream: IO[str] | None = None
+        self._banner: str | None = None
+        self._failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self._failed or not is_rank_zero():
+            return
+        try:
+            if self._stream is None and _is_banner(record):
+                self._banner = record.getMessage()
+                return
+            line = json.dumps(record_as_dict(record))
+            if self._stream is None:
+                self._stream = open(self.path, "a", encoding="utf-8")
+                self._write(json.dumps(self._start_record(record.created)))
+            self._write(line)
+        except Exception as error:  # never the reason a run dies: one warning, then the file is off
+            self._failed = True
+            logger.warning("ampguard could not write AMPGUARD_STATS_FILE=%s (%s: %s); no more records go there.",
+                           self.path, type(error).__name__, error)
+
+    def _write(self, line: str) -> None:
+        assert self._stream is not None
+        self._stream.write(line + "\n")
+        self._stream.flush()
+
+    def _start_record(self, created: float) -> dict[str, Any]:
+        from ampguard import __version__
+
+        return {"event": "start", "time": round(created, 3), "format": FORMAT_VERSION, "ampguard": __version__,
+                "pid": os.getpid(), "message": self._banner}
+
+    def close(self) -> None:
+        with self.lock:  # type: ignore[union-attr]  # (a Handler's lock exists once it is made)
+            if self._stream is not None:
+                self._stream.close()
+                self._stream = None
+        super().close()
+
+
+_handler: StatsFileHandler | None = None
+
+
+def attach(path: str | None) -> None:
+    """Write to ``path`` from now on (None: stop writing). Called at install with AMPGUARD_STATS_FILE."""
+    global _handler
+    if _handler is not None and _handler.path == path:
+        return
+    if _handler is not None:
+        logger.removeHandler(_handler)
+        _handler.close()
+        _handler = None
+    if path is not None:
+        _handler = StatsFileHandler(path)
+        logger.addHandler(_handler)
