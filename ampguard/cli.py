@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "run": ("ampguard.commands.run", "run a training script (or -m module) with ampguard installed first"),
     "doctor": ("ampguard.commands.doctor", "check this machine and recommend a precision setup"),
     "bench": ("ampguard.commands.bench", "measure ampguard's overhead against plain torch AMP"),
+    "report": ("ampguard.commands.report", "summarise and chart a file written with AMPGUARD_STATS_FILE"),
 }
 
 

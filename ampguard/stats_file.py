@@ -38,15 +38,18 @@ _KINDS_BY_MODULE = {
 }
 _COLLAPSE_START = messages.SCALE_COLLAPSE.split("{")[0]  # "the loss scale collapsed: step "
 _STALL_PART = messages.STALL.split("}")[1].split("{")[0]  # " consecutive optimizer steps were skipped ..."
+_NO_GRAD_PART = messages.NO_GRADIENTS.split("}")[1]  # " got no gradient for any of its parameters ..."
 
 
 def event_kind(record: logging.LogRecord, message: str) -> str:
-    """``skip``, ``collapse``, ``stall``, ``island``, ``buffers``, ``masters``, ``summary``, ``contained`` or ``message``."""
+    """skip, collapse, stall, no_grad, island, buffers, masters, summary, contained, or message for the rest."""
     if record.module == "scaler":
         if message.startswith(_COLLAPSE_START):
             return "collapse"
         if _STALL_PART in message:
             return "stall"
+        if _NO_GRAD_PART in message:
+            return "no_grad"
     return _KINDS_BY_MODULE.get(record.module, "message")
 
 

@@ -8,6 +8,9 @@ runs ``examples/xtts_style_finetune.py`` twice, at the same time:
 * ``python -m ampguard run examples/xtts_style_finetune.py``: the same file,
   unedited, with ampguard installed first (stats line every 20 steps).
 
+``AMPGUARD_STATS_FILE=demo.jsonl AMPGUARD_STATS_EVERY=5 python examples/demo.py`` also
+records the ampguard run for ``ampguard report demo.jsonl``.
+
 It shows each run's own output, then a summary table. Takes well under a minute on a CPU.
 """
 
@@ -20,6 +23,7 @@ import sys
 from pathlib import Path
 
 SCRIPT = Path(__file__).with_name("xtts_style_finetune.py")
+PASSED_ON = ("AMPGUARD_STATS_FILE", "AMPGUARD_STATS_EVERY")
 
 
 def launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
@@ -47,7 +51,8 @@ def main() -> int:
     plain = launch([sys.executable, str(SCRIPT)], base)
     guarded = launch(
         [sys.executable, "-m", "ampguard", "run", str(SCRIPT)],
-        {**base, "AMPGUARD_STATS_EVERY": "20"},
+        # AMPGUARD_STATS_FILE / AMPGUARD_STATS_EVERY, when set, reach this run only (docs/stats-file.md).
+        {**base, "AMPGUARD_STATS_EVERY": "20", **{k: v for k, v in os.environ.items() if k in PASSED_ON}},
     )
     without = finish("plain torch AMP", plain)
     with_ampguard = finish("with ampguard (python -m ampguard run, script unchanged)", guarded)

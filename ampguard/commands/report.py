@@ -1,0 +1,138 @@
+"""``ampguard report FILE``: summarise an ``AMPGUARD_STATS_FILE``, with a terminal chart (and a PNG on request).
+
+    ampguard report run.jsonl               # summary and chart of every run in the file
+    ampguard report run.jsonl --png run.png # the same chart drawn by matplotlib (pip install 'ampguard[report]')
+    ampguard report run.jsonl --json        # the summary as JSON
+
+A bad line stops the report with ``ampguard report: error: FILE line N: ...``
+(exit status 2); only an incomplete last line, as a crash mid-write leaves it,
+is skipped with a warning. See docs/stats-file.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+from ampguard.stats_report import ReportError, Run, Series, read
+
+CHART_WIDTH = 60
+CHART_HEIGHT = 8
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("file", help="a file written with AMPGUARD_STATS_FILE set")
+    parser.add_argument("--png", metavar="OUT.png", help="also draw the chart into this PNG (needs matplotlib)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON (no chart)")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.png:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return _error("--png needs matplotlib, which is not installed: pip install 'ampguard[report]'")
+    try:
+        runs, warnings = read(args.file)
+    except ReportError as error:
+        return _error(str(error))
+    for warning in warnings:
+        print(f"ampguard report: warning: {warning}", file=sys.stderr)
+    if args.json:
+        json.dump([run.summary() for run in runs], sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print(render(args.file, runs))
+    if args.png:
+        draw_png(runs, args.png)
+        print(f"chart written to {args.png}", file=sys.stderr if args.json else sys.stdout)
+    return 0
+
+
+def _error(message: str) -> int:
+    print(f"ampguard report: error: {message}", file=sys.stderr)
+    return 2
+
+
+def render(path: str, runs: list[Run]) -> str:
+    """The text report: per run its summary, then per scaler its numbers and chart."""
+    out = [f"{path}: {len(runs)} run{'s' if len(runs) != 1 else ''}"]
+    for number, run in enumerate(runs, start=1):
+        summary = run.summary()
+        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary["started"])) if summary["started"] else "?"
+        out.append(f"\nrun {number}: started {started}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}")
+        if not run.series:
+            out.append("  no stats lines (AMPGUARD_STATS_EVERY=0, or fewer steps than it)")
+        for index, (series, numbers) in enumerate(zip(run.series, summary["scalers"]), start=1):
+            out.append(
+                f"  scaler {index} (lines {numbers['lines'][0]}-{numbers['lines'][1]}): {numbers['steps']} steps, "
+                f"{numbers['skipped']} skipped ({numbers['skipped_percent']:.2f}%), "
+                f"{numbers['nonfinite_loss']} non-finite losses, {numbers['no_grad_steps']} without gradients; "
+                f"loss scale {numbers['final_scale']:g} (range {numbers['scale_min']:g}..{numbers['scale_max']:g})"
+            )
+            out.extend("    " + line for line in chart(series))
+        out.append(f"  fp32 islands: {', '.join(summary['fp32_islands']) or 'none'}")
+        events = summary["events"]
+        out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
+    return "\n".join(out)
+
+
+def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> list[str]:
+    """Loss scale (log2, ``*`` at each stats line, ``-`` held until the next) and skipped steps per interval."""
+    points = series.points()
+    first, last = points[0][0], points[-1][0]
+    width = min(width, max(len(points), last - first + 1))
+    columns: list[tuple[float, int] | None] = [None] * width
+    for step, scale, skipped in points:
+        column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
+        held = columns[column]
+        columns[column] = (math.log2(scale) if scale > 0 else -math.inf, skipped + (held[1] if held else 0))
+    levels = [c[0] for c in columns if c is not None and math.isfinite(c[0])] or [0.0]
+    low, high = math.floor(min(levels)), math.ceil(max(levels))
+    high = max(high, low + 1)
+    height = min(height, high - low + 1)
+    grid = [[" "] * width for _ in range(height)]
+    level: float | None = None
+    for column, cell in enumerate(columns):
+        mark = "*" if cell is not None else "-"
+        if cell is not None:
+            level = max(cell[0], low)
+        if level is not None:
+            grid[round((high - level) / (high - low) * (height - 1))][column] = mark
+    labels = {0: f"2^{high}", height - 1: f"2^{low}"}
+    lines = [f"{labels.get(row, ''):>6} |{''.join(cells)}" for row, cells in enumerate(grid)]
+    skips = "".join(" " if c is None else "." if c[1] == 0 else str(c[1]) if c[1] < 10 else "#" for c in columns)
+    lines.append(f"{'':>6} +{'-' * width}")
+    lines.append(f"{'skip':>6} |{skips}")
+    lines.append(f"{'step':>6}  {first:<{max(width - len(str(last)), 1)}}{last}")
+    lines.append("        loss scale, log2 (* a stats line); skipped steps per interval (. none, # 10 or more)")
+    return lines
+
+
+def draw_png(runs: list[Run], path: str) -> None:
+    """Scale (log2) above, skipped steps per interval below, one line per scaler of every run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # a file, never a window
+    import matplotlib.pyplot as plt
+
+    figure, (scale_axes, skip_axes) = plt.subplots(2, 1, sharex=True, figsize=(10, 6),
+                                                     gridspec_kw={"height_ratios": (2, 1)})
+    for run_number, run in enumerate(runs, start=1):
+        for index, series in enumerate(run.series, start=1):
+            steps, scales, skipped = zip(*series.points())
+            label = f"run {run_number} scaler {index}" if len(runs) > 1 else f"scaler {index}"
+            scale_axes.step(steps, scales, where="post", marker=".", label=label)
+            skip_axes.plot(steps, skipped, marker="o", linestyle="none", label=label)
+    scale_axes.set_yscale("log", base=2)
+    scale_axes.set_ylabel("loss scale")
+    scale_axes.legend(fontsize="small")
+    skip_axes.set_ylabel("skipped per interval")
+    skip_axes.set_xlabel("optimizer step")
+    figure.suptitle("ampguard: loss scale and skipped steps")
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    plt.close(figure)

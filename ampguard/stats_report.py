@@ -1,0 +1,152 @@
+"""Reading an ``AMPGUARD_STATS_FILE`` back: checked records, runs, scalers and their summary.
+
+The file holds one JSON object per line (docs/stats-file.md). A run starts at a
+``start`` record (one per process; the file is appended to, so it may hold
+several). A scaler's stats lines count its steps from its own start, so within a
+run a step count lower than the one before begins the next scaler's series (the
+demo runs its scenarios one after the other, each with its own scaler).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ampguard.stats_file import FORMAT_VERSION
+
+
+class ReportError(Exception):
+    """A file that is not a stats file: the message names the line."""
+
+
+# Each stats record's required fields and their JSON types (bool is excluded below: it is an int to Python).
+_STATS_FIELDS: dict[str, tuple[type, ...]] = {
+    "steps": (int,), "skipped": (int,), "no_grad_steps": (int,), "nonfinite_loss": (int,),
+    "scale": (int, float), "min_scale_seen": (int, float), "max_scale_seen": (int, float),
+}
+
+
+@dataclass
+class Series:
+    """One scaler's stats records, in order."""
+
+    first_line: int
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def last(self) -> dict[str, Any]:
+        return self.records[-1]
+
+    def points(self) -> list[tuple[int, float, int]]:
+        """``(step, scale, skipped since the previous stats line)`` per stats line."""
+        points, before = [], 0
+        for record in self.records:
+            points.append((record["steps"], float(record["scale"]), record["skipped"] - before))
+            before = record["skipped"]
+        return points
+
+    def summary(self) -> dict[str, Any]:
+        last = self.last
+        return {
+            "lines": [self.first_line, self.records[-1]["_line"]],
+            "steps": last["steps"],
+            "skipped": last["skipped"],
+            "skipped_percent": round(100.0 * last["skipped"] / last["steps"], 2) if last["steps"] else 0.0,
+            "nonfinite_loss": last["nonfinite_loss"],
+            "no_grad_steps": last["no_grad_steps"],
+            "final_scale": last["scale"],
+            "scale_min": min(r["min_scale_seen"] for r in self.records),
+            "scale_max": max(r["max_scale_seen"] for r in self.records),
+            "fp32_islands": list(last.get("fp32_islands", [])),
+        }
+
+
+@dataclass
+class Run:
+    """The records of one process: its start record (None for records before any), its scalers and its events."""
+
+    start: dict[str, Any] | None
+    series: list[Series] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def add_stats(self, record: dict[str, Any]) -> None:
+        if not self.series or record["steps"] < self.series[-1].last["steps"]:
+            self.series.append(Series(record["_line"]))
+        self.series[-1].records.append(record)
+
+    def summary(self) -> dict[str, Any]:
+        kinds: dict[str, int] = {}
+        for event in self.events:
+            kinds[event["event"]] = kinds.get(event["event"], 0) + 1
+        start = self.start or {}
+        return {
+            "started": start.get("time"),
+            "pid": start.get("pid"),
+            "ampguard": start.get("ampguard"),
+            "scalers": [series.summary() for series in self.series],
+            "fp32_islands": sorted({name for s in self.series for name in s.last.get("fp32_islands", [])}),
+            "events": dict(sorted(kinds.items())),
+        }
+
+
+def _check(record: Any, line: int) -> str | None:
+    """What is wrong with one parsed line, or None."""
+    if not isinstance(record, dict):
+        return f"a JSON {type(record).__name__}, not an object"
+    event = record.get("event")
+    if not isinstance(event, str):
+        return 'no "event" name'
+    if not isinstance(record.get("time"), (int, float)):
+        return f'{event} record without a "time"'
+    if event == "start" and isinstance(record.get("format"), int) and record["format"] > FORMAT_VERSION:
+        return f"format {record['format']}, newer than this ampguard reads ({FORMAT_VERSION}): upgrade ampguard"
+    if event == "stats":
+        for name, types in _STATS_FIELDS.items():
+            value = record.get(name)
+            if isinstance(value, bool) or not isinstance(value, types):
+                return f'stats record with {"no" if value is None else "a bad"} "{name}" ({value!r})'
+            if not math.isfinite(value) or value < 0:
+                return f'stats record with a bad "{name}" ({value!r})'
+    elif event != "start" and not isinstance(record.get("message"), str):
+        return f'{event} record without a "message"'
+    return None
+
+
+def read(path: str) -> tuple[list[Run], list[str]]:
+    """The runs in ``path`` and warnings. Raises ReportError naming the line of the first bad record.
+
+    A last line that is cut off (no newline at its end, not valid JSON), as a crash
+    in the middle of a write leaves it, is skipped with a warning: everything before it is whole.
+    """
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as error:
+        raise ReportError(f"{path}: {error.strerror if isinstance(error, OSError) else error}") from None
+    lines = text.split("\n")
+    cut_off = lines.pop()  # "" when the file ends with a newline, as every whole record does
+    runs: list[Run] = []
+    warnings: list[str] = []
+    for number, line in enumerate([*lines, cut_off] if cut_off else lines, start=1):
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as error:
+            if cut_off and number == len(lines) + 1:
+                warnings.append(f"{path} line {number}: incomplete last record (the run stopped while writing it); skipped")
+                break
+            raise ReportError(f"{path} line {number}: not JSON ({error.msg} at column {error.colno})") from None
+        problem = _check(record, number)
+        if problem is not None:
+            raise ReportError(f"{path} line {number}: {problem}")
+        record["_line"] = number
+        if record["event"] == "start" or not runs:
+            runs.append(Run(record if record["event"] == "start" else None))
+        if record["event"] == "stats":
+            runs[-1].add_stats(record)
+        elif record["event"] != "start":
+            runs[-1].events.append(record)
+    if not runs:
+        raise ReportError(f"{path}: no records")
+    return runs, warnings

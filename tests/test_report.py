@@ -1,0 +1,158 @@
+"""``ampguard report``: the summary of a stats file against the scaler that wrote it, the chart, PNG, bad files."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampguard.cli import main
+from test_stats_file import train
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def written(reinstall, tmp_path):
+    """A stats file from a real loop (stats every 5 of 20 steps, 4 skipped) and the scaler's final stats."""
+    path = tmp_path / "run.jsonl"
+    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="5")
+    stats = train(20).stats
+    return path, stats
+
+
+def report(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(["report", *argv])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_summary_numbers_are_the_scalers(written, capsys):
+    path, stats = written
+    code, out, _ = report(capsys, str(path), "--json")
+    assert code == 0
+    [run] = json.loads(out)
+    [scaler] = run["scalers"]
+    assert scaler["steps"] == stats.steps == 20
+    assert scaler["skipped"] == stats.skipped == 4
+    assert scaler["skipped_percent"] == round(stats.skipped_percent, 2) == 20.0
+    assert scaler["nonfinite_loss"] == stats.nonfinite_loss == 1
+    assert scaler["final_scale"] == stats.scale
+    assert (scaler["scale_min"], scaler["scale_max"]) == (stats.min_scale_seen, stats.max_scale_seen)
+    assert run["events"]["skip"] >= 1 and run["pid"] == os.getpid()
+
+
+def test_text_report_has_the_summary_and_a_chart(written, capsys):
+    path, stats = written
+    code, out, _ = report(capsys, str(path))
+    assert code == 0
+    assert f"20 steps, 4 skipped (20.00%), 1 non-finite losses, 0 without gradients; loss scale {stats.scale:g}" in out
+    top = math.ceil(math.log2(256))  # the highest scale at a stats line: 1024 halved by the overflows at steps 3 and 4
+    assert f"  2^{top} |*" in out  # the first stats line marks the top row
+    skip_row = next(line for line in out.splitlines() if line.strip().startswith("skip |"))
+    assert [c for c in skip_row.split("|", 1)[1] if c != " "] == ["2", "1", "1", "."]
+
+
+def test_every_run_of_an_appended_file_and_each_scaler(reinstall, tmp_path, capsys):
+    path = tmp_path / "run.jsonl"
+    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="5")
+    train(10)
+    train(15)  # a second scaler in the same process: its steps start again
+    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="10")  # (re-installing starts another run)
+    train(10)
+    code, out, _ = report(capsys, str(path), "--json")
+    runs = json.loads(out)
+    assert code == 0 and [[s["steps"] for s in run["scalers"]] for run in runs] == [[10, 15], [10]]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_png_is_written(written, tmp_path, capsys):
+    path, _ = written
+    png = tmp_path / "out.png"
+    code, out, _ = report(capsys, str(path), "--png", str(png))
+    assert code == 0 and f"chart written to {png}" in out
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is not None, reason="matplotlib is installed")
+def test_png_without_matplotlib_is_one_clear_error(written, tmp_path, capsys):
+    path, _ = written
+    code, out, err = report(capsys, str(path), "--png", str(tmp_path / "out.png"))
+    assert code == 2 and out == ""
+    assert err == "ampguard report: error: --png needs matplotlib, which is not installed: pip install 'ampguard[report]'\n"
+
+
+def test_a_truncated_last_line_is_skipped_with_a_warning(written, capsys):
+    path, stats = written
+    whole = path.read_text().splitlines()
+    path.write_text("\n".join(whole[:-1]) + "\n" + whole[-1][: len(whole[-1]) // 2])  # a crash mid-write
+    code, out, err = report(capsys, str(path), "--json")
+    assert code == 0
+    assert err == f"ampguard report: warning: {path} line {len(whole)}: incomplete last record (the run stopped while writing it); skipped\n"
+    assert json.loads(out)[0]["scalers"][0]["steps"] == stats.steps - 5  # the stats line of step 20 was cut off
+
+
+@pytest.mark.parametrize(
+    "damage, what",
+    [
+        (lambda line: line[:-1], "not JSON (Expecting ',' delimiter at column"),
+        (lambda line: "[1, 2]", "a JSON list, not an object"),
+        (lambda line: line.replace('"event": "stats"', '"event": 3'), 'no "event" name'),
+        (lambda line: line.replace('"steps": 10', '"steps": "10"'), "stats record with a bad \"steps\" ('10')"),
+        (lambda line: line.replace('"scale": ', '"scale_": '), 'stats record with no "scale" (None)'),
+    ],
+)
+def test_a_malformed_line_is_an_error_naming_it(written, capsys, damage, what):
+    path, _ = written
+    lines = path.read_text().splitlines()
+    number = next(i for i, line in enumerate(lines, start=1) if '"steps": 10,' in line)
+    lines[number - 1] = damage(lines[number - 1])
+    path.write_text("\n".join(lines) + "\n")
+    code, out, err = report(capsys, str(path))
+    assert code == 2 and out == ""
+    assert err.startswith(f"ampguard report: error: {path} line {number}: {what}")
+
+
+def test_a_cut_off_line_that_is_not_the_last_is_an_error(written, capsys):
+    path, _ = written
+    lines = path.read_text().splitlines()
+    lines[2] = lines[2][:20]
+    path.write_text("\n".join(lines) + "\n")
+    code, _, err = report(capsys, str(path))
+    assert code == 2 and f"{path} line 3: not JSON" in err
+
+
+def test_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
+    code, _, err = report(capsys, str(tmp_path / "none.jsonl"))
+    assert code == 2 and err == f"ampguard report: error: {tmp_path / 'none.jsonl'}: No such file or directory\n"
+    (tmp_path / "empty.jsonl").write_text("")
+    code, _, err = report(capsys, str(tmp_path / "empty.jsonl"))
+    assert code == 2 and err == f"ampguard report: error: {tmp_path / 'empty.jsonl'}: no records\n"
+
+
+def test_report_on_a_file_the_demo_wrote(tmp_path):
+    """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the collapse and the islands."""
+    path = tmp_path / "demo.jsonl"
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    subprocess.run(
+        [sys.executable, "-m", "ampguard", "run", str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
+        env={**base, "AMPGUARD_STATS_FILE": str(path), "AMPGUARD_STATS_EVERY": "10"}, capture_output=True, check=True,
+    )
+    result = subprocess.run([sys.executable, "-m", "ampguard", "report", str(path), "--json"],
+                            env=base, capture_output=True, text=True, check=True)
+    [run] = json.loads(result.stdout)
+    calibration, storm, no_grad, hot_block = run["scalers"]
+    assert calibration["skipped"] == 0 and storm["skipped"] > 0 and storm["scale_min"] == 1.0
+    assert no_grad["no_grad_steps"] > 0
+    assert "blocks.0.linear1" in hot_block["fp32_islands"]
+    assert set(hot_block["fp32_islands"]) <= set(run["fp32_islands"])  # (islands are counted per process)
+    assert run["events"]["collapse"] == 1 and run["events"]["island"] >= 1 and run["events"]["no_grad"] == 1
+    text = subprocess.run([sys.executable, "-m", "ampguard", "report", str(path)],
+                          env=base, capture_output=True, text=True, check=True).stdout
+    assert text.count("loss scale, log2") == 4
