@@ -85,10 +85,10 @@ class StatsFileHandler(logging.Handler):
         self.path = path
         self._stream: IO[str] | None = None
         self._banner: str | None = None
-        self._failed = False
+        self._off = False
 
     def emit(self, record: logging.LogRecord) -> None:
-        if self._failed or not is_rank_zero():
+        if self._off or not is_rank_zero():
             return
         try:
             if self._stream is None and _is_banner(record):
@@ -100,7 +100,7 @@ class StatsFileHandler(logging.Handler):
                 self._write(json.dumps(self._start_record(record.created)))
             self._write(line)
         except Exception as error:  # never the reason a run dies: one warning, then the file is off
-            self._failed = True
+            self._off = True
             logger.warning("ampguard could not write AMPGUARD_STATS_FILE=%s (%s: %s); no more records go there.",
                            self.path, type(error).__name__, error)
 
@@ -117,6 +117,7 @@ class StatsFileHandler(logging.Handler):
 
     def close(self) -> None:
         with self.lock:  # type: ignore[union-attr]  # (a Handler's lock exists once it is made)
+            self._off = True  # a record after close (logging.shutdown at exit) must not start the file again
             if self._stream is not None:
                 self._stream.close()
                 self._stream = None
