@@ -156,3 +156,30 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
     text = subprocess.run([sys.executable, "-m", "ampguard", "report", str(path)],
                           env=base, capture_output=True, text=True, check=True).stdout
     assert text.count("loss scale, log2") == 4
+
+
+def test_a_long_run_fits_the_chart_width(tmp_path, capsys):
+    """500 stats lines, the scale halving every 100: 60 columns, the first and last marked, skips summed per column."""
+    path = tmp_path / "long.jsonl"
+    records = [{"event": "start", "time": 1.0, "format": 1}]
+    for index in range(1, 501):
+        scale = 2.0 ** (10 - index // 100)
+        records.append({"event": "stats", "time": 1.0 + index, "steps": 10 * index, "skipped": index // 100,
+                        "no_grad_steps": 0, "nonfinite_loss": 0, "scale": scale, "min_scale_seen": scale,
+                        "max_scale_seen": 1024.0})
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, _ = report(capsys, str(path))
+    rows = [line.split("|", 1)[1] for line in out.splitlines() if "|" in line]
+    assert code == 0 and {len(row) for row in rows} == {60}
+    assert rows[0].startswith("*") and rows[-2].endswith("*")  # 2^10 at step 10, 2^5 at step 5000
+    assert sum(int(c) for c in rows[-1] if c.isdigit()) == 5  # the skip row
+
+
+def test_the_report_command_itself_writes_nothing_to_the_stats_file(written):
+    """AMPGUARD_STATS_FILE still set in the shell: `ampguard report` logs only its banner, so the file is unchanged."""
+    path, _ = written
+    before = path.read_bytes()
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    subprocess.run([sys.executable, "-m", "ampguard", "report", str(path)],
+                   env={**base, "AMPGUARD_STATS_FILE": str(path)}, capture_output=True, check=True)
+    assert path.read_bytes() == before
