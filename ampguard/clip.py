@@ -219,6 +219,52 @@ def idle() -> bool:
     return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
 
 
+def contained(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """For a wrapt wrapper of a clip function: a failure of ampguard's code falls back to torch's function.
+
+    The wrapper is handed torch's function through :func:`containment.torch_call`,
+    so torch's own errors reach the caller unchanged; parameters given as a
+    generator are read once here, so that the fallback gets them all again.
+    """
+
+    def decorate(inner: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(inner)
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+            args, kwargs, again = _generator_read_once(args, kwargs)
+            try:
+                return inner(functools.partial(containment.torch_call, wrapped), instance, args, kwargs)
+            except Exception as error:
+                passing = containment.passes_through(error)
+                if passing is not None:
+                    raise passing from None
+                containment.report(where, error)
+                args, kwargs = again()
+                return wrapped(*args, **kwargs)
+
+        return wrapper
+
+    return decorate
+
+
+def _generator_read_once(args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[], tuple[tuple, dict]]]:
+    """``args``/``kwargs`` with a generator of parameters replaced by a fresh one, and a way to get another."""
+    key: int | str | None = 0 if args and isinstance(args[0], types.GeneratorType) else next(
+        (k for k, v in kwargs.items() if isinstance(v, types.GeneratorType)), None
+    )
+    if key is None:
+        return args, kwargs, lambda: (args, kwargs)
+    items = list(args[0] if key == 0 else kwargs[key])
+
+    def fresh() -> tuple[tuple, dict]:
+        if key == 0:
+            return ((p for p in items), *args[1:]), kwargs
+        return args, {**kwargs, key: (p for p in items)}
+
+    new_args, new_kwargs = fresh()
+    return new_args, new_kwargs, fresh
+
+
+@contained("safe clip_grad_norm_")
 def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
     if instance is not None or idle():
@@ -227,18 +273,9 @@ def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: 
         parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
     except TypeError:  # torch raises its own error, or knows an argument this torch added
         return wrapped(*args, **kwargs)
-    params, for_torch = _materialize(parameters)  # a generator is read once: torch gets a fresh one below
-    try:
-        return safe_clip_grad_norm_(
-            for_torch, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
-        )
-    except Exception as error:
-        passing = containment.passes_through(error)
-        if passing is not None:
-            raise passing from None
-        containment.report("safe clip_grad_norm_", error)
-        again = (p for p in params) if isinstance(for_torch, types.GeneratorType) else params
-        return wrapped(again, max_norm, norm_type, error_if_nonfinite, foreach)
+    return safe_clip_grad_norm_(
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
+    )
 
 
 def deprecated_clip_grad_norm_wrapper(

@@ -60,6 +60,7 @@ def _bind_value(parameters: Any, clip_value: float, foreach: bool | None = None)
     return parameters, clip_value, foreach
 
 
+@clip.contained("safe clip_grad_value_")
 def clip_grad_value_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_value_``."""
     if instance is not None or idle():
@@ -115,6 +116,7 @@ def _bind_total(
     return tensors, norm_type, error_if_nonfinite, foreach
 
 
+@clip.contained("safe get_total_norm")
 def get_total_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.get_total_norm`` (torch >= 2.6)."""
     if instance is not None or clip.idle():
@@ -169,6 +171,7 @@ def _bind_with_norm(
     return parameters, max_norm, total_norm, foreach
 
 
+@clip.contained("safe clip_grads_with_norm_")
 def clip_grads_with_norm_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6)."""
     if instance is not None or idle():

@@ -45,6 +45,8 @@ def torch_call(function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
     """Call torch (or user code) from inside a contained region: its exceptions are its own, not ampguard's."""
     try:
         return function(*args, **kwargs)
+    except FromTorch:
+        raise
     except Exception as error:
         raise FromTorch(error) from None
 

@@ -85,3 +85,30 @@ def test_intended_errors_pass_through_the_clip(monkeypatch):
     scaler.scale(model(torch.ones(1, 2)).sum() * float("inf")).backward()
     with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+
+
+@pytest.mark.parametrize("as_generator", [False, True], ids=["list", "generator"])
+def test_a_failing_clip_grad_value_falls_back_to_torchs(as_generator, monkeypatch, ampguard_log):
+    import ampguard.clip_api
+
+    monkeypatch.setattr(ampguard.clip_api, "_clamp_", _raise)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    scaler = safe()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler.scale(model(torch.ones(2, 4)).pow(2).sum() * 10).backward()
+    scaler.unscale_(opt)
+    expected = [p.grad.clamp(-0.5, 0.5) for p in model.parameters()]
+    params = (p for p in model.parameters()) if as_generator else list(model.parameters())
+    torch.nn.utils.clip_grad_value_(params, 0.5)
+    assert all(torch.equal(p.grad, e) for p, e in zip(model.parameters(), expected))  # every parameter, once
+    assert len(records(ampguard_log, logging.WARNING, "safe clip_grad_value_ failed (Injected")) == 1
+
+
+def test_torchs_own_clip_errors_get_no_warning(ampguard_log):
+    model = torch.nn.Linear(2, 1)
+    scaler = safe()
+    scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+    with pytest.raises(TypeError):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, 2.0, False, None, "an argument too many")
+    assert not records(ampguard_log, logging.WARNING, "failed")
