@@ -744,6 +744,12 @@ class SafeGradScaler(TorchGradScaler):
         every = self._settings.stats_every
         self._next_report = (self._steps // every + 1) * every if every else 0
 
+    def __del__(self) -> None:
+        try:  # the exit summary keeps this scaler's tally (host counters only)
+            summary.remember(self)
+        except Exception:  # at interpreter exit modules may be half torn down
+            pass
+
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
             self._fold_device_ledger()

@@ -18,6 +18,8 @@ from ampguard.log import is_rank_zero, logger
 from ampguard.stats import process_counters
 
 _scalers: weakref.WeakSet[Any] = weakref.WeakSet()
+# Lines for scalers collected before exit (a training function that returned): see remember().
+_gone: list[str] = []
 _registered = False
 
 
@@ -35,20 +37,35 @@ def track(scaler: Any) -> None:
     arm()
 
 
+def remember(scaler: Any) -> None:
+    """A scaler about to be collected (``SafeGradScaler.__del__``): keep its line, from host counters only."""
+    if scaler in _scalers:
+        line = _line(scaler, scaler._steps, scaler._skipped, scaler._nonfinite_loss, scaler._no_grad_steps, scaler._mirror_scale)
+        if line is not None:
+            _gone.append(line)
+
+
+def _line(scaler: Any, steps: int, skipped: int, nonfinite: int, no_grad: int, scale: float | None) -> str | None:
+    if not steps or not (skipped or nonfinite or no_grad):
+        return None
+    final = f", final scale {scale:g}" if scale is not None else ""
+    return (
+        f"{type(scaler).__name__}#{id(scaler) & 0xFFFF:04x}: {skipped} of {steps} steps skipped "
+        f"({100.0 * skipped / steps:.1f}%), {nonfinite} with a non-finite loss, {no_grad} without gradients{final}"
+    )
+
+
 def summary_line() -> str | None:
     """The summary, or None when nothing was skipped."""
-    parts = []
+    parts = list(_gone)
     for scaler in list(_scalers):
         try:
             stats = scaler.stats  # reads the device once for fused optimizers; only here, at exit
         except Exception:  # a device already gone at exit: the host counters are all there is
             continue
-        if stats.steps and (stats.skipped or stats.nonfinite_loss or stats.no_grad_steps):
-            parts.append(
-                f"{type(scaler).__name__}#{id(scaler) & 0xFFFF:04x}: {stats.skipped} of {stats.steps} steps skipped "
-                f"({stats.skipped_percent:.1f}%), {stats.nonfinite_loss} with a non-finite loss, "
-                f"{stats.no_grad_steps} without gradients, final scale {stats.scale:g}"
-            )
+        line = _line(scaler, stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps, stats.scale)
+        if line is not None:
+            parts.append(line)
     if process_counters.clip_skipped:
         parts.append(f"clip_grad_norm_ without a GradScaler: {process_counters.clip_skipped} step(s) skipped for an inf/NaN norm")
     return "run summary: " + "; ".join(parts) + "." if parts else None

@@ -49,6 +49,13 @@ def test_a_short_run_that_skipped_most_steps_ends_with_the_tally():
     ]
 
 
+def test_a_scaler_collected_before_exit_is_in_the_tally():
+    """The training loop lived in a function that returned: its scaler is gone by exit."""
+    in_a_function = "def train():\n" + "\n".join("    " + line for line in SCRIPT.format(extra="").splitlines()) + "\ntrain()\nimport gc; gc.collect()\n"
+    lines = [line for line in _run(loop=in_a_function.replace("{", "{{").replace("}", "}}") + "{extra}").splitlines() if "run summary" in line]
+    assert len(lines) == 1 and ": 7 of 8 steps skipped (87.5%)" in lines[0] and "final scale 8" in lines[0]
+
+
 def test_the_clip_guard_is_in_the_tally():
     stderr = _run(NO_SCALER)
     summary = [line for line in stderr.splitlines() if "run summary" in line]
