@@ -20,10 +20,11 @@ from typing import Any, Iterable
 
 @dataclass(frozen=True)
 class Private:
-    """A torch name ampguard uses, and the leading parameters it calls it with (checked when given)."""
+    """A torch name ampguard uses: the leading parameters and the keywords it calls it with (checked when given)."""
 
     path: str
     parameters: tuple[str, ...] = ()
+    keywords: tuple[str, ...] = ()
 
 
 GRAD_SCALER: tuple[Private, ...] = (
@@ -35,6 +36,18 @@ GRAD_SCALER: tuple[Private, ...] = (
     Private("torch.amp.grad_scaler.GradScaler._lazy_init_scale_growth_tracker", ("self", "dev")),
     Private("torch._amp_foreach_non_finite_check_and_unscale_"),
     Private("torch._amp_update_scale_"),
+)
+
+FP32_ISLANDS: tuple[Private, ...] = (
+    Private("torch.nn.modules.module.register_module_forward_pre_hook"),
+    Private("torch.nn.modules.module.register_module_forward_hook", keywords=("always_call",)),
+    Private("torch._foreach_copy_"),
+)
+
+MASTER_WEIGHTS: tuple[Private, ...] = (
+    Private("torch.optim.optimizer.register_optimizer_step_pre_hook"),
+    Private("torch.optim.optimizer.register_optimizer_step_post_hook"),
+    Private("torch._foreach_copy_"),
 )
 
 CLIP_GRAD: tuple[Private, ...] = (
@@ -64,7 +77,7 @@ def problem(privates: Iterable[Private]) -> str | None:
             found = resolve(private.path)
         except (ImportError, AttributeError):
             return f"torch has no {private.path}"
-        if not private.parameters:
+        if not (private.parameters or private.keywords):
             continue
         try:
             names = tuple(inspect.signature(found).parameters)
@@ -72,4 +85,7 @@ def problem(privates: Iterable[Private]) -> str | None:
             continue
         if names[: len(private.parameters)] != private.parameters:
             return f"{private.path} takes ({', '.join(names)}), ampguard calls it with ({', '.join(private.parameters)})"
+        missing = [keyword for keyword in private.keywords if keyword not in names]
+        if missing:
+            return f"{private.path} has no {', '.join(missing)} parameter"
     return None

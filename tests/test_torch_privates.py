@@ -63,3 +63,8 @@ def test_every_declared_private_exists_in_this_torch():
 def test_problem_names_what_is_missing():
     assert torch_privates.problem([torch_privates.Private("torch.no_such_thing")]) == "torch has no torch.no_such_thing"
     assert torch_privates.problem([torch_privates.Private("torch.amp.grad_scaler.GradScaler.step", ("self", "optimizer"))]) is None
+    hook = "torch.nn.modules.module.register_module_forward_hook"
+    assert torch_privates.problem([torch_privates.Private(hook, keywords=("always_call",))]) is None
+    assert torch_privates.problem([torch_privates.Private(hook, keywords=("always_call", "sometimes_call"))]) == (
+        f"{hook} has no sometimes_call parameter"
+    )

@@ -12,14 +12,8 @@ docs/islands.md describes it.
 
 from __future__ import annotations
 
-import inspect
-
-import torch
-from torch.nn.modules import module as nn_module
-
-from ampguard import healing
+from ampguard import healing, torch_privates
 from ampguard.config import Config
-from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
 
 
@@ -30,12 +24,9 @@ class Fp32IslandsPatch(Patch):
         "overflowed is found and run in fp32"
     )
     requires_torch = ">=2.3"
+    requires_privates = torch_privates.FP32_ISLANDS
 
     def apply(self, config: Config) -> None:
-        if "always_call" not in inspect.signature(nn_module.register_module_forward_hook).parameters:
-            raise PatchUnavailable("torch.nn.modules.module.register_module_forward_hook has no always_call")
-        if not hasattr(torch, "_foreach_copy_"):
-            raise PatchUnavailable("torch._foreach_copy_ is missing")
         healing.activate(config)
 
     def revert(self) -> None:

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ampguard import master
+from ampguard import master, torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
@@ -33,6 +33,7 @@ class MasterWeightsPatch(Patch):
     name = "master_weights"
     summary = "optimizers step float32 master copies of trainable float16 parameters (bf16 too with =all)"
     requires_torch = ">=2.3"
+    requires_privates = torch_privates.MASTER_WEIGHTS
 
     def __init__(self) -> None:
         super().__init__()
@@ -44,10 +45,8 @@ class MasterWeightsPatch(Patch):
             raise PatchUnavailable("AMPGUARD_MASTER_WEIGHTS=off")
         from torch.optim import optimizer as optimizer_module
 
-        pre = getattr(optimizer_module, "register_optimizer_step_pre_hook", None)
-        post = getattr(optimizer_module, "register_optimizer_step_post_hook", None)
-        if pre is None or post is None:
-            raise PatchUnavailable("torch has no global optimizer step hooks")
+        pre = optimizer_module.register_optimizer_step_pre_hook
+        post = optimizer_module.register_optimizer_step_post_hook
         base = torch.optim.Optimizer
         for name, wrap in (
             ("state_dict", master.wrap_state_dict),
