@@ -25,7 +25,16 @@ from typing import Any, Callable
 
 import torch
 from torch.nn.modules import module as nn_module
-from torch.utils._pytree import tree_flatten
+try:
+    from torch.utils._pytree import tree_flatten
+except ImportError:  # a torch that moved it: tensors in (nested) lists, tuples and dicts only
+
+    def tree_flatten(tree: Any) -> tuple[list[Any], None]:  # type: ignore[misc]
+        if isinstance(tree, (list, tuple)):
+            return [leaf for item in tree for leaf in tree_flatten(item)[0]], None
+        if isinstance(tree, dict):
+            return [leaf for item in tree.values() for leaf in tree_flatten(item)[0]], None
+        return [tree], None
 
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
