@@ -33,11 +33,14 @@ def launch(command: list[str], env: dict[str, str]) -> subprocess.Popen[str]:
 def finish(title: str, process: subprocess.Popen[str]) -> dict:
     output, _ = process.communicate()
     lines = output.rstrip().splitlines()
+    # The run's results are its last JSON line (ampguard's exit tally may follow it).
+    results = max((i for i, line in enumerate(lines) if line.startswith('{"results"')), default=None)
     print(f"\n===== {title} =====")
-    print("\n".join(line if len(line) < 220 else line[:217] + "..." for line in lines[:-1]))
-    if process.returncode != 0 or not lines:
+    shown = [line for i, line in enumerate(lines) if i != results]
+    print("\n".join(line if len(line) < 220 else line[:217] + "..." for line in shown))
+    if process.returncode != 0 or results is None:
         raise SystemExit(f"{title} exited with {process.returncode}")
-    return json.loads(lines[-1])
+    return json.loads(lines[results])
 
 
 def cell(result: dict) -> str:
