@@ -446,6 +446,12 @@ def _clip_with_scaler(
             threshold = max_norm / scale.to(first_device)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
+    clipped = {id(p) for p, _ in pairs}
+    if _checked_by_one_optimizer(unscaled_by, clipped):
+        # The recipe's case: every clipped gradient was checked by one optimizer's unscale_, so a
+        # non-finite norm means a non-finite gradient that optimizer already skips for: torch's kernels.
+        _multiply_(groups, _clip_coefficient(threshold, total))
+        return total
     # total - total is 0 for a finite norm and NaN for an inf/NaN one (2 kernels here, against 5 for
     # isfinite + div): added to the coefficient it leaves it unchanged or makes it NaN, and every
     # clipped step is skipped.
@@ -453,8 +459,19 @@ def _clip_with_scaler(
     coefficient = _clip_coefficient(threshold, total) + nan_if_nonfinite
     _multiply_(groups, coefficient)
     if unscaled_by:
-        _raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, nan_if_nonfinite)
+        _raise_found_inf(unscaled_by, clipped, nan_if_nonfinite)
     return total
+
+
+def _checked_by_one_optimizer(unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]], clipped: set[int]) -> bool:
+    """Whether every clipped parameter belongs to one optimizer already unscaled (its found_inf recorded).
+
+    Its norms are float32, so the total is inf/NaN only when a gradient is: the
+    optimizer skips its step whatever the clip does. Across optimizers a
+    non-finite norm would zero the healthy one's gradients: the guard is needed.
+    """
+    holders = [ids for _, _, ids in unscaled_by if not ids.isdisjoint(clipped)]
+    return len(holders) == 1 and clipped <= holders[0]
 
 
 def scaled_total_norm(
