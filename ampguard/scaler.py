@@ -780,13 +780,14 @@ def _loss_check(outputs: Any) -> torch.Tensor | None:
     """``loss - loss`` summed over every tensor of ``outputs`` (nested lists and tuples, as ``scale()`` takes).
 
     0 while every loss is finite, NaN otherwise; one kernel per loss
-    (``torch.isfinite(...).all()`` is five). None when there is no tensor, or
-    ``outputs`` is another iterable, which ``scale()`` maps lazily.
+    (``torch.isfinite(...).all()`` is five; no ``detach()`` either, under no_grad).
+    None when there is no tensor, or ``outputs`` is another iterable, which
+    ``scale()`` maps lazily.
     """
     if isinstance(outputs, torch.Tensor):
-        loss = outputs.detach()
-        check = loss - loss
-        return check.sum() if check.dim() else check
+        with torch.no_grad():
+            check = outputs - outputs
+            return check.sum() if check.dim() else check
     if not isinstance(outputs, (list, tuple)):
         return None
     total: torch.Tensor | None = None
