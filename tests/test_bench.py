@@ -14,7 +14,8 @@ import torch
 
 import ampguard
 import ampguard.scaler
-from ampguard import bench, cli
+from ampguard import cli
+from ampguard.commands.bench import runs as bench
 from ampguard.console import print_table
 
 TINY = bench.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=2, seq=8, batch=2)

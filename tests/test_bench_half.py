@@ -11,7 +11,9 @@ import json
 import pytest
 import torch
 
-from ampguard import bench, bench_half, cli, master
+from ampguard import cli, master
+from ampguard.commands.bench import half as bench_half
+from ampguard.commands.bench import runs as bench
 
 TINY = bench.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=1, seq=8, batch=2)
 

@@ -1,7 +1,7 @@
 """``ampguard bench``: ampguard's overhead against plain torch AMP, measured on this machine.
 
 Prints a table (rich on a terminal, plain text otherwise) or, with ``--json``,
-the dict :func:`ampguard.bench.run` returns; docs/performance.md documents its
+the dict :func:`ampguard.commands.bench.runs.run` returns; docs/performance.md documents its
 fields and the method. Exit status 0 whether or not the targets are met (the
 measurements are the output); 2 for a device this machine does not have.
 """
@@ -45,7 +45,7 @@ def _at_least(option: str, value: int, minimum: int) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ampguard import bench
+    from ampguard.commands.bench import runs as bench
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -95,7 +95,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _half_params(options: object, as_json: bool) -> int:
-    from ampguard import bench_half
+    from ampguard.commands.bench import half as bench_half
     from ampguard.console import print_table
 
     result = bench_half.run(options)  # type: ignore[arg-type]

@@ -1,6 +1,6 @@
 """``ampguard bench --half-params``: a model stored in half precision, trained with fp32 master weights.
 
-The bench's transformer (:mod:`ampguard.bench`) is trained twice under
+The bench's transformer (:mod:`ampguard.commands.bench.runs`) is trained twice under
 ampguard from the same weights on the same batches, with the same recipe
 (autocast, scale, backward, ``unscale_``, clip, AdamW step, update):
 
@@ -25,7 +25,8 @@ from typing import Any, Iterator
 
 import torch
 
-from ampguard import bench, master
+from ampguard import master
+from ampguard.commands.bench import runs as bench
 
 
 @contextlib.contextmanager
