@@ -15,12 +15,14 @@ import torch
 import ampguard
 import ampguard.scaler
 from ampguard import cli
-from ampguard.commands.bench import runs as bench
+from ampguard.commands.bench import counting, report, runs
+from ampguard.commands.bench.timing import time_steps
 from ampguard.console import print_table
+from ampguard.syncs import HostReadCounter
 
-TINY = bench.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=2, seq=8, batch=2)
-OPTIONS = bench.Options(device="cpu", model=TINY)
-FUSED_UNAVAILABLE = bench.fused_unavailable_reason("cpu")
+TINY = runs.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=2, seq=8, batch=2)
+OPTIONS = runs.Options(device="cpu", model=TINY)
+FUSED_UNAVAILABLE = runs.fused_unavailable_reason("cpu")
 needs_fused = pytest.mark.skipif(FUSED_UNAVAILABLE is not None, reason=f"fused AdamW on CPU: {FUSED_UNAVAILABLE}")
 
 JSON_FIELDS = {
@@ -55,7 +57,7 @@ def _one_thread():
 
 
 def test_plain_optimizer_one_sync_per_step_each_and_none_added():
-    counted = bench.count_syncs(OPTIONS, fused=False)
+    counted = counting.count_syncs(OPTIONS, fused=False)
     assert counted["torch_per_step"] == 1  # torch's own found_inf read in step()
     assert counted["ampguard_per_step"] == 1  # the same read, carrying the loss bit too
     assert counted["extra_per_step"] == 0
@@ -67,7 +69,7 @@ def test_plain_optimizer_one_sync_per_step_each_and_none_added():
 
 @needs_fused
 def test_fused_optimizer_no_sync_per_step_and_one_per_stats_report():
-    counted = bench.count_syncs(OPTIONS, fused=True)
+    counted = counting.count_syncs(OPTIONS, fused=True)
     assert counted["torch_per_step"] == 0
     assert counted["ampguard_per_step"] == 0
     assert counted["extra_per_step"] == 0
@@ -78,12 +80,12 @@ def test_fused_optimizer_no_sync_per_step_and_one_per_stats_report():
 @needs_fused
 def test_stats_lines_are_the_only_reads_with_a_fused_optimizer(reinstall):
     reinstall(AMPGUARD_STATS_EVERY="2")
-    torch_run, ampguard_run = bench.make_runs(OPTIONS, fused=True)
+    torch_run, ampguard_run = runs.make_runs(OPTIONS, fused=True)
     torch_run.steps(1)
     ampguard_run.steps(1)
-    with bench.HostReadCounter() as torch_reads:
+    with HostReadCounter() as torch_reads:
         torch_run.steps(6)
-    with bench.HostReadCounter() as ampguard_reads:
+    with HostReadCounter() as ampguard_reads:
         ampguard_run.steps(6)  # steps 2..7: stats lines after steps 2, 4 and 6
     assert torch_reads.total == 0
     assert ampguard_reads.total == 3
@@ -92,15 +94,15 @@ def test_stats_lines_are_the_only_reads_with_a_fused_optimizer(reinstall):
 
 def test_plain_optimizer_stats_lines_read_nothing(reinstall):
     reinstall(AMPGUARD_STATS_EVERY="1")
-    _, ampguard_run = bench.make_runs(OPTIONS, fused=False)
+    _, ampguard_run = runs.make_runs(OPTIONS, fused=False)
     ampguard_run.steps(1)
-    syncs, _, _ = bench.count_steps(ampguard_run, 3)
+    syncs, _, _ = counting.count_steps(ampguard_run, 3)
     assert syncs == 3  # torch's found_inf read of each step(), nothing for the three stats lines
 
 
 def test_sync_counts_are_the_same_every_time():
-    first = bench.count_syncs(OPTIONS, fused=False)
-    second = bench.count_syncs(OPTIONS, fused=False)
+    first = counting.count_syncs(OPTIONS, fused=False)
+    second = counting.count_syncs(OPTIONS, fused=False)
     assert first == second
 
 
@@ -108,36 +110,36 @@ def test_sync_counts_are_the_same_every_time():
 
 
 def test_torch_variant_gets_torchs_originals_through_ampguards_wrappers():
-    implementation = bench.torch_implementations()
+    implementation = runs.torch_implementations()
     clip = implementation.clip_grad_norm_
-    assert not bench.is_ampguard_wrapper(clip)
+    assert not runs.is_ampguard_wrapper(clip)
     assert clip.__code__.co_filename.endswith("clip_grad.py") and "torch" in clip.__code__.co_filename
     # (module attributes, not names imported here: install rebinds every module global holding torch's class)
     assert issubclass(implementation.scaler_class, ampguard.scaler.TorchGradScaler)
     assert not issubclass(implementation.scaler_class, ampguard.SafeGradScaler)
     for name in ("scale", "unscale_", "step", "update"):
-        assert not bench.is_ampguard_wrapper(getattr(implementation.scaler_class, name))
-    assert not bench.is_ampguard_wrapper(implementation.autocast.__init__)
+        assert not runs.is_ampguard_wrapper(getattr(implementation.scaler_class, name))
+    assert not runs.is_ampguard_wrapper(implementation.autocast.__init__)
 
 
 def test_clip_patch_applied_means_the_ampguard_variant_clips_through_it():
     states = {entry.name: entry.state for entry in ampguard.status()}
     if states.get("clip_grad") != "applied":
         pytest.skip("the clip_grad patch is not applied here")
-    assert bench.clip_is_wrapped()
-    assert bench.unwrap_ampguard(torch.nn.utils.clip_grad_norm_) is bench.torch_implementations().clip_grad_norm_
+    assert runs.clip_is_wrapped()
+    assert runs.unwrap_ampguard(torch.nn.utils.clip_grad_norm_) is runs.torch_implementations().clip_grad_norm_
 
 
 def test_without_ampguard_both_variants_use_torchs_objects(stock_torch):
-    implementation = bench.torch_implementations()
+    implementation = runs.torch_implementations()
     assert implementation.scaler_class is ampguard.scaler.TorchGradScaler
     assert implementation.autocast is torch.amp.autocast_mode.autocast
     assert implementation.clip_grad_norm_ is torch.nn.utils.clip_grad_norm_
-    assert not bench.clip_is_wrapped()
+    assert not runs.clip_is_wrapped()
 
 
 def test_healthy_training_is_bit_identical_under_ampguard():
-    timing = bench.time_steps(bench.Options(device="cpu", model=TINY, steps=6, block_steps=2, warmup_steps=2), fused=False)
+    timing = time_steps(runs.Options(device="cpu", model=TINY, steps=6, block_steps=2, warmup_steps=2), fused=False)
     assert timing["same_parameters"] is True
     assert timing["blocks"] == 3 and timing["block_steps"] == 2
 
@@ -152,20 +154,14 @@ def bench_json(_one_thread) -> dict:
             "--import-runs", "1", "--fused", "--threads", "1", "--json"]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("sys.stdout", stdout)
-        patch.setattr(bench, "ModelSpec", _TinySpec)  # the command's own model, smaller
+        patch.setattr(runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))  # the command's model, smaller
         assert cli.main(argv) == 0
     return json.loads(stdout.getvalue())
 
 
-class _TinySpec(bench.ModelSpec):
-    @classmethod
-    def for_device(cls, device: str) -> bench.ModelSpec:
-        return TINY
-
-
 def test_bench_json_has_the_documented_fields(bench_json):
     assert set(bench_json) == JSON_FIELDS
-    assert bench_json["schema"] == bench.SCHEMA_VERSION
+    assert bench_json["schema"] == report.SCHEMA_VERSION
     assert set(bench_json["step_time"]) == {"plain", "fused"}
     assert set(bench_json["step_time"]["plain"]) == STEP_TIME_FIELDS
     fused = bench_json["step_time"]["fused"]
@@ -178,8 +174,8 @@ def test_bench_json_has_the_documented_fields(bench_json):
         assert set(bench_json["syncs"]["fused"]) == SYNC_FIELDS
     assert set(bench_json["clip_idle"]) == CLIP_FIELDS
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
-    assert bench_json["targets"] == bench.TARGETS
-    assert {c["name"] for c in bench_json["checks"]} == set(bench.TARGETS)
+    assert bench_json["targets"] == report.TARGETS
+    assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)
     assert all(set(c) == {"name", "target", "measured", "ok"} for c in bench_json["checks"])
     assert bench_json["environment"]["torch_threads"] == 1
     assert bench_json["settings"]["model"] == {
@@ -204,7 +200,7 @@ def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
 def test_bench_table_plain_text(bench_json):
     stream = io.StringIO()
     print_table("ampguard bench", ["measure", "torch", "ampguard", "result", "target", "met"],
-                list(bench.iter_table_rows(bench_json)), stream=stream)
+                list(report.iter_table_rows(bench_json)), stream=stream)
     text = stream.getvalue()
     assert "step time, AdamW" in text
     assert "syncs/step, AdamW" in text

@@ -12,29 +12,28 @@ import pytest
 import torch
 
 from ampguard import cli, master
-from ampguard.commands.bench import half as bench_half
-from ampguard.commands.bench import runs as bench
+from ampguard.commands.bench import half, runs
 
-TINY = bench.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=1, seq=8, batch=2)
+TINY = runs.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=1, seq=8, batch=2)
 
 
 @pytest.fixture
 def tiny_model(monkeypatch):
-    monkeypatch.setattr(bench.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))
+    monkeypatch.setattr(runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
 def test_half_params_bench_reports_memory_and_no_extra_syncs(dtype):
-    options = bench.Options(dtype=dtype, steps=2, warmup_steps=1, model=TINY, import_runs=0)
-    result = bench_half.run(options)
+    options = runs.Options(dtype=dtype, steps=2, warmup_steps=1, model=TINY, import_runs=0)
+    result = half.run(options)
     full_bytes, half_bytes = result["parameter_bytes"]
     assert half_bytes * 2 == full_bytes == result["master_bytes"]
-    assert result["masters"] == len(list(torch.nn.Module.parameters(bench.TinyTransformer(TINY))))
+    assert result["masters"] == len(list(torch.nn.Module.parameters(runs.TinyTransformer(TINY))))
     assert result["syncs_per_step"][1] <= result["syncs_per_step"][0]
     assert result["optimizer_state_bytes"][0] == result["optimizer_state_bytes"][1]
     assert result["finite"] and result["ratio"] > 0
     assert master.state.dtypes == (torch.float16,)  # bfloat16 masters only for the length of the bench
-    assert [row[0] for row in bench_half.table_rows(result)] == [
+    assert [row[0] for row in half.table_rows(result)] == [
         "step time", "syncs/step", "parameters", "fp32 masters", "optimizer state",
     ]
 
@@ -50,4 +49,4 @@ def test_half_params_from_the_command_line(tiny_model, capsys):
 def test_half_params_needs_the_patch(reinstall):
     reinstall(AMPGUARD_MASTER_WEIGHTS="off")
     with pytest.raises(RuntimeError, match="master_weights patch is not applied"):
-        bench_half.run(bench.Options(steps=1, model=TINY, import_runs=0))
+        half.run(runs.Options(steps=1, model=TINY, import_runs=0))

@@ -1,7 +1,7 @@
 """``ampguard bench``: ampguard's overhead against plain torch AMP, measured on this machine.
 
 Prints a table (rich on a terminal, plain text otherwise) or, with ``--json``,
-the dict :func:`ampguard.commands.bench.runs.run` returns; docs/performance.md documents its
+the dict :func:`ampguard.commands.bench.report.run` returns; docs/performance.md documents its
 fields and the method. Exit status 0 whether or not the targets are met (the
 measurements are the output); 2 for a device this machine does not have.
 """
@@ -45,14 +45,14 @@ def _at_least(option: str, value: int, minimum: int) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ampguard.commands.bench import runs as bench
+    from ampguard.commands.bench import report, runs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
         print("ampguard bench: --device cuda, but torch sees no CUDA device.", file=sys.stderr)
         return 2
     _at_least("--steps", args.steps, 1)
-    block_steps = args.block_steps if args.block_steps is not None else bench.default_block_steps(device)
+    block_steps = args.block_steps if args.block_steps is not None else runs.default_block_steps(device)
     _at_least("--block-steps", block_steps, 1)
     _at_least("--warmup-steps", args.warmup_steps, 0)
     _at_least("--import-runs", args.import_runs, 0)
@@ -64,9 +64,9 @@ def main(args: argparse.Namespace) -> int:
         def progress(message: str) -> None:
             print(f"ampguard bench: {message} ...", file=sys.stderr, flush=True)
 
-    options = bench.Options(
+    options = runs.Options(
         device=device,
-        dtype=args.dtype or bench.default_dtype(device),
+        dtype=args.dtype or runs.default_dtype(device),
         steps=args.steps,
         block_steps=block_steps,
         warmup_steps=args.warmup_steps,
@@ -76,7 +76,7 @@ def main(args: argparse.Namespace) -> int:
     )
     if args.half_params:
         return _half_params(options, args.json)
-    result = bench.run(options)
+    result = report.run(options)
     if args.json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -88,17 +88,17 @@ def main(args: argparse.Namespace) -> int:
         f"ampguard bench: {environment['device']} ({environment['device_name']}), torch {environment['torch']}, "
         f"{environment['torch_threads']} threads, load {environment['load_average_before']}"
     )
-    print_table(title, ["measure", "torch", "ampguard", "result", "target", "met"], list(bench.iter_table_rows(result)))
+    print_table(title, ["measure", "torch", "ampguard", "result", "target", "met"], list(report.iter_table_rows(result)))
     if not result["clip_wrapped"]:
         print("note: the clip_grad patch is not applied: both variants call torch's clip_grad_norm_.")
     return 0
 
 
 def _half_params(options: object, as_json: bool) -> int:
-    from ampguard.commands.bench import half as bench_half
+    from ampguard.commands.bench import half
     from ampguard.console import print_table
 
-    result = bench_half.run(options)  # type: ignore[arg-type]
+    result = half.run(options)  # type: ignore[arg-type]
     if as_json:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -106,7 +106,7 @@ def _half_params(options: object, as_json: bool) -> int:
     dtype = result["autocast_dtype"]
     print_table(
         f"ampguard bench --half-params: {dtype} parameters with fp32 master weights against float32 parameters",
-        ["measure", "float32 parameters", f"{dtype} + masters", "note"], bench_half.table_rows(result),
+        ["measure", "float32 parameters", f"{dtype} + masters", "note"], half.table_rows(result),
     )
     return 0
 

@@ -26,7 +26,11 @@ from typing import Any, Iterator
 import torch
 
 from ampguard import master
-from ampguard.commands.bench import runs as bench
+from ampguard.commands.bench.counting import count_steps
+from ampguard.commands.bench.runs import COUNTED_STEPS, GROWTH_INTERVAL, INIT_SCALE, LEARNING_RATE, Options, Run
+from ampguard.commands.bench.runs import make_runs as make_bench_runs
+from ampguard.commands.bench.timing import Timer, interleaved_blocks, ratio_summary
+from ampguard.scaler import SafeGradScaler
 
 
 @contextlib.contextmanager
@@ -49,20 +53,20 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return _bytes(v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor))
 
 
-def make_runs(options: bench.Options) -> tuple[bench.Run, bench.Run]:
+def make_runs(options: Options) -> tuple[Run, Run]:
     """The float32-parameter run and the half-parameter run: same weights (rounded), same batches."""
-    _, full = bench.make_runs(options, fused=False)  # the ampguard variant: SafeGradScaler, patched clip
+    _, full = make_bench_runs(options, fused=False)  # the ampguard variant: SafeGradScaler, patched clip
     half = copy.copy(full)
     half.model = copy.deepcopy(full.model).to(getattr(torch, options.dtype))
-    half.optimizer = torch.optim.AdamW(half.model.parameters(), lr=bench.LEARNING_RATE)
-    half.scaler = bench.SafeGradScaler(options.device, init_scale=bench.INIT_SCALE, growth_interval=bench.GROWTH_INTERVAL)
+    half.optimizer = torch.optim.AdamW(half.model.parameters(), lr=LEARNING_RATE)
+    half.scaler = SafeGradScaler(options.device, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
     with torch.no_grad():  # both start from the weights the half model can hold
         for p, q in zip(full.model.parameters(), half.model.parameters()):
             p.copy_(q)
     return full, half
 
 
-def run(options: bench.Options) -> dict[str, Any]:
+def run(options: Options) -> dict[str, Any]:
     """Step time, synchronisations and memory of half parameters with masters against float32 parameters."""
     say = options.progress or (lambda message: None)
     dtype = getattr(torch, options.dtype)
@@ -71,24 +75,24 @@ def run(options: bench.Options) -> dict[str, Any]:
         full.steps(2)
         half.steps(2)  # masters made, optimizer state allocated
         say("counting synchronisations (float32 parameters, then half parameters with masters)")
-        full_syncs, _, _ = bench.count_steps(full, bench.COUNTED_STEPS)
-        half_syncs, _, _ = bench.count_steps(half, bench.COUNTED_STEPS)
+        full_syncs, _, _ = count_steps(full, COUNTED_STEPS)
+        half_syncs, _, _ = count_steps(half, COUNTED_STEPS)
         say(f"timing {options.steps} steps per variant")
-        timer = bench._Timer(options.device)
+        timer = Timer(options.device)
         block = max(1, min(options.block_steps, options.steps))
         pairs = max(1, options.steps // block)
         if options.warmup_steps > 0:
-            bench.interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), max(1, options.warmup_steps // block), timer)
-        timed = bench.interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), pairs, timer)
+            interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), max(1, options.warmup_steps // block), timer)
+        timed = interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), pairs, timer)
         masters = [m for _, m in master.masters_of(half.optimizer)]
     return {
         "autocast_dtype": options.dtype,
         "float32_ms_per_step": statistics.median(a for a, _ in timed) / block * 1e3,
         "half_ms_per_step": statistics.median(b for _, b in timed) / block * 1e3,
-        **bench._ratio_summary(timed),
+        **ratio_summary(timed),
         "blocks": pairs,
         "block_steps": block,
-        "syncs_per_step": [full_syncs / bench.COUNTED_STEPS, half_syncs / bench.COUNTED_STEPS],
+        "syncs_per_step": [full_syncs / COUNTED_STEPS, half_syncs / COUNTED_STEPS],
         "parameter_bytes": [_bytes(full.model.parameters()), _bytes(half.model.parameters())],
         "master_bytes": _bytes(masters),
         "masters": len(masters),

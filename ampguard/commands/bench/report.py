@@ -1,0 +1,196 @@
+"""Every measurement of ``ampguard bench`` as one JSON-ready dict, its targets, and its table.
+
+:func:`run` returns the dict; its fields are documented in
+``docs/performance.md`` and checked by ``tests/test_bench.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from typing import Any, Iterator
+
+import torch
+
+import ampguard
+from ampguard.commands.bench.counting import count_syncs
+from ampguard.commands.bench.import_time import time_import
+from ampguard.commands.bench.runs import (
+    GROWTH_INTERVAL,
+    INIT_SCALE,
+    ModelSpec,
+    Options,
+    clip_is_wrapped,
+    fused_unavailable_reason,
+    optimizer_name,
+)
+from ampguard.commands.bench.timing import time_idle_clip, time_steps
+
+SCHEMA_VERSION = 1
+
+# What "no measurable cost" means, as checked next to every measured value.
+TARGETS: dict[str, float] = {
+    "step_time_ratio": 1.01,  # median ampguard/torch per-step time, at most
+    "extra_syncs_per_step": 0,  # host-device synchronisations ampguard adds per step
+    "import_overhead_ms": 50.0,  # what `import ampguard` adds to `import torch`
+    "clip_idle_overhead": 0.02,  # wrapped clip_grad_norm_ vs torch's, nothing scaled
+}
+
+
+def _load() -> list[float] | None:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def _device_name(device: str) -> str:
+    if device == "cuda":
+        return torch.cuda.get_device_name()
+    return platform.processor() or platform.machine()
+
+
+def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each target next to its measured value (the worst optimizer kind for per-step values)."""
+    rows: list[dict[str, Any]] = []
+    timings = [t for t in result["step_time"].values() if t]
+    if timings:
+        ratio = max(t["ratio"] for t in timings)
+        rows.append({"name": "step_time_ratio", "target": f"<= {TARGETS['step_time_ratio']}", "measured": ratio,
+                     "ok": ratio <= TARGETS["step_time_ratio"]})
+    counted = [s for s in result["syncs"].values() if "extra_per_step" in s]
+    if counted:
+        extra = max(s["extra_per_step"] for s in counted)
+        rows.append({"name": "extra_syncs_per_step", "target": f"== {TARGETS['extra_syncs_per_step']}", "measured": extra,
+                     "ok": extra <= TARGETS["extra_syncs_per_step"]})
+    if result["import_time"]:
+        measured = result["import_time"]["ampguard_ms"]
+        rows.append({"name": "import_overhead_ms", "target": f"<= {TARGETS['import_overhead_ms']:g}", "measured": measured,
+                     "ok": measured <= TARGETS["import_overhead_ms"]})
+    if result["clip_idle"]:
+        overhead = result["clip_idle"]["overhead"]
+        rows.append({"name": "clip_idle_overhead", "target": f"<= {TARGETS['clip_idle_overhead']:g}", "measured": overhead,
+                     "ok": overhead <= TARGETS["clip_idle_overhead"]})
+    return rows
+
+
+def run(options: Options) -> dict[str, Any]:
+    """Every measurement of ``ampguard bench``, as one JSON-ready dict (see docs/performance.md)."""
+    say = options.progress or (lambda message: None)
+    load_before = _load()
+    fused_reason = fused_unavailable_reason(options.device)
+    kinds = [False] + ([True] if fused_reason is None else [])
+    import ampguard.log as log
+
+    previous_level = log.logger.level
+    log.logger.setLevel(max(previous_level, 30))  # stats lines would interleave with the output
+    try:
+        syncs: dict[str, Any] = {}
+        for fused in kinds:
+            say(f"counting synchronisations ({optimizer_name(fused)})")
+            syncs["fused" if fused else "plain"] = count_syncs(options, fused)
+        if fused_reason is not None:
+            syncs["fused"] = {"optimizer": optimizer_name(True), "unavailable": fused_reason}
+        step_time: dict[str, Any] = {}
+        for fused in [False] + ([True] if options.fused else []):
+            key = "fused" if fused else "plain"
+            if fused and fused_reason is not None:
+                step_time[key] = None
+                continue
+            say(f"timing {options.steps} steps per variant ({optimizer_name(fused)})")
+            step_time[key] = time_steps(options, fused)
+        say("timing clip_grad_norm_ with nothing scaled")
+        clip_idle = time_idle_clip(options)
+    finally:
+        log.logger.setLevel(previous_level)
+    import_time = None
+    if options.import_runs > 0:
+        say(f"timing `import ampguard` in {options.import_runs} fresh interpreters")
+        import_time = time_import(options.import_runs)
+    result: dict[str, Any] = {
+        "schema": SCHEMA_VERSION,
+        "environment": {
+            "ampguard": ampguard.__version__,
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "device": options.device,
+            "device_name": _device_name(options.device),
+            "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(),
+            "load_average_before": load_before,
+            "load_average_after": _load(),
+        },
+        "settings": {
+            "steps": options.steps,
+            "block_steps": options.block_steps,
+            "warmup_steps": options.warmup_steps,
+            "autocast_dtype": options.dtype,
+            "fused": options.fused,
+            "model": dataclasses.asdict(options.model or ModelSpec.for_device(options.device)),
+            "init_scale": INIT_SCALE,
+            "growth_interval": GROWTH_INTERVAL,
+        },
+        "patches": {entry.name: entry.state for entry in ampguard.status()},
+        "clip_wrapped": clip_is_wrapped(),
+        "step_time": step_time,
+        "syncs": syncs,
+        "clip_idle": clip_idle,
+        "import_time": import_time,
+        "targets": dict(TARGETS),
+    }
+    result["checks"] = checks(result)
+    return result
+
+
+def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
+    """``[measure, torch, ampguard, result, target, ok]`` rows for the human-readable table."""
+    verdict = {c["name"]: "yes" if c["ok"] else "NO" for c in result["checks"]}
+    for key, timing in result["step_time"].items():
+        if timing is None:
+            yield [f"step time, {optimizer_name(key == 'fused')}", "-", "-", "unavailable", "", ""]
+            continue
+        yield [
+            f"step time, {timing['optimizer']}",
+            f"{timing['torch_ms_per_step']:.2f} ms",
+            f"{timing['ampguard_ms_per_step']:.2f} ms",
+            f"ratio {timing['ratio']:.4f} +-{timing['ratio_stderr']:.4f} ({timing['ratio_min']:.3f}-{timing['ratio_max']:.3f}), "
+            f"{timing['overhead_us_per_step']:+.0f} us/step",
+            f"<= {TARGETS['step_time_ratio']}",
+            "yes" if timing["ratio"] <= TARGETS["step_time_ratio"] else "NO",
+        ]
+    for key, counted in result["syncs"].items():
+        if "unavailable" in counted:
+            yield [f"syncs/step, {counted['optimizer']}", "-", "-", "unavailable: " + counted["unavailable"], "", ""]
+            continue
+        yield [
+            f"syncs/step, {counted['optimizer']}",
+            f"{counted['torch_per_step']:g}",
+            f"{counted['ampguard_per_step']:g}",
+            f"{counted['extra_per_step']:+g}/step, {counted['ampguard_per_stats_report']} per stats report; "
+            f"ops/step {counted['torch_ops_per_step']:g} vs {counted['ampguard_ops_per_step']:g}",
+            "+0",
+            "yes" if counted["extra_per_step"] <= 0 else "NO",
+        ]
+    imported = result["import_time"]
+    if imported:
+        terminal = imported["ampguard_terminal_ms"]
+        yield [
+            "import ampguard after torch",
+            f"{imported['torch_ms']:.0f} ms (torch)",
+            f"{imported['ampguard_ms']:.1f} ms",
+            f"median of {imported['runs']}" + (f"; on a terminal {terminal:.1f} ms" if terminal is not None else ""),
+            f"<= {TARGETS['import_overhead_ms']:g} ms",
+            verdict.get("import_overhead_ms", ""),
+        ]
+    clip = result["clip_idle"]
+    yield [
+        f"clip_grad_norm_, {clip['tensors']} tensors, nothing scaled",
+        f"{clip['torch_us_per_call']:.0f} us",
+        f"{clip['ampguard_us_per_call']:.0f} us",
+        f"{clip['overhead']:+.2%} ({clip['overhead_min']:+.1%}..{clip['overhead_max']:+.1%}); "
+        f"syncs {clip['torch_syncs_per_call']} vs {clip['ampguard_syncs_per_call']}"
+        + ("" if clip["wrapped"] else "; clip patch not applied"),
+        f"<= {TARGETS['clip_idle_overhead']:.0%}",
+        verdict.get("clip_idle_overhead", ""),
+    ]
