@@ -102,8 +102,12 @@ def note_read(value: int) -> None:
 # -- the scale --------------------------------------------------------------------------------
 
 
+_last_exchange: torch.Tensor | None = None
+
+
 def agreed_forward_overflow(local: bool) -> bool:
     """On a skipped step: was a loss non-finite, on any rank? (one all-reduce under torch.distributed, else free)."""
+    global _last_exchange
     dist = _distributed()
     if dist is None:
         return local
@@ -113,6 +117,9 @@ def agreed_forward_overflow(local: bool) -> bool:
         flags = torch.tensor([float(local), float(verdict)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         agreed, verdict_value = read_to_host(flags)
+        # Kept until the next exchange: a gloo thread must never free this tensor's Python object, which
+        # takes the GIL and, on torch < 2.8, can deadlock a process group destroyed at exit (examples/ddp_train.py).
+        _last_exchange = flags
     except Exception as error:
         _warn_once("exchange", "ampguard could not exchange the forward-overflow verdict between ranks (%r).", error)
         return local

@@ -71,11 +71,12 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 8))
 
 
-def params_identical_across_ranks(model: nn.Module, world: int) -> bool:
-    """All-gather a checksum of this rank's parameters and compare them."""
+def params_identical_across_ranks(model: nn.Module, world: int, keep: list[torch.Tensor]) -> bool:
+    """All-gather a checksum of this rank's parameters and compare them (the tensors exchanged go into ``keep``)."""
     local = torch.stack([p.detach().double().sum() for p in model.parameters()]).sum().reshape(1)
     gathered = [torch.zeros_like(local) for _ in range(world)]
     dist.all_gather(gathered, local)
+    keep += [local, *gathered]
     return all(torch.equal(gathered[0], other) for other in gathered[1:])
 
 
@@ -109,7 +110,8 @@ def main() -> None:
         if rank == 0 and (step + 1) % 20 == 0:
             print(f"ddp_train: step {step + 1}/{args.steps} loss {loss.item():.4f} scale {scaler.get_scale():g}", flush=True)
 
-    identical = params_identical_across_ranks(model, world)
+    exchanged: list[torch.Tensor] = []
+    identical = params_identical_across_ranks(model, world, exchanged)
     stats = getattr(scaler, "stats", None)  # ampguard's SafeGradScaler counts skips exactly
     if rank == 0:
         print(
@@ -118,7 +120,13 @@ def main() -> None:
             f"params_identical={identical} seconds={time.perf_counter() - started:.1f}",
             flush=True,
         )
+    # On torch < 2.8 a process group is destroyed holding the GIL (pytorch/pytorch#154976), and a gloo
+    # thread that still has to free the Python object of a tensor it exchanged waits for the GIL: both hang
+    # at exit (a few runs in 30 on torch 2.3). So the tensors exchanged here outlive the group, and DDP,
+    # whose C++ Reducer also holds the group, goes first.
+    del model
     dist.destroy_process_group()
+    del exchanged
 
 
 if __name__ == "__main__":

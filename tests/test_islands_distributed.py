@@ -50,6 +50,7 @@ record = {"scales": scales, "losses_finite": losses_finite, "stats": scaler.stat
 with open(os.path.join(OUT, f"rank{rank}.json"), "w") as handle:
     json.dump(record, handle)
 dist.barrier()
+del model  # before the group: see examples/ddp_train.py (a rare gloo hang at exit on torch < 2.8)
 dist.destroy_process_group()
 '''
 

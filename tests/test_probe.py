@@ -85,9 +85,8 @@ def test_names_are_relative_to_the_model_inside_ddp(tmp_path):
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
     try:
-        wrapped = torch.nn.parallel.DistributedDataParallel(make_net())
-        assert _named(wrapped, batch(OVERFLOWING)[0]) == "blocks.1.attn"
-    finally:
+        assert _named(torch.nn.parallel.DistributedDataParallel(make_net()), batch(OVERFLOWING)[0]) == "blocks.1.attn"
+    finally:  # DDP is gone before the group: see examples/ddp_train.py (a rare gloo hang at exit on torch < 2.8)
         dist.destroy_process_group()
 
 
