@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import ampguard
+import ampguard.scaler.policy
 from ampguard import diagnose
 from scaler_support import ampguard_log, records  # noqa: F401
 from test_diagnose import _fresh_diagnose_state, make_model, reports  # noqa: F401
@@ -86,7 +87,7 @@ def test_stall_and_collapse_blame_the_parameters_not_clipping_or_bf16(reinstall,
     # The forward overflows whatever the scale, so whether the scale backs off into a collapse is the
     # forward-overflow policy's business: the collapse report is asked for directly.
     scaler._collapse_reported = False
-    scaler._report_collapse(1.0)
+    ampguard.scaler.policy.report_collapse(scaler, 1.0)
     critical = [r.getMessage() for r in records(ampguard_log, logging.CRITICAL)]
     assert len(critical) == 2
     for message in critical:

@@ -7,28 +7,18 @@ of its bookkeeping on the host from there: skip counts, a float32 mirror of the
 scale (the rule of ``torch._amp_update_scale_``, replayed exactly), the floor,
 the cap, collapse and stall detection. Nothing else is read from the device.
 
-Fused optimizers (``Adam(fused=True)`` ...) are stepped by torch without any
-host read. For an iteration with such an optimizer (and for ``update(new_scale)``,
-``unscale_()`` without ``step()``, and FSDP's ShardedGradScaler) the bookkeeping
-moves to a few device tensors ("device mode"), which are read (one sync) only
-when a stats line is due, ``scaler.stats`` is asked for, or a checkpoint is
-taken; the host mirror is refreshed then and host mode resumes. Collapses and
-stalls that happened in device mode are reported at that read, even if they
-have ended since.
+Where each behaviour lives:
 
-Collapse: an overflow with the scale at the floor, or where backing off would
-take it below 1, logs CRITICAL once per episode; the episode ends when the
-scale grows out of that zone. Stall: ``AMPGUARD_MAX_CONSECUTIVE_SKIPS``
-consecutive skipped iterations log CRITICAL once per streak, or, with
-``AMPGUARD_ON_STALL=raise``, make ``update()`` raise ScaleCollapseError after
-completing its iteration (never ``stats``, ``state_dict()`` or pickling).
+* :mod:`ampguard.scaler.policy`: torch's update rule replayed on the host, the
+  floor and cap, collapse and stall reports;
+* :mod:`ampguard.scaler.ledger`: device mode, the counters kept on the device
+  for fused optimizers (read once when a stats line is due, ``scaler.stats`` is
+  asked for or a checkpoint is taken).
 """
 
 from __future__ import annotations
 
-import ctypes
 import logging
-import math
 import threading
 import weakref
 from collections import defaultdict
@@ -47,8 +37,9 @@ from ampguard.accumulation import rescale_unscaled_gradients
 from ampguard.config import FLOAT32_MAX
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import logger
+from ampguard.scaler import ledger, policy
+from ampguard.scaler.policy import next_scale
 from ampguard.stats import ScalerStats, log_stats
-from ampguard.syncs import read_to_host
 
 if TYPE_CHECKING:
     from ampguard.config import Config
@@ -76,24 +67,6 @@ _overrides_logged: set[str] = set()
 # Device types whose _amp_foreach_non_finite_check_and_unscale_ kernel has no
 # bfloat16 implementation (pytorch issue 127176).
 DEVICES_WITHOUT_BF16_UNSCALE = frozenset({"cuda"})
-
-
-def _f32(value: float) -> float:
-    """Round a Python float to float32, as torch stores the scale (inf when out of range)."""
-    return ctypes.c_float(value).value
-
-
-def next_scale(
-    scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float, growth_interval: int
-) -> tuple[float, int]:
-    """The host replay of ``torch._amp_update_scale_``: float32 scale, int growth tracker."""
-    if found_inf:
-        return _f32(scale * backoff_factor), 0
-    tracker += 1
-    if tracker == growth_interval:
-        grown = _f32(scale * growth_factor)
-        return (grown if math.isfinite(grown) else scale), 0
-    return scale, tracker
 
 
 @dataclass
@@ -143,36 +116,6 @@ def _resolve_settings(
 
 def _optimizer_label(optimizer: Any) -> str:
     return f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
-
-
-class _DeviceLedger:
-    """Counters kept on the scale's device for iterations the host did not see (fused optimizers).
-
-    ``stalls`` (streaks that reached the stall limit), ``max_consecutive`` and
-    ``collapsed`` remember stalls and collapses that happened, and perhaps
-    ended, between two reads.
-    """
-
-    def __init__(self, scale: torch.Tensor, consecutive: int) -> None:
-        def zero() -> torch.Tensor:
-            return torch.zeros((), dtype=torch.float32, device=scale.device)
-
-        self.skipped = zero()
-        self.nonfinite_loss = zero()
-        self.consecutive = torch.full((), float(consecutive), dtype=torch.float32, device=scale.device)
-        self.max_consecutive = self.consecutive.clone()
-        self.stalls = zero()
-        self.collapsed = zero()
-        self.min_scale = scale.detach().clone()
-        self.max_scale = scale.detach().clone()
-
-    def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> list[float]:
-        # The one host read of device mode: everything packed into one tensor.
-        packed = torch.stack([
-            self.skipped, self.nonfinite_loss, self.consecutive, self.max_consecutive, self.stalls, self.collapsed,
-            self.min_scale, self.max_scale, scale.float(), tracker.float(),
-        ])
-        return read_to_host(packed)
 
 
 class SafeGradScaler(TorchGradScaler):
@@ -263,10 +206,10 @@ class SafeGradScaler(TorchGradScaler):
         self._consecutive = 0
         self._skipped_at_last_report = 0
         self._next_report = settings.stats_every or 0
-        self._mirror_scale: float | None = _f32(min(max(settings.init_scale, self._min_scale), self._max_scale))
+        self._mirror_scale: float | None = policy.f32(min(max(settings.init_scale, self._min_scale), self._max_scale))
         self._mirror_tracker = 0
         self._min_seen = self._max_seen = self._mirror_scale
-        self._ledger: _DeviceLedger | None = None
+        self._ledger: ledger.DeviceLedger | None = None
         self._collapse_reported = False
         self._stall_reported = False
         self._stall_error: ScaleCollapseError | None = None
@@ -479,7 +422,7 @@ class SafeGradScaler(TorchGradScaler):
             ):
                 self._update_in_host_mode()
             else:
-                self._update_in_device_mode(states, new_scale)
+                ledger.update_in_device_mode(self, states, new_scale)
         except Exception as error:
             passing = containment.passes_through(error)
             if passing is not None:
@@ -519,50 +462,15 @@ class SafeGradScaler(TorchGradScaler):
             logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, self._steps)
         if found:
             self._consecutive += 1
-            if not forward_overflow and self._in_collapse_zone(scale_before):
-                self._report_collapse(scale_before)
-            self._check_stall(self._consecutive)
+            if not forward_overflow and policy.in_collapse_zone(self, scale_before):
+                policy.report_collapse(self, scale_before)
+            policy.check_stall(self, self._consecutive)
         else:
             self._consecutive = 0
             self._stall_reported = False
-        if not self._in_collapse_zone(bounded):
+        if not policy.in_collapse_zone(self, bounded):
             self._collapse_reported = False
         healing.end_iteration(self, forward_overflow)
-
-    def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
-        assert self._scale is not None and self._growth_tracker is not None
-        if self._ledger is None:
-            self._ledger = _DeviceLedger(self._scale, self._consecutive)
-        ledger = self._ledger
-        scale = self._scale
-        found_per_optimizer = {
-            key: self._found_flag(list(s["found_inf_per_device"].values()), scale.device)
-            for key, s in states.items()
-            if s["found_inf_per_device"]
-        }
-        if found_per_optimizer:
-            stepped = [found for key, found in found_per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
-            if stepped:
-                ledger.skipped.add_(stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum())
-            flags = list(found_per_optimizer.values())
-            found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-            ledger.consecutive.add_(1.0).mul_(found)
-            torch.maximum(ledger.max_consecutive, ledger.consecutive, out=ledger.max_consecutive)
-            ledger.stalls.add_(ledger.consecutive == float(self._settings.max_consecutive_skips))
-            zone = scale * self._backoff_factor < 1.0
-            if self._min_scale > 0:
-                zone = zone | (scale <= self._min_scale)
-            torch.maximum(ledger.collapsed, healing.backward_only(found, self._loss_check) * zone, out=ledger.collapsed)
-            if self._loss_check is not None:
-                ledger.nonfinite_loss.add_(self._loss_check.isnan().to(scale.device))
-        held = healing.hold_scale(self, new_scale)  # kept where a loss was non-finite: no back-off
-        self._torch_update(new_scale)
-        healing.keep_scale_on_device(self, held)
-        if self._min_scale > 0 or math.isfinite(self._max_scale):
-            scale.clamp_(min=self._min_scale or None, max=self._max_scale)
-        torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
-        torch.maximum(ledger.max_scale, scale, out=ledger.max_scale)
-        self._mirror_scale = None
 
     def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
         containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
@@ -578,12 +486,6 @@ class SafeGradScaler(TorchGradScaler):
         self._scale.fill_(self._mirror_scale)
         self._mirror_tracker = int(self._growth_tracker.item())
 
-    def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-        """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
-        if len(found_infs) == 1 and self._host_mirror_exact and found_infs[0].device == device:
-            return found_infs[0]  # (ShardedGradScaler all-reduces a sum over ranks: that one needs the clamp)
-        return torch.stack([t.to(device, non_blocking=True) for t in found_infs]).amax().clamp(max=1.0)
-
     def _end_iteration(self) -> None:
         scalers_in_iteration.discard(self)
         self._reset_iteration()
@@ -592,67 +494,7 @@ class SafeGradScaler(TorchGradScaler):
             self._next_report = (self._steps // every + 1) * every
             self._report()
 
-    def _fold_device_ledger(self) -> None:
-        """Bring device-mode counters back to the host (one host read)."""
-        ledger = self._ledger
-        if ledger is None or self._scale is None or self._growth_tracker is None:
-            return
-        skipped, nonfinite, consecutive, max_consecutive, stalls, collapsed, low, high, scale, tracker = ledger.read(
-            self._scale, self._growth_tracker
-        )
-        self._ledger = None
-        self._skipped += int(skipped)
-        self._nonfinite_loss += int(nonfinite)
-        self._consecutive = int(consecutive)
-        self._min_seen = min(self._min_seen, low)
-        self._max_seen = max(self._max_seen, high)
-        self._mirror_scale, self._mirror_tracker = scale, int(tracker)
-        if logger.isEnabledFor(logging.DEBUG):
-            logger.debug("loss scale %g at step %d (range %g..%g since the last report)", scale, self._steps, low, high)
-        # Collapses and stalls since the last read, even those that ended since.
-        if collapsed:
-            self._report_collapse(low)
-        if not self._in_collapse_zone(scale):
-            self._collapse_reported = False
-        if stalls:  # a streak reached the limit since the last read: not reported yet
-            self._stall_reported = False
-            self._check_stall(int(max_consecutive))
-        self._stall_reported = self._consecutive >= self._settings.max_consecutive_skips
-
     # -- collapse, stall and reporting ------------------------------------------------
-
-    def _in_collapse_zone(self, scale: float) -> bool:
-        """An overflow at this scale means collapse: at the floor, or the scale would fall below 1."""
-        return (self._min_scale > 0 and scale <= self._min_scale) or scale * self._backoff_factor < 1.0
-
-    def _report_collapse(self, scale: float) -> None:
-        """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
-        if self._collapse_reported:
-            return
-        self._collapse_reported = True
-        at_floor = self._min_scale > 0 and scale <= self._min_scale
-        floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
-        note = diagnose.parameters_note(self)  # inf/NaN parameters: the usual causes do not apply
-        template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
-        logger.critical(template.format(step=self._steps, scale=scale, floor=floor, note=note))
-
-    def _check_stall(self, consecutive: int) -> None:
-        """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
-        if consecutive < self._settings.max_consecutive_skips or self._stall_reported:
-            return
-        self._stall_reported = True
-        raising = self._settings.on_stall == "raise"
-        message = (messages.STALL_RAISED if raising else messages.STALL).format(
-            count=consecutive,
-            step=self._steps,
-            scale=self._mirror_scale if self._mirror_scale is not None else float("nan"),
-            loss=diagnose.parameters_note(self) or (messages.LOSS_WAS_NONFINITE if self._nonfinite_loss else ""),
-            limit=self._settings.max_consecutive_skips,
-        )
-        if raising:
-            self._stall_error = ScaleCollapseError(message)
-        else:
-            logger.critical(message)
 
     def _report(self) -> None:
         try:
@@ -665,7 +507,7 @@ class SafeGradScaler(TorchGradScaler):
     @property
     def stats(self) -> ScalerStats:
         """A snapshot of the counters (reads the device only after fused-optimizer iterations)."""
-        self._fold_device_ledger()
+        ledger.fold_device_ledger(self)
         scale = self._mirror_scale if self._enabled else 1.0
         return ScalerStats(
             steps=self._steps,
@@ -701,7 +543,7 @@ class SafeGradScaler(TorchGradScaler):
         leaves the counters this scaler already holds.
         """
         if self._enabled:
-            self._fold_device_ledger()  # counters the checkpoint may not replace
+            ledger.fold_device_ledger(self)  # counters the checkpoint may not replace
         super().load_state_dict(state_dict)
         if not self._enabled:
             return
@@ -711,7 +553,7 @@ class SafeGradScaler(TorchGradScaler):
         if env_interval is not None and env_interval != self._growth_interval:
             logger.info("AMPGUARD_GROWTH_INTERVAL=%d overrides the checkpoint's growth_interval %d.", env_interval, self._growth_interval)
             self._growth_interval = env_interval
-        loaded = _f32(float(state_dict["scale"]))
+        loaded = policy.f32(float(state_dict["scale"]))
         bounded = min(max(loaded, self._min_scale), self._max_scale)
         if bounded != loaded:
             logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", loaded, self._min_scale, self._max_scale, bounded)
@@ -752,7 +594,7 @@ class SafeGradScaler(TorchGradScaler):
 
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
-            self._fold_device_ledger()
+            ledger.fold_device_ledger(self)
         state = super().__getstate__()
         state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False)
         return state

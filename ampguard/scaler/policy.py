@@ -1,0 +1,82 @@
+"""The scale policy: torch's update rule replayed on the host, the collapse zone, collapse and stall reports.
+
+Collapse: an overflow with the scale at the floor, or where backing off would
+take it below 1, logs CRITICAL once per episode; the episode ends when the
+scale grows out of that zone. Stall: ``AMPGUARD_MAX_CONSECUTIVE_SKIPS``
+consecutive skipped iterations log CRITICAL once per streak, or, with
+``AMPGUARD_ON_STALL=raise``, make ``update()`` raise ScaleCollapseError after
+completing its iteration (never ``stats``, ``state_dict()`` or pickling).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import math
+from typing import TYPE_CHECKING
+
+from ampguard import diagnose, messages
+from ampguard.errors import ScaleCollapseError
+from ampguard.log import logger
+
+if TYPE_CHECKING:
+    from ampguard.scaler import SafeGradScaler
+
+
+def f32(value: float) -> float:
+    """Round a Python float to float32, as torch stores the scale (inf when out of range)."""
+    return ctypes.c_float(value).value
+
+
+def next_scale(
+    scale: float, tracker: int, found_inf: bool, growth_factor: float, backoff_factor: float, growth_interval: int
+) -> tuple[float, int]:
+    """The host replay of ``torch._amp_update_scale_``: float32 scale, int growth tracker."""
+    if found_inf:
+        return f32(scale * backoff_factor), 0
+    tracker += 1
+    if tracker == growth_interval:
+        grown = f32(scale * growth_factor)
+        return (grown if math.isfinite(grown) else scale), 0
+    return scale, tracker
+
+
+def bounded(scaler: SafeGradScaler, scale: float) -> float:
+    """``scale`` within the scaler's floor and cap."""
+    return min(max(scale, scaler._min_scale), scaler._max_scale)
+
+
+def in_collapse_zone(scaler: SafeGradScaler, scale: float) -> bool:
+    """An overflow at this scale means collapse: at the floor, or the scale would fall below 1."""
+    return (scaler._min_scale > 0 and scale <= scaler._min_scale) or scale * scaler._backoff_factor < 1.0
+
+
+def report_collapse(scaler: SafeGradScaler, scale: float) -> None:
+    """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
+    if scaler._collapse_reported:
+        return
+    scaler._collapse_reported = True
+    at_floor = scaler._min_scale > 0 and scale <= scaler._min_scale
+    floor = f" (the floor, AMPGUARD_MIN_SCALE={scaler._min_scale:g})" if at_floor else ""
+    note = diagnose.parameters_note(scaler)  # inf/NaN parameters: the usual causes do not apply
+    template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
+    logger.critical(template.format(step=scaler._steps, scale=scale, floor=floor, note=note))
+
+
+def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
+    """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
+    settings = scaler._settings
+    if consecutive < settings.max_consecutive_skips or scaler._stall_reported:
+        return
+    scaler._stall_reported = True
+    raising = settings.on_stall == "raise"
+    message = (messages.STALL_RAISED if raising else messages.STALL).format(
+        count=consecutive,
+        step=scaler._steps,
+        scale=scaler._mirror_scale if scaler._mirror_scale is not None else float("nan"),
+        loss=diagnose.parameters_note(scaler) or (messages.LOSS_WAS_NONFINITE if scaler._nonfinite_loss else ""),
+        limit=settings.max_consecutive_skips,
+    )
+    if raising:
+        scaler._stall_error = ScaleCollapseError(message)
+    else:
+        logger.critical(message)
