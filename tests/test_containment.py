@@ -9,7 +9,8 @@ import torch
 
 import ampguard.clip
 import ampguard.healing
-import ampguard.scaler
+import ampguard.scaler.accounting
+import ampguard.scaler.policy
 import ampguard.scheduler_hold
 from ampguard import containment
 from scaler_support import (  # noqa: F401
@@ -31,9 +32,9 @@ HOOKS = [
     (ampguard.healing, "add_verdict"),  # step(): what rides on the one host read
     (ampguard.healing, "note_read"),  # step(): what the host learns from it
     (ampguard.scheduler_hold, "note_step"),
-    (ampguard.scaler, "next_scale"),  # update(): the host mirror of the scale
+    (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
     (ampguard.healing, "end_iteration"),
-    (ampguard.scaler, "log_stats"),  # the stats line
+    (ampguard.scaler.accounting, "log_stats"),  # the stats line
     (ampguard.clip, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
 ]
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ampguard
-import ampguard.scaler
+import ampguard.scaler.settings
 from ampguard.scaler import SafeGradScaler
 from scaler_support import (  # noqa: F401
     DeviceSkipSGD,
@@ -28,7 +28,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 @pytest.fixture(autouse=True)
 def _fresh_override_log(monkeypatch):
-    monkeypatch.setattr(ampguard.scaler, "_overrides_logged", set())
+    monkeypatch.setattr(ampguard.scaler.settings, "_overrides_logged", set())
 
 
 # -- defaults, explicit arguments, environment ------------------------------------------

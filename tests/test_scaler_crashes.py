@@ -15,7 +15,7 @@ import warnings
 import pytest
 import torch
 
-import ampguard.scaler
+import ampguard.scaler.crashes
 from scaler_support import DeviceSkipSGD, ampguard_log, iteration, one_thread, records, safe, stock  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -183,7 +183,7 @@ def test_bf16_parameters_on_the_cpu_kernel(monkeypatch):
 def test_bf16_parameters_without_the_kernel_mocked_cuda(monkeypatch):
     """On CUDA the kernel has no bf16 implementation (pytorch issue 127176): the kernel-less path must match it."""
     kernel_model, kernel_scaler = _bf16_run({3, 7})
-    monkeypatch.setattr(ampguard.scaler, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(ampguard.scaler.crashes, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cuda", "cpu"}))
     kernel = torch._amp_foreach_non_finite_check_and_unscale_
 
     def no_bf16_kernel(grads, found_inf, inv_scale):
@@ -206,7 +206,7 @@ def test_kernel_less_unscale_matches_the_kernel_on_mixed_values():
         found_a, found_b = torch.zeros(()), torch.zeros(())
         inv = torch.full((), 1 / 1024)
         torch._amp_foreach_non_finite_check_and_unscale_(grads_a, found_a, inv)
-        ampguard.scaler._unscale_without_kernel_(grads_b, found_b, inv)
+        ampguard.scaler.crashes.unscale_without_kernel_(grads_b, found_b, inv)
         assert found_a.item() == found_b.item() == (0.0 if poison is None else 1.0)
         for a, b in zip(grads_a, grads_b):
             assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
@@ -339,7 +339,7 @@ def test_python_dash_o_behaves_the_same(tmp_path):
 
 def test_fp16_grads_error_still_unscales_bf16_without_the_kernel(reinstall, monkeypatch):
     reinstall(AMPGUARD_FP16_GRADS="error")
-    monkeypatch.setattr(ampguard.scaler, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cuda", "cpu"}))
+    monkeypatch.setattr(ampguard.scaler.crashes, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cuda", "cpu"}))
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", None)  # must not be reached
     model = torch.nn.Linear(4, 1).to(torch.bfloat16)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)

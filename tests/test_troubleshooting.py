@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import ampguard
-import ampguard.scaler
+import ampguard.scaler.crashes
 from ampguard import machine
 from ampguard.patches.base import torch_release
 
@@ -225,7 +225,7 @@ def test_bf16_unscale_symptom_on_stock_torch(stock_torch, monkeypatch):
 def test_bf16_unscale_handled_on_the_cuda_path(monkeypatch):
     with_kernel = run("bf16-unscale-cuda", CPU_STAND_IN)  # CPU: the kernel has bfloat16
     _cuda_like_unscale_kernel(monkeypatch)
-    monkeypatch.setattr(ampguard.scaler, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cpu", "cuda"}))
+    monkeypatch.setattr(ampguard.scaler.crashes, "DEVICES_WITHOUT_BF16_UNSCALE", frozenset({"cpu", "cuda"}))
     without_kernel = run("bf16-unscale-cuda", CPU_STAND_IN)
     assert without_kernel["scaler"].stats.skipped == 0
     for p, q in zip(without_kernel["model"].parameters(), with_kernel["model"].parameters()):
@@ -240,12 +240,12 @@ def test_bf16_unscale_without_the_kernel_matches_the_kernel(monkeypatch):
     inv_scale = torch.tensor(1 / 1024.0)
     found_kernel, found_ours = torch.zeros(1), torch.zeros(1)
     torch._amp_foreach_non_finite_check_and_unscale_(grads, found_kernel, inv_scale)
-    ampguard.scaler._unscale_without_kernel_(ours, found_ours, inv_scale)
+    ampguard.scaler.crashes.unscale_without_kernel_(ours, found_ours, inv_scale)
     for a, b in zip(grads, ours):
         assert torch.equal(a, b)
     assert found_kernel.item() == found_ours.item() == 0.0
     ours[1][2] = float("inf")
-    ampguard.scaler._unscale_without_kernel_(ours, found_ours, inv_scale)
+    ampguard.scaler.crashes.unscale_without_kernel_(ours, found_ours, inv_scale)
     assert found_ours.item() == 1.0
 
 

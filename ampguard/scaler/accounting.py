@@ -1,0 +1,131 @@
+"""Host mode: the scaler's counters and its float32 mirror of the scale, riding on torch's one read.
+
+torch's ``step()`` reads the optimizer's found_inf flag on the host once
+(``_maybe_opt_step``); that read also carries "was the loss non-finite?" and the
+probe's verdict (:func:`note_verdict`). From there ``update()`` keeps its
+bookkeeping on the host (:func:`update_in_host_mode`): skip counts, the mirror
+of the scale (torch's rule replayed, :func:`ampguard.scaler.policy.next_scale`),
+the floor, the cap, collapse and stall detection. The counters are what
+``scaler.stats`` shows (:func:`snapshot`) and what the periodic stats line
+reports (:func:`report_if_due`).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampguard import containment, diagnose, healing, scheduler_hold
+from ampguard.log import logger
+from ampguard.scaler import ledger, policy
+from ampguard.stats import ScalerStats, log_stats
+
+if TYPE_CHECKING:
+    from ampguard.scaler import SafeGradScaler
+
+
+def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value: int) -> bool:
+    """Everything the host learns from the one read; returns whether the step is skipped."""
+    healing.note_read(value)
+    found = bool(value & 1)
+    scaler._host_found[id(optimizer)] = found
+    scheduler_hold.note_step(optimizer, found)  # LR schedulers hold on a skipped step
+    if value & 2:
+        scaler._iteration_loss_nonfinite = True
+    if found:
+        diagnose.on_skipped_step(scaler, optimizer, loss_nonfinite=bool(value & 2), step=scaler._steps + 1)
+    return found
+
+
+def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]]) -> bool:
+    """Every optimizer with a found_inf was read on the host this iteration (no fused one, no ledger pending)."""
+    return scaler._ledger is None and scaler._host_mirror_exact and all(
+        key in scaler._host_found for key, s in states.items() if s["found_inf_per_device"]
+    )
+
+
+def update_in_host_mode(scaler: SafeGradScaler) -> None:
+    found = any(scaler._host_found.values())
+    forward_overflow = found and healing.agreed_forward_overflow(scaler._iteration_loss_nonfinite)
+    skipped_steps = sum(scaler._host_found.values())
+    scale_before = scaler._mirror_scale
+    assert scale_before is not None
+    scaler._torch_update()
+    if forward_overflow:  # the loss itself was inf/NaN: the scale did not cause it, so no back-off
+        scale, tracker = healing.keep_scale(scaler, scale_before, scaler._mirror_tracker)
+    else:
+        scale, tracker = policy.next_scale(
+            scale_before, scaler._mirror_tracker, found, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval
+        )
+    bounded = policy.bounded(scaler, scale)
+    if bounded != scale:
+        assert scaler._scale is not None
+        scaler._scale.fill_(bounded)
+    scaler._mirror_scale, scaler._mirror_tracker = bounded, tracker
+    scaler._min_seen = min(scaler._min_seen, bounded)
+    scaler._max_seen = max(scaler._max_seen, bounded)
+    scaler._skipped += skipped_steps
+    if scaler._iteration_loss_nonfinite:
+        scaler._nonfinite_loss += 1
+    if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
+        logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, scaler._steps)
+    if found:
+        scaler._consecutive += 1
+        if not forward_overflow and policy.in_collapse_zone(scaler, scale_before):
+            policy.report_collapse(scaler, scale_before)
+        policy.check_stall(scaler, scaler._consecutive)
+    else:
+        scaler._consecutive = 0
+        scaler._stall_reported = False
+    if not policy.in_collapse_zone(scaler, bounded):
+        scaler._collapse_reported = False
+    healing.end_iteration(scaler, forward_overflow)
+
+
+def resync_mirror(scaler: SafeGradScaler) -> None:
+    """After a failure in ampguard's bookkeeping (torch's update done): the device's truth, bounded."""
+    assert scaler._scale is not None and scaler._growth_tracker is not None
+    scaler._ledger = None
+    scaler._mirror_scale = float(scaler._scale.clamp(min=scaler._min_scale or None, max=scaler._max_scale).item())
+    scaler._scale.fill_(scaler._mirror_scale)
+    scaler._mirror_tracker = int(scaler._growth_tracker.item())
+
+
+def snapshot(scaler: SafeGradScaler) -> ScalerStats:
+    """``scaler.stats``: the counters (reads the device only after device-mode iterations)."""
+    ledger.fold_device_ledger(scaler)
+    scale = scaler._mirror_scale if scaler._enabled else 1.0
+    if scale is None:
+        from ampguard.scaler import TorchGradScaler
+
+        scale = TorchGradScaler.get_scale(scaler)
+    return ScalerStats(
+        steps=scaler._steps,
+        skipped=scaler._skipped,
+        no_grad_steps=scaler._no_grad_steps,
+        nonfinite_loss=scaler._nonfinite_loss,
+        scale=float(scale),
+        min_scale_seen=scaler._min_seen,
+        max_scale_seen=scaler._max_seen,
+        consecutive_skipped=scaler._consecutive,
+        **healing.stats_fields(),
+    )
+
+
+def report_if_due(scaler: SafeGradScaler) -> None:
+    """The stats line every ``AMPGUARD_STATS_EVERY`` steps."""
+    if scaler._next_report and scaler._steps >= scaler._next_report:
+        every = scaler._settings.stats_every
+        scaler._next_report = (scaler._steps // every + 1) * every
+        _report(scaler)
+
+
+def _report(scaler: SafeGradScaler) -> None:
+    try:
+        stats = scaler.stats
+        log_stats(stats, stats.skipped - scaler._skipped_at_last_report)
+        scaler._skipped_at_last_report = stats.skipped
+    except Exception as error:
+        containment.report("stats line", error)

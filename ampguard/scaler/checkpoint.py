@@ -1,0 +1,94 @@
+"""A scaler's checkpoint state: ``state_dict()`` extras, ``load_state_dict()``, pickling.
+
+``state_dict()`` is torch's five keys plus ``ampguard``, the counters as plain
+Python numbers (a ``weights_only=True`` load takes it). A checkpoint saved by
+torch's GradScaler loads with torch's meaning. A pickled scaler (``torch.save``
+of the object) drops the iteration in progress; one pickled by torch's own
+GradScaler unpickles as a SafeGradScaler with fresh ampguard bookkeeping.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from ampguard import healing, messages
+from ampguard.log import logger
+from ampguard.scaler import policy
+from ampguard.scaler.settings import resolve_settings
+
+if TYPE_CHECKING:
+    from ampguard.scaler import SafeGradScaler
+
+COUNTER_KEYS = ("steps", "skipped", "no_grad_steps", "nonfinite_loss", "consecutive_skipped", "min_scale_seen", "max_scale_seen")
+
+
+def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
+    """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
+    if state:
+        state["ampguard"] = {key: value for key, value in scaler.stats.as_dict().items() if key in COUNTER_KEYS}
+        state["ampguard"]["fp32_islands"] = list(healing.stats_fields()["fp32_islands"])  # plain strings
+    return state
+
+
+def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
+    """After torch's ``load_state_dict()``: the environment's growth interval, the bounded scale, the counters."""
+    from ampguard.registry import active_config
+
+    env_interval = active_config().growth_interval
+    if env_interval is not None and env_interval != scaler._growth_interval:
+        logger.info("AMPGUARD_GROWTH_INTERVAL=%d overrides the checkpoint's growth_interval %d.", env_interval, scaler._growth_interval)
+        scaler._growth_interval = env_interval
+    loaded = policy.f32(float(state_dict["scale"]))
+    bounded = policy.bounded(scaler, loaded)
+    if bounded != loaded:
+        logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", loaded, scaler._min_scale, scaler._max_scale, bounded)
+        scaler._init_scale = bounded
+        if scaler._scale is not None:
+            scaler._scale.fill_(bounded)
+    scaler._mirror_scale = bounded
+    scaler._mirror_tracker = int(state_dict["_growth_tracker"])
+    counters = state_dict.get("ampguard")
+    if counters:
+        scaler._steps = int(counters.get("steps", scaler._steps))
+        scaler._skipped = int(counters.get("skipped", scaler._skipped))
+        scaler._no_grad_steps = int(counters.get("no_grad_steps", scaler._no_grad_steps))
+        scaler._nonfinite_loss = int(counters.get("nonfinite_loss", scaler._nonfinite_loss))
+        scaler._consecutive = int(counters.get("consecutive_skipped", 0))
+        scaler._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
+        scaler._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
+        healing.restore_islands(counters.get("fp32_islands"))
+    else:
+        logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
+        if scaler._steps == 0:
+            scaler._min_seen = scaler._max_seen = bounded  # the init scale was never used
+        else:
+            scaler._min_seen, scaler._max_seen = min(scaler._min_seen, bounded), max(scaler._max_seen, bounded)
+    scaler._skipped_at_last_report = scaler._skipped
+    scaler._collapse_reported = False
+    # A streak loaded at or past the limit is reported (or raises) at the next skipped step: the run
+    # that saved it may have ended before it could, or saved it mid-stall.
+    scaler._stall_reported = False
+    every = scaler._settings.stats_every
+    scaler._next_report = (scaler._steps // every + 1) * every if every else 0
+
+
+def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
+    """The pickled ``__dict__``: the iteration in progress is not part of it."""
+    state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False)
+    return state
+
+
+def adopt_torch_pickle(scaler: SafeGradScaler, state: dict[str, Any]) -> None:
+    """After ``__setstate__`` of a scaler pickled by torch's own GradScaler (before ampguard was installed),
+    unpickled as a SafeGradScaler through the patched name: torch's values, as load_state_dict would take
+    them, and fresh ampguard bookkeeping."""
+    from ampguard.registry import active_config
+
+    config = active_config()
+    settings = resolve_settings(None, None, None, None, config)
+    settings.init_scale = float(state.get("_init_scale", settings.init_scale))
+    scaler._ampguard_setup(settings)
+    if scaler._enabled:
+        scaler._mirror_tracker = int(state.get("_init_growth_tracker", 0))
+        if config.growth_interval is not None:
+            scaler._growth_interval = config.growth_interval
