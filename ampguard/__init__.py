@@ -45,8 +45,11 @@ def _invoked_as_the_command() -> bool:
 
 
 def _install_on_import() -> None:
+    from ampguard.log import during_import
+
     try:
-        install()
+        with during_import():
+            install()
     except ConfigError:
         if _invoked_as_the_command():
             return  # --help, --version and doctor still work; the rest stop with one line

@@ -14,14 +14,28 @@ and tagged ``[rank N]``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
 import time
+from typing import Iterator
 
 logger = logging.getLogger("ampguard")
 
 _default_handler: logging.Handler | None = None
+_importing = False  # inside `import ampguard` (see _RichOnFirstRecord)
+
+
+@contextlib.contextmanager
+def during_import() -> Iterator[None]:
+    """Records logged inside are the import's own: on a terminal, laid out without importing rich."""
+    global _importing
+    _importing = True
+    try:
+        yield
+    finally:
+        _importing = False
 
 
 def process_rank() -> int:
@@ -80,20 +94,73 @@ def _on_terminal(stream: object) -> bool:
         return False
 
 
+_LEVEL_STYLES = {"DEBUG": "32", "INFO": "34", "WARNING": "33", "ERROR": "1;31", "CRITICAL": "1;7;31"}  # rich's
+_TIME = "\x1b[2;36m"  # rich's log.time: dim cyan
+_RESET = "\x1b[0m"
+
+
+def _terminal_width(stream: object) -> int:
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    try:
+        return os.get_terminal_size(stream.fileno()).columns or 80  # type: ignore[attr-defined]
+    except (AttributeError, OSError, ValueError):
+        return 80
+
+
+def rich_layout(record: logging.LogRecord, message: str, width: int, previous_time: str | None) -> str:
+    """``message`` laid out as rich's ``RichHandler`` lays out a record, without importing rich.
+
+    The same columns and colours: ``[HH:MM:SS]`` (blank when it repeats the
+    previous record's), the level padded to 8, the message wrapped at the
+    terminal width with its continuation lines under it, every line padded to
+    the width. Not rich's highlighting of numbers, paths and brackets.
+    """
+    import textwrap
+
+    clock = time.strftime("[%X]", time.localtime(record.created))
+    shown = " " * len(clock) if clock == previous_time else clock
+    level = f"\x1b[{_LEVEL_STYLES.get(record.levelname, '2')}m{record.levelname.ljust(8)}{_RESET}"
+    column = max(10, width - len(clock) - 10)
+    lines = [
+        piece
+        for paragraph in message.splitlines() or [""]
+        for piece in textwrap.wrap(paragraph, column, break_on_hyphens=False) or [""]
+    ]
+    first = f"{_TIME}{shown}{_RESET}{_TIME} {_RESET}{level} {lines[0].ljust(column)}"
+    rest = [f"{_TIME}{' ' * (len(clock) + 1)}{_RESET}{' ' * 9}{line.ljust(column)}" for line in lines[1:]]
+    return "\n".join([first, *rest]) + "\n"
+
+
 class _RichOnFirstRecord(logging.Handler):
-    """rich's ``RichHandler``, made when the first record is emitted rather than at ``import ampguard``.
+    """rich's ``RichHandler``, made when the first record after ``import ampguard`` is emitted.
 
     Importing rich and building its console costs tens of milliseconds, and the
     objects it allocates often set off a full garbage collection (about 100 ms
     more at ``import ampguard`` on a terminal, measured in docs/performance.md);
     a process that logs nothing (AMPGUARD_QUIET=1, ranks other than 0) pays none of it.
+    The records of ``import ampguard`` itself (the banner) are laid out like
+    rich's by :func:`rich_layout`, without rich: the import stays as fast on a
+    terminal as off one.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self._rich: logging.Handler | None = None
+        self._previous_time: str | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
+        if _importing and self._rich is None:
+            try:
+                message = f"ampguard: {record.getMessage()}"
+                stream = sys.stderr
+                stream.write(rich_layout(record, message, _terminal_width(stream), self._previous_time))
+                stream.flush()
+                self._previous_time = time.strftime("[%X]", time.localtime(record.created))
+            except Exception:
+                self.handleError(record)
+            return
         if self._rich is None:
             from rich.console import Console
             from rich.logging import RichHandler

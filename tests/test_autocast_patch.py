@@ -11,10 +11,9 @@ import torch
 
 import ampguard
 from ampguard.patches.base import torch_release
-from packaging.version import Version
 
-WARNS_ON_LEGACY = torch_release() >= Version("2.4")
-WARNS_ON_SUBCLASS = torch_release() >= Version("2.10")
+WARNS_ON_LEGACY = torch_release() >= torch_release("2.4")
+WARNS_ON_SUBCLASS = torch_release() >= torch_release("2.10")
 
 
 def _no_future_warnings(action):

@@ -8,8 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-from packaging.version import Version
-
 from ampguard.patches.base import torch_release
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -46,7 +44,7 @@ def test_demo_script_fails_plain_and_trains_through_with_ampguard():
 
     assert "stats step=10 " in guarded["stderr"]
     assert guarded["warnings"] == []
-    if torch_release() >= Version("2.4"):
+    if torch_release() >= torch_release("2.4"):
         assert plain["warnings"]  # torch.cpu.amp.autocast is deprecated from 2.4
 
 

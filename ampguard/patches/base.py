@@ -6,7 +6,10 @@ import operator
 import re
 from typing import Callable, ClassVar
 
-from packaging.version import Version
+try:  # torch's own copy of packaging, which `import torch` has loaded: importing packaging.version costs ~4 ms more
+    from torch._vendor.packaging.version import Version
+except ImportError:  # a torch without it
+    from packaging.version import Version  # type: ignore[assignment]
 
 from ampguard.bindings import Bindings
 from ampguard.config import Config
@@ -45,7 +48,7 @@ def release_in(release: Version, specifiers: str) -> bool:
     if release.pre or release.post or release.dev or release.local or not all(clauses):
         from packaging.specifiers import SpecifierSet
 
-        return release in SpecifierSet(specifiers)
+        return SpecifierSet(specifiers).contains(str(release))  # str: either packaging's Version
     for match in clauses:
         assert match is not None
         wanted = tuple(int(part) for part in match.group(2).split("."))
