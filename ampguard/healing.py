@@ -1,9 +1,11 @@
 """After a forward overflow: what SafeGradScaler hands over when a loss was itself inf/NaN.
 
 A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by
-the loss scale, so the scaler skips and counts the step but keeps the scale and
-its growth tracker (:func:`keep_scale`, :func:`keep_scale_on_device`). A run
-without non-finite losses is untouched and stays bit-identical to torch's.
+the loss scale, so the scaler skips and counts the step but does not back off:
+for the scale it is an iteration without overflow (:func:`write_scale` in host
+mode; in device mode, ampguard.scaler.ledger zeroes the found_inf torch's
+``update()`` reads). A run without non-finite losses is untouched and stays
+bit-identical to torch's.
 
 With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow
 also
@@ -171,34 +173,18 @@ def _ranks_share_gradients() -> bool:
     return _shared_gradients
 
 
-def keep_scale(scaler: Any, scale: float, tracker: int) -> tuple[float, int]:
-    """Undo the back-off torch's ``update()`` just made (host values: no read)."""
+def write_scale(scaler: Any, scale: float, tracker: int) -> None:
+    """Write the host's scale and growth tracker over the back-off torch's ``update()`` just made (no read)."""
     scaler._scale.fill_(scale)
     scaler._growth_tracker.fill_(tracker)
-    return scale, tracker
 
 
-def hold_scale(scaler: Any, new_scale: Any) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """Device mode, before torch's ``update()``: the scale and tracker to keep if a loss was non-finite."""
-    if new_scale is not None or scaler._loss_check is None or _distributed() is not None:
-        return None  # (under torch.distributed each rank's loss differs: torch's back-off keeps the ranks equal)
-    return scaler._scale.clone(), scaler._growth_tracker.clone()
+def holds_in_device_mode() -> bool:
+    """Whether device mode keeps the scale where a loss was non-finite (see ampguard.scaler.ledger).
 
-
-def keep_scale_on_device(scaler: Any, held: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-    """Device mode, after torch's ``update()``: the held values back where a loss was non-finite (no read)."""
-    if held is None:
-        return
-    nonfinite = scaler._loss_check.isnan().to(scaler._scale.device)
-    scaler._scale.copy_(torch.where(nonfinite, held[0], scaler._scale))
-    scaler._growth_tracker.copy_(torch.where(nonfinite, held[1], scaler._growth_tracker))
-
-
-def backward_only(found: torch.Tensor, loss_check: torch.Tensor | None) -> torch.Tensor:
-    """Device mode: the found flag, zeroed where the loss itself was non-finite (a forward overflow)."""
-    if loss_check is None or _distributed() is not None:
-        return found
-    return found * (~loss_check.isnan()).to(found)
+    Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
+    """
+    return _distributed() is None
 
 
 # -- the end of each host-mode update ---------------------------------------------------------

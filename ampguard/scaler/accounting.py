@@ -53,12 +53,14 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     scale_before = scaler._mirror_scale
     assert scale_before is not None
     scaler._torch_update()
-    if forward_overflow:  # the loss itself was inf/NaN: the scale did not cause it, so no back-off
-        scale, tracker = healing.keep_scale(scaler, scale_before, scaler._mirror_tracker)
-    else:
-        scale, tracker = policy.next_scale(
-            scale_before, scaler._mirror_tracker, found, scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval
-        )
+    # A forward overflow (the loss itself inf/NaN) was not the scale's doing: for the scale it is an iteration
+    # without overflow, as in device mode (ampguard.scaler.ledger), written over torch's back-off.
+    scale, tracker = policy.next_scale(
+        scale_before, scaler._mirror_tracker, found and not forward_overflow,
+        scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+    )
+    if forward_overflow:
+        healing.write_scale(scaler, scale, tracker)
     bounded = policy.bounded(scaler, scale)
     if bounded != scale:
         assert scaler._scale is not None

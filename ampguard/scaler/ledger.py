@@ -1,19 +1,29 @@
-"""Device mode: the scaler's counters kept on the scale's device, for iterations the host did not see.
+"""Device mode: the scaler's bookkeeping for iterations the host did not see.
 
 Fused optimizers (``Adam(fused=True)`` ...) are stepped by torch without any
 host read. For an iteration with such an optimizer (and for ``update(new_scale)``,
-``unscale_()`` without ``step()``, and FSDP's ShardedGradScaler) the bookkeeping
-moves to a few device tensors (:class:`DeviceLedger`), which are read (one sync)
-only when a stats line is due, ``scaler.stats`` is asked for, or a checkpoint is
-taken (:func:`fold_device_ledger`); the host mirror is refreshed then and host
-mode resumes. Collapses and stalls that happened in device mode are reported at
-that read, even if they have ended since.
+``unscale_()`` without ``step()``, and FSDP's ShardedGradScaler) ``update()``
+writes one row per iteration into a ledger on the scale's device,
+``[skipped, found, loss check, scale]``, with one ``stack(out=)``. The rows are
+read (one sync) only when a stats line is due, ``scaler.stats`` is asked for,
+a checkpoint is taken, or after :attr:`DeviceLedger.MAX_ROWS` iterations
+(:func:`fold_device_ledger`); the host then replays them with the host-mode
+policy (counts, streaks, stalls, collapses, the scale's range), refreshes its
+mirror of the scale and host mode resumes. Collapses and stalls that happened
+in device mode are reported at that read, even if they have ended since.
+
+Per iteration that is 3 kernels: the row, the forward-overflow hold (a
+``heaviside`` that zeroes the found_inf torch's ``update()`` reads where the
+loss itself was non-finite: no back-off) and the floor/cap (``clamp_``). With
+the hold, such an iteration counts toward the growth interval in device mode
+(host mode leaves the growth tracker as it was).
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,73 +42,119 @@ if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
 
 
-class DeviceLedger:
-    """Counters kept on the scale's device for iterations the host did not see (fused optimizers).
+@dataclass
+class Replay:
+    """What the host learns from the rows since the last read."""
 
-    ``stalls`` (streaks that reached the stall limit), ``max_consecutive`` and
-    ``collapsed`` remember stalls and collapses that happened, and perhaps
-    ended, between two reads.
+    consecutive: int  # the streak of iterations with an overflow, now
+    max_consecutive: int
+    low: float  # the scale's range, including now
+    high: float
+    skipped: int = 0
+    nonfinite_loss: int = 0
+    stalls: int = 0  # streaks that reached the stall limit
+    collapse_scale: float | None = None  # the lowest scale an overflow collapsed at
+
+
+class DeviceLedger:
+    """One row per device-mode iteration, written on the device; replayed on the host at the next read.
+
+    A row is ``[skipped, found, check, scale]``: how many stepped optimizers
+    skipped, whether any optimizer found an overflow, ``loss - loss`` summed
+    over the iteration's losses (0, or NaN when a loss was non-finite) and the
+    scale the iteration ran at. Rows go into rings of ``RING_ROWS`` allocated
+    as needed (their row views made once per ring).
     """
 
+    RING_ROWS = 1024
+    MAX_ROWS = 65536  # then a read: one sync in that many iterations, 1 MiB of rows at most
+
     def __init__(self, scale: torch.Tensor, consecutive: int) -> None:
-        def zero() -> torch.Tensor:
-            return torch.zeros((), dtype=torch.float32, device=scale.device)
+        self.device = scale.device
+        self.consecutive = consecutive  # the host's streak when device mode began
+        self.zero = torch.zeros((), dtype=torch.float32, device=self.device)  # the check without a loss
+        self._rings: list[torch.Tensor] = []
+        self._free_rows: list[torch.Tensor] = []
+        self._held: list[bool] = []  # per row: whether a non-finite loss was held (no back-off, no collapse)
 
-        self.skipped = zero()
-        self.nonfinite_loss = zero()
-        self.consecutive = torch.full((), float(consecutive), dtype=torch.float32, device=scale.device)
-        self.max_consecutive = self.consecutive.clone()
-        self.stalls = zero()
-        self.collapsed = zero()
-        self.min_scale = scale.detach().clone()
-        self.max_scale = scale.detach().clone()
+    @property
+    def full(self) -> bool:
+        return len(self._held) >= self.MAX_ROWS
 
-    def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> list[float]:
-        # The one host read of device mode: everything packed into one tensor.
-        packed = torch.stack([
-            self.skipped, self.nonfinite_loss, self.consecutive, self.max_consecutive, self.stalls, self.collapsed,
-            self.min_scale, self.max_scale, scale.float(), tracker.float(),
-        ])
-        return read_to_host(packed)
+    def record(self, skipped: torch.Tensor, found: torch.Tensor, check: torch.Tensor, scale: torch.Tensor, held: bool) -> None:
+        if not self._free_rows:
+            ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, device=self.device)
+            self._rings.append(ring)
+            self._free_rows = list(reversed(ring.unbind(0)))
+        torch.stack([skipped, found, check, scale], out=self._free_rows.pop())
+        self._held.append(held)
+
+    def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> tuple[list[list[float]], float, int]:
+        """The rows, the scale and the growth tracker now: one host read."""
+        pieces = [ring.flatten() for ring in self._rings]
+        pieces.append(torch.stack([scale.float(), tracker.float()]))
+        values = read_to_host(torch.cat(pieces))
+        rows = [values[4 * i : 4 * i + 4] for i in range(len(self._held))]
+        return rows, values[-2], int(values[-1])
+
+    def replay(self, scaler: SafeGradScaler, rows: list[list[float]], scale: float) -> Replay:
+        """The host-mode policy over the rows."""
+        limit = scaler._settings.max_consecutive_skips
+        replay = Replay(consecutive=self.consecutive, max_consecutive=self.consecutive, low=scale, high=scale)
+        for (skipped, found, check, before), held in zip(rows, self._held):
+            nonfinite = math.isnan(check)
+            replay.skipped += int(skipped)
+            replay.nonfinite_loss += nonfinite
+            replay.low, replay.high = min(replay.low, before), max(replay.high, before)
+            if not found:
+                replay.consecutive = 0
+                continue
+            replay.consecutive += 1
+            replay.max_consecutive = max(replay.max_consecutive, replay.consecutive)
+            replay.stalls += replay.consecutive == limit
+            if not (held and nonfinite) and policy.in_collapse_zone(scaler, before):
+                replay.collapse_scale = min(replay.collapse_scale or before, before)
+        return replay
 
 
 def update_in_device_mode(
     scaler: SafeGradScaler, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None
 ) -> None:
-    """``update()`` with the bookkeeping on the device: no host read."""
+    """``update()`` with the bookkeeping on the device: no host read, 3 kernels."""
     assert scaler._scale is not None and scaler._growth_tracker is not None
     if scaler._ledger is None:
         scaler._ledger = DeviceLedger(scaler._scale, scaler._consecutive)
     ledger = scaler._ledger
     scale = scaler._scale
-    found_per_optimizer = {
-        key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
-        for key, s in states.items()
-        if s["found_inf_per_device"]
-    }
-    if found_per_optimizer:
-        stepped = [found for key, found in found_per_optimizer.items() if states[key]["stage"] is OptState.STEPPED]
-        if stepped:
-            ledger.skipped.add_(stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum())
+    recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
+    if recorded:
+        found_per_optimizer = {
+            key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device) for key, s in recorded.items()
+        }
         flags = list(found_per_optimizer.values())
         found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-        ledger.consecutive.add_(1.0).mul_(found)
-        torch.maximum(ledger.max_consecutive, ledger.consecutive, out=ledger.max_consecutive)
-        ledger.stalls.add_(ledger.consecutive == float(scaler._settings.max_consecutive_skips))
-        zone = scale * scaler._backoff_factor < 1.0
-        if scaler._min_scale > 0:
-            zone = zone | (scale <= scaler._min_scale)
-        torch.maximum(ledger.collapsed, healing.backward_only(found, scaler._loss_check) * zone, out=ledger.collapsed)
-        if scaler._loss_check is not None:
-            ledger.nonfinite_loss.add_(scaler._loss_check.isnan().to(scale.device))
-    held = healing.hold_scale(scaler, new_scale)  # kept where a loss was non-finite: no back-off
+        stepped = [flag for key, flag in found_per_optimizer.items() if recorded[key]["stage"] is OptState.STEPPED]
+        skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
+        check = _check_on(scaler._loss_check, ledger)
+        hold = new_scale is None and scaler._loss_check is not None and healing.holds_in_device_mode()
+        ledger.record(skipped, found, check, scale, hold)
+        if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
+            for s in recorded.values():
+                for found_inf in s["found_inf_per_device"].values():
+                    torch.heaviside(check.to(found_inf.device, found_inf.dtype), found_inf, out=found_inf)
     scaler._torch_update(new_scale)
-    healing.keep_scale_on_device(scaler, held)
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
-    torch.minimum(ledger.min_scale, scale, out=ledger.min_scale)
-    torch.maximum(ledger.max_scale, scale, out=ledger.max_scale)
     scaler._mirror_scale = None
+    if ledger.full:
+        fold_device_ledger(scaler)
+
+
+def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
+    """The iteration's loss check as a float32 scalar on the ledger's device (the ledger's zero when none)."""
+    if loss_check is None:
+        return ledger.zero
+    return loss_check.to(ledger.device, torch.float32, non_blocking=True)  # itself when it is already that
 
 
 def found_flag(scaler: SafeGradScaler, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
@@ -109,28 +165,27 @@ def found_flag(scaler: SafeGradScaler, found_infs: list[torch.Tensor], device: t
 
 
 def fold_device_ledger(scaler: SafeGradScaler) -> None:
-    """Bring device-mode counters back to the host (one host read)."""
+    """Bring the device-mode rows back to the host (one host read) and replay them."""
     ledger = scaler._ledger
     if ledger is None or scaler._scale is None or scaler._growth_tracker is None:
         return
-    skipped, nonfinite, consecutive, max_consecutive, stalls, collapsed, low, high, scale, tracker = ledger.read(
-        scaler._scale, scaler._growth_tracker
-    )
+    rows, scale, tracker = ledger.read(scaler._scale, scaler._growth_tracker)
     scaler._ledger = None
-    scaler._skipped += int(skipped)
-    scaler._nonfinite_loss += int(nonfinite)
-    scaler._consecutive = int(consecutive)
-    scaler._min_seen = min(scaler._min_seen, low)
-    scaler._max_seen = max(scaler._max_seen, high)
-    scaler._mirror_scale, scaler._mirror_tracker = scale, int(tracker)
+    replay = ledger.replay(scaler, rows, scale)
+    scaler._skipped += replay.skipped
+    scaler._nonfinite_loss += replay.nonfinite_loss
+    scaler._consecutive = replay.consecutive
+    scaler._min_seen = min(scaler._min_seen, replay.low)
+    scaler._max_seen = max(scaler._max_seen, replay.high)
+    scaler._mirror_scale, scaler._mirror_tracker = scale, tracker
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("loss scale %g at step %d (range %g..%g since the last report)", scale, scaler._steps, low, high)
+        logger.debug("loss scale %g at step %d (range %g..%g since the last report)", scale, scaler._steps, replay.low, replay.high)
     # Collapses and stalls since the last read, even those that ended since.
-    if collapsed:
-        policy.report_collapse(scaler, low)
+    if replay.collapse_scale is not None:
+        policy.report_collapse(scaler, replay.collapse_scale)
     if not policy.in_collapse_zone(scaler, scale):
         scaler._collapse_reported = False
-    if stalls:  # a streak reached the limit since the last read: not reported yet
+    if replay.stalls:  # a streak reached the limit since the last read: not reported yet
         scaler._stall_reported = False
-        policy.check_stall(scaler, int(max_consecutive))
+        policy.check_stall(scaler, replay.max_consecutive)
     scaler._stall_reported = scaler._consecutive >= scaler._settings.max_consecutive_skips
