@@ -30,6 +30,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.anomaly:AnomalyPatch",
     "ampguard.patches.master_weights:MasterWeightsPatch",
     "ampguard.patches.scheduler_hold:SchedulerHoldPatch",
+    "ampguard.patches.trainer_logs:TrainerLogsPatch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]

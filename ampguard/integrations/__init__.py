@@ -1,0 +1,127 @@
+"""ampguard's numbers in the trainer's own records (patch ``trainer_logs``; docs/trainer-logs.md).
+
+One module per trainer library, named in :data:`INTEGRATIONS` by the module
+whose import means that trainer is in the process. ampguard never imports a
+trainer library itself: a post-import hook (wrapt's, as for FSDP's scaler
+module) attaches an integration when its module is imported, and at once when
+it already is. Each integration module has ``attach(module, bindings)``, making
+its changes through the patch's :class:`~ampguard.bindings.Bindings` (undone at
+uninstall), and ``detach()`` for the rest.
+
+Nothing here may stop a run: an integration that does not fit the installed
+library version raises :class:`~ampguard.errors.PatchUnavailable` and is left
+off with one INFO line; any other failure is contained
+(:func:`ampguard.containment.report`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from types import ModuleType
+from typing import TYPE_CHECKING
+
+from ampguard import containment
+from ampguard.bindings import Bindings
+from ampguard.errors import PatchUnavailable
+from ampguard.log import logger
+from ampguard.stats import ScalerStats
+
+if TYPE_CHECKING:
+    from ampguard.scaler import SafeGradScaler
+
+# The module whose import means a trainer is there -> ampguard's integration for it.
+INTEGRATIONS: dict[str, str] = {
+    "trainer.trainer": "ampguard.integrations.coqui",  # coqui-tts-trainer (and coqui's older `trainer`)
+    "transformers.trainer": "ampguard.integrations.hf",
+    "lightning.pytorch.trainer.trainer": "ampguard.integrations.lightning",
+    "pytorch_lightning.trainer.trainer": "ampguard.integrations.lightning",
+}
+
+_bindings: Bindings | None = None
+_attached: dict[str, ModuleType] = {}  # trainer module name -> the integration attached to it
+_hooked: set[str] = set()
+
+
+def active() -> bool:
+    """True while the patch is applied (a callback left in a trainer built earlier does nothing otherwise)."""
+    return _bindings is not None
+
+
+def activate(bindings: Bindings) -> None:
+    """Attach every integration whose trainer module is imported, now or later."""
+    global _bindings
+    import wrapt
+
+    _bindings = bindings
+    for module_name in INTEGRATIONS:
+        if module_name in _hooked:  # wrapt keeps a hook for good: a second install attaches by hand
+            if module_name in sys.modules:
+                _on_import(sys.modules[module_name])
+            continue
+        _hooked.add(module_name)
+        wrapt.register_post_import_hook(_on_import, module_name)  # called at once when already imported
+
+
+def deactivate() -> None:
+    """Detach every integration (the patch's revert then undoes their bindings)."""
+    global _bindings
+    _bindings = None
+    for integration in _attached.values():
+        try:
+            integration.detach()
+        except Exception as error:  # never the cause of a crash
+            containment.report("trainer_logs detach", error)
+    _attached.clear()
+
+
+def attached() -> list[str]:
+    """The trainer modules an integration is attached to now."""
+    return sorted(_attached)
+
+
+def _on_import(module: ModuleType) -> None:
+    bindings = _bindings
+    name = module.__name__
+    if bindings is None or name in _attached:
+        return
+    try:
+        integration = importlib.import_module(INTEGRATIONS[name])
+        integration.attach(module, bindings)
+    except PatchUnavailable as reason:
+        logger.info("ampguard's stats do not reach %s's logs: %s", name, reason)
+        return
+    except Exception as error:  # a hook inside somebody's import: never let it fail
+        containment.report(f"trainer_logs hook for {name}", error)
+        return
+    _attached[name] = integration
+
+
+class MetricFields:
+    """The ``ampguard/...`` numbers a trainer's metrics get, with the skipped steps since the previous call.
+
+    Plain floats only: reporting integrations (TensorBoard, W&B, CSV) drop anything else.
+    """
+
+    def __init__(self) -> None:
+        self._skipped_before = 0
+
+    def __call__(self, stats: ScalerStats) -> dict[str, float]:
+        skipped_now = max(stats.skipped - self._skipped_before, 0)
+        self._skipped_before = stats.skipped
+        return {
+            "ampguard/loss_scale": float(stats.scale),
+            "ampguard/skipped": float(skipped_now),
+            "ampguard/skipped_total": float(stats.skipped),
+            "ampguard/nonfinite_loss": float(stats.nonfinite_loss),
+            "ampguard/fp32_islands": float(len(stats.fp32_islands)),
+        }
+
+
+def safe_scaler(candidate: object) -> SafeGradScaler | None:
+    """``candidate`` when it is an enabled SafeGradScaler (the one a trainer holds), else None."""
+    from ampguard.scaler import SafeGradScaler  # (late: the scaler package imports much of ampguard)
+
+    if isinstance(candidate, SafeGradScaler) and candidate.is_enabled():
+        return candidate
+    return None
