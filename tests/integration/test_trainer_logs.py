@@ -90,6 +90,7 @@ def test_coqui_trainer_log_file_without_ampguard_lines_when_disabled(tmp_path, r
 
 
 def test_coqui_trainer_imported_before_ampguard_gets_the_lines_too(tmp_path):
+    require("trainer")
     script = textwrap.dedent(
         f"""
         import sys
