@@ -43,7 +43,7 @@ _NO_GRAD_PART = messages.NO_GRADIENTS.split("}")[1]  # " got no gradient for any
 
 def event_kind(record: logging.LogRecord, message: str) -> str:
     """skip, collapse, stall, no_grad, island, buffers, masters, summary, contained, or message for the rest."""
-    if record.module == "scaler":
+    if record.name == "ampguard" and "ampguard/scaler/" in record.pathname.replace("\\", "/"):  # the scaler's package
         if message.startswith(_COLLAPSE_START):
             return "collapse"
         if _STALL_PART in message:
