@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 import ampguard
 import ampguard.scaler
 from ampguard import cli
-from ampguard.commands.bench import counting, report, runs
+from ampguard.commands.bench import counting, markdown, report, runs
 from ampguard.commands.bench.timing import time_steps
 from ampguard.console import print_table
 from ampguard.syncs import HostReadCounter
@@ -220,6 +221,51 @@ def test_bench_is_listed_by_the_cli():
     assert "bench" in parser.format_help()
 
 
+# -- docs/performance.md's generated section (its structure; never its numbers) ----------
+
+PERFORMANCE_MD = Path(__file__).resolve().parents[1] / "docs" / "performance.md"
+SECTIONS = [
+    "### Step time",
+    "### Host-device synchronisations and aten ops per step (counted, not timed)",
+    "### Import time",
+    "### Idle `clip_grad_norm_` (nothing scaled, finite gradients)",
+    "### Against the targets",
+]
+
+
+def test_docs_performance_has_the_generated_sections_structure(bench_json):
+    section = markdown.render(bench_json, "python -m ampguard bench --fused --markdown docs/performance.md")
+    shape = markdown.structure(section)
+    assert [line for line in shape if line.startswith("#")] == SECTIONS
+    assert "command: python -m ampguard bench" in shape
+    assert markdown.structure(PERFORMANCE_MD.read_text()) == shape  # rerun the documented command if this fails
+
+
+def test_bench_markdown_rewrites_only_the_generated_section(tmp_path, capsys):
+    path = tmp_path / "performance.md"
+    before, after = "# Performance\n\nprose kept as written\n\n", "\n## More prose\n"
+    path.write_text(f"{before}{markdown.BEGIN}\nold numbers\n{markdown.END}\n{after}")
+    argv = ["bench", "--device", "cpu", "--steps", "2", "--block-steps", "1", "--warmup-steps", "1",
+            "--import-runs", "0", "--threads", "1", "--markdown", str(path)]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))
+        assert cli.main(argv) == 0
+    text = path.read_text()
+    assert text.startswith(before + markdown.BEGIN) and text.endswith(markdown.END + "\n" + after)
+    assert "old numbers" not in text
+    assert "python -m ampguard bench --device cpu --dtype bfloat16 --steps 2 " in text and f"--markdown {path}" in text
+    assert [line for line in markdown.structure(text) if line.startswith("#")] == SECTIONS
+    assert "step time, AdamW" in capsys.readouterr().out  # the table is printed as without --markdown
+
+
+def test_bench_markdown_without_its_markers_stops_before_measuring(tmp_path):
+    path = tmp_path / "notes.md"
+    path.write_text("no generated section here\n")
+    with pytest.raises(SystemExit, match="no generated section"):
+        cli.main(["bench", "--device", "cpu", "--markdown", str(path)])
+    assert path.read_text() == "no generated section here\n"
+
+
 # -- import time: what `import ampguard` must not import ------------------------------
 
 
@@ -270,3 +316,52 @@ def test_on_a_terminal_rich_is_imported_with_the_first_record_not_before():
         os.close(follower)
         os.close(leader)
     assert completed.stdout.strip().splitlines()[-1] == "False True RichHandler"
+
+
+def _on_a_terminal(code: str, environment: dict[str, str], columns: int = 100) -> tuple[str, str]:
+    """(stdout, what reached the pseudo-terminal its stderr was) of ``python -c code``."""
+    import fcntl
+    import os
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    process = subprocess.Popen([sys.executable, "-c", code], env=environment, stdout=subprocess.PIPE, stderr=follower)
+    os.close(follower)
+    terminal = b""
+    while True:
+        try:
+            chunk = os.read(leader, 4096)
+        except OSError:  # the child closed its end
+            break
+        if not chunk:
+            break
+        terminal += chunk
+    os.close(leader)
+    stdout = process.stdout.read().decode() if process.stdout else ""
+    assert process.wait() == 0, terminal.decode(errors="replace")
+    return stdout, terminal.decode()
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "openpty"), reason="needs a pseudo-terminal")
+def test_on_a_terminal_the_banner_is_laid_out_like_rich_without_importing_it():
+    """The banner is the import's own record: rich's layout and the banner's text, rich not imported (~30-100 ms)."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD") and k != "COLUMNS"}
+    stdout, terminal = _on_a_terminal("import sys, torch, ampguard; print('rich' in sys.modules)", environment)
+    assert stdout.strip() == "False"
+    lines = re.sub(r"\x1b\[[0-9;]*m", "", terminal).replace("\r\n", "\n").splitlines()
+    assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] INFO     ampguard: \S.*", lines[0])
+    assert all(len(line) == 100 for line in lines)  # padded to the terminal's width, as rich pads
+    assert all(line.startswith(" " * 20) and line[20] != " " for line in lines[1:])  # wrapped under the message
+    plain = subprocess.run([sys.executable, "-c", "import torch, ampguard"], env=environment, capture_output=True,
+                           text=True, check=True).stderr.strip()
+    assert " ".join(line[20:].strip() for line in lines) == plain  # the banner's text, word for word
