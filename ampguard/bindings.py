@@ -29,8 +29,9 @@ import functools
 import os
 import sys
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 _MISSING = object()
 
@@ -100,17 +101,16 @@ class Bindings:
 
         self._undo.append(_Undo(f"{module.__name__}.{name}", undo))
 
-    def _retarget_partial(self, partial: functools.partial, replacement: Any, where: str) -> None:
+    def _retarget_partial(self, partial: functools.partial[Any], replacement: Any, where: str) -> None:
         # functools.partial is immutable from Python except through __setstate__,
         # which CPython uses for unpickling; it lets every holder of this very
         # partial object see the replacement.
-        original_state = partial.__reduce__()[2]
-        func, args, keywords, namespace = original_state
-        partial.__setstate__((replacement, args, keywords, namespace))
+        func, args, keywords, namespace = partial.__reduce__()[2]  # type: ignore[str-unpack]  # partial's state tuple
+        partial.__setstate__((replacement, args, keywords, namespace))  # type: ignore[attr-defined]
 
         def undo() -> None:
             if partial.func is replacement:
-                partial.__setstate__((func, partial.args, partial.keywords, partial.__dict__ or None))
+                partial.__setstate__((func, partial.args, partial.keywords, partial.__dict__ or None))  # type: ignore[attr-defined]
 
         self._undo.append(_Undo(f"partial {where}", undo))
 
@@ -155,7 +155,7 @@ def restore_imported_since(all_bindings: list[Bindings]) -> int:
         known.update(bindings._replacements)
     changed = 0
     for module, name, value, holds in _module_globals(known):
-        replacement, original, names = known[id(holds)]
+        _replacement, original, names = known[id(holds)]
         if value is holds and name in names:
             setattr(module, name, original)
         elif value is not holds:
@@ -177,7 +177,7 @@ def _is_stdlib(module_name: str, module: types.ModuleType) -> bool:
     return file is None or file.startswith(_STDLIB)
 
 
-def _module_globals(wanted: dict[int, Any]):
+def _module_globals(wanted: dict[int, Any]) -> Iterator[tuple[types.ModuleType, str, Any, Any]]:
     """``(module, name, value, matched)`` for every module global that is, or is a partial around, a wanted object."""
     if not wanted:
         return

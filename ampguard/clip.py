@@ -51,8 +51,9 @@ import sys
 import threading
 import types
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, TypeVar, cast
 
 import torch
 import wrapt
@@ -72,10 +73,10 @@ try:  # private torch helpers, present 2.3 .. 2.14; clip_grad_norm_ itself uses 
 except ImportError:  # pragma: no cover - a future torch
     _group_tensors_by_device_and_dtype = None  # type: ignore[assignment]
 
-    def _device_has_foreach_support(device: torch.device) -> bool:  # type: ignore[misc]
+    def _device_has_foreach_support(device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 
-    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:  # type: ignore[misc]
+    def _has_foreach_support(tensors: list[Tensor], device: torch.device) -> bool:
         return _device_has_foreach_support(device) and all(type(t) in (Tensor, torch.nn.Parameter) for t in tensors)
 
 
@@ -172,7 +173,7 @@ def guard_active() -> bool:
 
 def safe_function_wrapper(
     original: Callable[..., Any], wrapper: Callable[..., Any], *, idle: Callable[[], bool] | None = None
-) -> wrapt.FunctionWrapper:
+) -> wrapt.FunctionWrapper[Any, Any]:
     """``wrapt.FunctionWrapper(original, wrapper)``, made to behave under torch.compile, copy and pickle.
 
     ``idle()`` true means that ``wrapper`` would only call ``original``: the
@@ -188,7 +189,7 @@ def safe_function_wrapper(
       reference to the module attribute, as for a function (wrapt refuses both).
     """
 
-    class SafeFunctionWrapper(wrapt.FunctionWrapper):
+    class SafeFunctionWrapper(wrapt.FunctionWrapper[Any, Any]):
         @property  # type: ignore[misc]
         def __class__(self) -> type:
             return type(self)
@@ -201,7 +202,7 @@ def safe_function_wrapper(
         def __copy__(self) -> SafeFunctionWrapper:
             return self
 
-        def __deepcopy__(self, memo: dict) -> SafeFunctionWrapper:
+        def __deepcopy__(self, memo: dict[int, Any]) -> SafeFunctionWrapper:
             return self
 
         def __reduce_ex__(self, protocol: Any) -> str:
@@ -219,7 +220,10 @@ def idle() -> bool:
     return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
 
 
-def contained(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+_Wrapper = TypeVar("_Wrapper", bound=Callable[..., Any])
+
+
+def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
     """For a wrapt wrapper of a clip function: a failure of ampguard's code falls back to torch's function.
 
     The wrapper is handed torch's function through :func:`containment.torch_call`,
@@ -227,9 +231,9 @@ def contained(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     generator are read once here, so that the fallback gets them all again.
     """
 
-    def decorate(inner: Callable[..., Any]) -> Callable[..., Any]:
+    def decorate(inner: _Wrapper) -> _Wrapper:
         @functools.wraps(inner)
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple, kwargs: dict) -> Any:
+        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
             args, kwargs, again = _generator_read_once(args, kwargs)
             try:
                 return inner(functools.partial(containment.torch_call, wrapped), instance, args, kwargs)
@@ -241,22 +245,21 @@ def contained(where: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
                 args, kwargs = again()
                 return wrapped(*args, **kwargs)
 
-        return wrapper
+        return cast(_Wrapper, wrapper)
 
     return decorate
 
 
-def _generator_read_once(args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[], tuple[tuple, dict]]]:
+def _generator_read_once(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
     """``args``/``kwargs`` with a generator of parameters replaced by a fresh one, and a way to get another."""
-    key: int | str | None = 0 if args and isinstance(args[0], types.GeneratorType) else next(
-        (k for k, v in kwargs.items() if isinstance(v, types.GeneratorType)), None
-    )
-    if key is None:
+    positional = bool(args) and isinstance(args[0], types.GeneratorType)
+    key = None if positional else next((k for k, v in kwargs.items() if isinstance(v, types.GeneratorType)), None)
+    if not positional and key is None:
         return args, kwargs, lambda: (args, kwargs)
-    items = list(args[0] if key == 0 else kwargs[key])
+    items = list(args[0] if key is None else kwargs[key])
 
-    def fresh() -> tuple[tuple, dict]:
-        if key == 0:
+    def fresh() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        if key is None:
             return ((p for p in items), *args[1:]), kwargs
         return args, {**kwargs, key: (p for p in items)}
 
@@ -265,7 +268,7 @@ def _generator_read_once(args: tuple, kwargs: dict) -> tuple[tuple, dict, Callab
 
 
 @contained("safe clip_grad_norm_")
-def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
+def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)
@@ -279,7 +282,7 @@ def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: 
 
 
 def deprecated_clip_grad_norm_wrapper(
-    wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
     """wrapt wrapper of the deprecated ``torch.nn.utils.clip_grad_norm``.
 
@@ -300,7 +303,8 @@ def deprecated_clip_grad_norm_wrapper(
     if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since
         safe = state.original or safe
         return clip_grad_norm_wrapper(safe, None, args, kwargs)
-    return safe(*args, **kwargs)
+    result: Tensor = safe(*args, **kwargs)
+    return result
 
 
 def record_deprecation(deprecated: Callable[..., Tensor]) -> tuple[type[Warning], str] | None:
@@ -320,7 +324,7 @@ def record_deprecation(deprecated: Callable[..., Tensor]) -> tuple[type[Warning]
 def _caller_stacklevel() -> int:
     """``stacklevel`` that makes a warning issued by a wrapper here point at the wrapper's caller."""
     level = 1
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     # Skip this module's frames and wrapt's (when it runs without its C extension).
     while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_WRAPT_DIR)):
         frame = frame.f_back
@@ -443,6 +447,7 @@ def _clip_with_scaler(
             # Every gradient still scaled: torch's own total and coefficient, bit for bit.
             total = torch.linalg.vector_norm(scaled_vector, norm_type)
         else:
+            assert scale is not None  # (scale_known)
             threshold = max_norm / scale.to(first_device)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)
@@ -504,6 +509,7 @@ def scaled_total_norm(
     if scaled_norms:
         vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
         if scale_known:
+            assert scale is not None
             vector = vector / scale.to(first_device)
         vectors.append(vector)
     total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
@@ -548,7 +554,7 @@ def _clip_without_scaler(
     groups = _groups(grads, foreach)
     norms = [norm for group in groups for norm in _norms(group, group.grads, norm_type)]
     first_device = grads[0].device
-    total = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
     if error_if_nonfinite:
         _raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
         _multiply_(groups, _clip_coefficient(max_norm, total))
@@ -651,9 +657,9 @@ def _raise_if_nonfinite(total: Tensor, norm_type: float) -> None:
 def _group(tensors: list[Tensor]) -> list[tuple[tuple[torch.device, torch.dtype], list[Tensor]]]:
     """``[((device, dtype), tensors)]`` in first-seen order, as torch groups them."""
     if _group_tensors_by_device_and_dtype is not None:
-        grouped = _group_tensors_by_device_and_dtype([tensors])
-        return [(key, lists[0]) for key, (lists, _) in grouped.items()]
-    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        grouped = _group_tensors_by_device_and_dtype([cast(list[Tensor | None], tensors)])
+        return [(key, cast(list[Tensor], lists[0])) for key, (lists, _) in grouped.items()]
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}  # type: ignore[unreachable]
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     return list(groups.items())

@@ -35,7 +35,8 @@ still takes float32 norms while the no-scaler guard is on).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable, NamedTuple
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -61,7 +62,7 @@ def _bind_value(parameters: Any, clip_value: float, foreach: bool | None = None)
 
 
 @clip.contained("safe clip_grad_value_")
-def clip_grad_value_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
+def clip_grad_value_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_value_``."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)
@@ -104,7 +105,7 @@ def _clamp_(group: clip._Group, grads: list[Tensor], bound: float | Tensor) -> N
             torch._foreach_clamp_max_(grads, bound)
         return
     for g in grads:
-        g.clamp_(min=-bound, max=bound)
+        g.clamp_(min=-bound, max=bound)  # type: ignore[arg-type]  # a float or a tensor: both accepted
 
 
 # -- get_total_norm -------------------------------------------------------------------
@@ -117,7 +118,7 @@ def _bind_total(
 
 
 @clip.contained("safe get_total_norm")
-def get_total_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple, kwargs: dict) -> Tensor:
+def get_total_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.get_total_norm`` (torch >= 2.6)."""
     if instance is not None or clip.idle():
         return wrapped(*args, **kwargs)
@@ -145,7 +146,7 @@ class _Held(NamedTuple):
     still_scaled: set[int] | None  # ids of those still scaled; None: all of them
 
 
-def _gradients_held(tensors: list[Tensor], scalers: list[SafeGradScaler]) -> _Held:
+def _gradients_held(tensors: Sequence[Tensor], scalers: list[SafeGradScaler]) -> _Held:
     """Map the tensors passed to get_total_norm back to the optimizers the scalers unscaled (by identity)."""
     if not scalers:
         return _Held(list(tensors), set())
@@ -172,7 +173,7 @@ def _bind_with_norm(
 
 
 @clip.contained("safe clip_grads_with_norm_")
-def clip_grads_with_norm_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple, kwargs: dict) -> None:
+def clip_grads_with_norm_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6)."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)

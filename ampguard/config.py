@@ -13,8 +13,9 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any
 
 from ampguard.errors import ConfigError
 

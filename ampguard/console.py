@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import sys
-from typing import Sequence, TextIO
+from collections.abc import Sequence
+from typing import TextIO
 
 
 def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], stream: TextIO | None = None) -> None:

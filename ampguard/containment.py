@@ -16,7 +16,8 @@ ampguard calls (an optimizer's ``step``, torch's ``update``: called through
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from ampguard.errors import AmpguardError
 from ampguard.log import logger

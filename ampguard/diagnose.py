@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import logging
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 
@@ -168,8 +169,8 @@ def _names_for(optimizer: Any, params: list[tuple[int, int, torch.Tensor]]) -> l
         return []
     by_id: dict[int, str] = {}
     for model, prefix in list(_watched.items()):
-        for name, param in model.named_parameters():
-            by_id.setdefault(id(param), prefix + name)
+        for parameter_name, parameter in model.named_parameters():
+            by_id.setdefault(id(parameter), prefix + parameter_name)
     names = []
     for g, i, param in params:
         name = by_id.get(id(param))

@@ -19,7 +19,7 @@ import logging
 import os
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 logger = logging.getLogger("ampguard")
 

@@ -21,10 +21,12 @@ nothing, so a compiled model is seen as one module.
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
+
 try:
     from torch.utils._pytree import tree_flatten
 except ImportError:  # a torch that moved it: tensors in (nested) lists, tuples and dicts only
@@ -82,7 +84,7 @@ def qualified_name(module: torch.nn.Module, root: torch.nn.Module) -> str | None
         return ""
     for name, sub in inner.named_modules(remove_duplicate=False):
         if sub is module:
-            return name
+            return str(name)
     return None
 
 

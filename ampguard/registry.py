@@ -11,8 +11,9 @@ from __future__ import annotations
 import importlib
 import logging
 import threading
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Literal, Mapping
+from typing import Any, Literal
 
 from ampguard import config as config_module
 from ampguard import stats_file, torch_privates
@@ -67,7 +68,8 @@ class _Registry:
 
 def _load(path: str) -> Patch:
     module_name, _, class_name = path.partition(":")
-    return getattr(importlib.import_module(module_name), class_name)()
+    patch: Patch = getattr(importlib.import_module(module_name), class_name)()
+    return patch
 
 
 _registry = _Registry()

@@ -42,7 +42,8 @@ from __future__ import annotations
 import functools
 import logging
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from ampguard.log import is_rank_zero, logger
 from ampguard.stats import process_counters
@@ -141,7 +142,7 @@ def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _warning_at_caller(original: Callable[..., Any], scheduler: Any, args: tuple, kwargs: dict) -> Any:
+def _warning_at_caller(original: Callable[..., Any], scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = original(scheduler, *args, **kwargs)

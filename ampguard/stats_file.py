@@ -96,7 +96,7 @@ class StatsFileHandler(logging.Handler):
                 return
             line = json.dumps(record_as_dict(record))
             if self._stream is None:
-                self._stream = open(self.path, "a", encoding="utf-8")
+                self._stream = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 (open for the run; closed at exit)
                 self._write(json.dumps(self._start_record(record.created)))
             self._write(line)
         except Exception as error:  # never the reason a run dies: one warning, then the file is off

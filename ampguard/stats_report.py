@@ -107,7 +107,8 @@ def _check(record: Any, line: int) -> str | None:
             value = record.get(name)
             if isinstance(value, bool) or not isinstance(value, types):
                 return f'stats record with {"no" if value is None else "a bad"} "{name}" ({value!r})'
-            if not math.isfinite(value) or value < 0:
+            # (an int or a float: checked just above)
+            if not math.isfinite(value) or value < 0:  # type: ignore[arg-type, operator]
                 return f'stats record with a bad "{name}" ({value!r})'
     elif event != "start" and not isinstance(record.get("message"), str):
         return f'{event} record without a "message"'

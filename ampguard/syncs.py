@@ -14,6 +14,7 @@ from collections import Counter
 from typing import Any
 
 import torch
+
 try:
     from torch.utils._python_dispatch import TorchDispatchMode
 except ImportError:  # a torch that moved it: only counting (tests, ampguard bench) needs it, not training
@@ -33,7 +34,7 @@ class HostReadCounter(TorchDispatchMode):
     """``with HostReadCounter() as reads: ...`` then ``reads.total`` (``reads.by_source`` for the split)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.by_source: Counter[str] = Counter()
         self._ampguard_before = 0
 
@@ -43,10 +44,11 @@ class HostReadCounter(TorchDispatchMode):
 
     def __enter__(self) -> HostReadCounter:
         self._ampguard_before = _reads_by_ampguard
-        return super().__enter__()
+        super().__enter__()  # type: ignore[no-untyped-call]
+        return self
 
     def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
+        super().__exit__(*exc)  # type: ignore[no-untyped-call]
         self.by_source["ampguard.read_to_host"] += _reads_by_ampguard - self._ampguard_before
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:

@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 
 @dataclass(frozen=True)

@@ -105,7 +105,7 @@ def test_mocked_t4_fallback_runs_region_in_fp16(gpu, reinstall, caplog):
     with caplog.at_level(logging.WARNING, logger="ampguard"):
         regions = [_autocast("cuda", dtype=torch.bfloat16) for _ in range(2)]
         keyword = _autocast(device_type="cuda", dtype=torch.bfloat16, enabled=True, cache_enabled=False)
-    assert all(r.fast_dtype is torch.float16 for r in regions + [keyword])
+    assert all(r.fast_dtype is torch.float16 for r in [*regions, keyword])
     assert keyword._cache_enabled is False
     messages = _warnings_from(caplog)
     assert len(messages) == 1

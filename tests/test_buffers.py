@@ -6,12 +6,12 @@ import logging
 
 import pytest
 import torch
+from islands_support import fresh_islands  # noqa: F401  (fixture)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
 import ampguard.scaler
 from ampguard.syncs import HostReadCounter
-from islands_support import fresh_islands  # noqa: F401  (fixture)
-from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 

@@ -12,7 +12,8 @@ the time of the call (float16 while still scaled, the float32 master after
 from __future__ import annotations
 
 import math
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -14,8 +14,9 @@ import math
 import sys
 import textwrap
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -658,7 +659,7 @@ def early_module(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any
     (tmp_path / "ampguard_early_user.py").write_text(textwrap.dedent(EARLY_MODULE))
     monkeypatch.syspath_prepend(str(tmp_path))
     with stock():
-        import ampguard_early_user  # noqa: PLC0415
+        import ampguard_early_user
 
         assert not isinstance(ampguard_early_user.clip_grad_norm_, wrapt.FunctionWrapper)
     try:
@@ -691,10 +692,9 @@ def test_name_bound_before_import_gets_the_safe_clip(early_module: Any) -> None:
 
 
 def test_deprecated_clip_grad_norm_warns_as_torch_and_is_safe() -> None:
-    with stock():
-        with warnings.catch_warnings(record=True) as expected:
-            warnings.simplefilter("always")
-            stock_norm = _forgotten_unscale_norm(torch.nn.utils.clip_grad_norm)
+    with stock(), warnings.catch_warnings(record=True) as expected:
+        warnings.simplefilter("always")
+        stock_norm = _forgotten_unscale_norm(torch.nn.utils.clip_grad_norm)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         norm = _forgotten_unscale_norm(torch.nn.utils.clip_grad_norm)
@@ -747,10 +747,9 @@ def test_generator_single_tensor_and_empty_inputs() -> None:
     assert torch.nn.utils.clip_grad_norm_(param, 10.0).item() == pytest.approx(5.0)
     assert torch.nn.utils.clip_grad_norm_((p for p in [param]), 1.0).item() == pytest.approx(5.0)
     assert param.grad.norm().item() == pytest.approx(1.0, rel=1e-5)
-    with stock():
-        with warnings.catch_warnings(record=True) as expected:
-            warnings.simplefilter("always")
-            expected_norm = torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+    with stock(), warnings.catch_warnings(record=True) as expected:
+        warnings.simplefilter("always")
+        expected_norm = torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
     with warnings.catch_warnings(record=True) as got:
         warnings.simplefilter("always")
         norm = torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)

@@ -6,13 +6,6 @@ import logging
 
 import pytest
 import torch
-
-import ampguard.clip
-import ampguard.healing
-import ampguard.scaler.accounting
-import ampguard.scaler.policy
-import ampguard.scheduler_hold
-from ampguard import containment
 from scaler_support import (  # noqa: F401
     OPTIMIZER_PARAMS,
     ampguard_log,
@@ -22,6 +15,13 @@ from scaler_support import (  # noqa: F401
     stock,
     train,
 )
+
+import ampguard.clip
+import ampguard.healing
+import ampguard.scaler.accounting
+import ampguard.scaler.policy
+import ampguard.scheduler_hold
+from ampguard import containment
 
 FAULTS = {3, 4, 11}  # skipped steps, so that the skip paths run too
 SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run

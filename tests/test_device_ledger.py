@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from scaler_support import DeviceSkipSGD, ampguard_log, iteration, safe  # noqa: F401 (a fixture)
 
 from ampguard.scaler import ledger
 from ampguard.syncs import HostReadCounter
-from scaler_support import DeviceSkipSGD, ampguard_log, iteration, safe  # noqa: F401 (a fixture)
 
 # (gradient fault, loss factor) per iteration: backward overflows, forward overflows (inf and NaN losses),
 # a streak of four, healthy iterations in between.
@@ -75,6 +75,6 @@ def test_rows_over_several_rings_and_the_read_forced_after_max_rows(monkeypatch)
 @pytest.mark.parametrize(("limit", "reports"), [(3, 1), (4, 1), (5, 0)])  # PLAN's longest streak: 4
 def test_a_stall_between_two_reads_is_reported_once(limit, reports, reinstall, ampguard_log):
     reinstall(AMPGUARD_MAX_CONSECUTIVE_SKIPS=str(limit), AMPGUARD_STATS_EVERY="0")
-    _run(DeviceSkipSGD, PLAN)[0].stats
+    _ = _run(DeviceSkipSGD, PLAN)[0].stats  # the read
     stalls = [r for r in ampguard_log.records if "consecutive" in r.getMessage() and r.levelname == "CRITICAL"]
     assert len(stalls) == reports

@@ -12,12 +12,12 @@ import re
 
 import pytest
 import torch
+from scaler_support import ampguard_log, records  # noqa: F401
+from test_diagnose import _fresh_diagnose_state, make_model, reports  # noqa: F401
 
 import ampguard
 import ampguard.scaler.policy
 from ampguard import diagnose
-from scaler_support import ampguard_log, records  # noqa: F401
-from test_diagnose import _fresh_diagnose_state, make_model, reports  # noqa: F401
 
 
 def _poison(param: torch.Tensor) -> None:
@@ -118,5 +118,5 @@ def test_one_host_read_for_gradients_and_weights(poisoned, monkeypatch):
     monkeypatch.setattr(diagnose, "read_to_host", lambda t: reads.append(t) or t.tolist())
     loss = model(torch.randn(2, 8)).square().mean()
     loss.backward()
-    grads, weights = diagnose.nonfinite_gradients_and_weights(optimizer)
+    _grads, weights = diagnose.nonfinite_gradients_and_weights(optimizer)
     assert len(reads) == 1 and weights.total == int(poisoned) and weights.with_grad == 4

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import functools
-import re
 import logging
+import re
 import subprocess
 import sys
 import threading

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 try:
-    from torch.distributed.fsdp import fully_shard  # noqa: F401  (public from torch 2.6)
+    from torch.distributed.fsdp import fully_shard
 except ImportError:  # pragma: no cover - torch 2.3
     fully_shard = None
 

@@ -11,12 +11,12 @@ import textwrap
 
 import pytest
 import torch
+from scaler_support import iteration, tiny
 
 import ampguard
 import ampguard.scaler
 from ampguard.patches.grad_scaler import GradScaler as PatchedGradScaler
 from ampguard.scaler import SafeGradScaler
-from scaler_support import iteration, tiny
 
 
 def _originals():

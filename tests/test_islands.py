@@ -18,13 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from islands_support import CLASSES, DIM, EVERY, fresh_islands, make_net, train  # noqa: F401
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 import ampguard
 import ampguard.scaler
 from ampguard import healing, islands
 from ampguard.syncs import HostReadCounter
-from islands_support import CLASSES, DIM, EVERY, fresh_islands, make_net, train  # noqa: F401
-from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 

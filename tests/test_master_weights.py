@@ -13,12 +13,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
+from master_support import WIDTH, fine_tune
+from scaler_support import ampguard_log, fused_adam_available, one_thread, records  # noqa: F401
 
 import ampguard
 from ampguard import master
 from ampguard.syncs import HostReadCounter
-from master_support import WIDTH, fine_tune
-from scaler_support import ampguard_log, fused_adam_available, one_thread, records  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

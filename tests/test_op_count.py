@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import copy
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch

@@ -6,12 +6,11 @@ import logging
 
 import pytest
 import torch
-
-import ampguard
-from ampguard import healing, probe
-from ampguard.syncs import HostReadCounter
 from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
+
+from ampguard import healing, probe
+from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 

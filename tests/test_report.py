@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from test_stats_file import train
 
 from ampguard.cli import main
-from test_stats_file import train
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -8,8 +8,6 @@ import pickle
 
 import pytest
 import torch
-
-from ampguard.scaler import SafeGradScaler
 from scaler_support import (  # noqa: F401
     ampguard_log,
     iteration,
@@ -21,6 +19,8 @@ from scaler_support import (  # noqa: F401
     tiny,
     train,
 )
+
+from ampguard.scaler import SafeGradScaler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

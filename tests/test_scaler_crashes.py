@@ -14,9 +14,9 @@ import warnings
 
 import pytest
 import torch
+from scaler_support import DeviceSkipSGD, ampguard_log, iteration, one_thread, records, safe, stock  # noqa: F401
 
 import ampguard.scaler.crashes
-from scaler_support import DeviceSkipSGD, ampguard_log, iteration, one_thread, records, safe, stock  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -107,7 +107,7 @@ def _half_model():
 
 def test_torch_raises_on_fp16_parameters(stock_torch):
     model, opt = _half_model()
-    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+    with pytest.raises(ValueError, match=r"Attempting to unscale FP16 gradients\."):
         iteration(stock(), model, opt)
 
 
@@ -147,7 +147,7 @@ def test_fp16_gradients_unscaled_exactly_as_torchs_kernel_would(reinstall):
 def test_fp16_grads_error_restores_torchs_value_error(reinstall):
     reinstall(AMPGUARD_FP16_GRADS="error")
     model, opt = _half_model()
-    with pytest.raises(ValueError, match="Attempting to unscale FP16 gradients."):
+    with pytest.raises(ValueError, match=r"Attempting to unscale FP16 gradients\."):
         iteration(safe(), model, opt)
 
 
@@ -175,7 +175,7 @@ def test_bf16_parameters_on_the_cpu_kernel(monkeypatch):
         return kernel(grads, found_inf, inv_scale)
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", spy)
-    model, scaler = _bf16_run({3, 7})
+    _model, scaler = _bf16_run({3, 7})
     assert set(kernel_dtypes) == {torch.bfloat16}
     assert scaler.stats.skipped == 2 and scaler.stats.steps == 12
 
@@ -227,7 +227,7 @@ def _scaled_grads(scaler):
 
 def test_torch_raises_on_a_second_unscale(stock_torch):
     scaler = stock()
-    model, opt = _scaled_grads(scaler)
+    _model, opt = _scaled_grads(scaler)
     scaler.unscale_(opt)
     with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
         scaler.unscale_(opt)

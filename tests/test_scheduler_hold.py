@@ -12,7 +12,8 @@ from __future__ import annotations
 import logging
 import pickle
 import warnings
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch

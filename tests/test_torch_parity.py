@@ -20,14 +20,13 @@ import threading
 import types
 from pathlib import Path
 
+import parity_scenarios as scenarios
 import pytest
 import torch
+from scaler_support import needs_fused_adam
 
 import ampguard
 import ampguard.scaler
-
-import parity_scenarios as scenarios
-from scaler_support import needs_fused_adam
 
 SCENARIO_FILE = Path(scenarios.__file__)
 

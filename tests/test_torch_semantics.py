@@ -20,18 +20,19 @@ import contextlib
 import copy
 import pickle
 import warnings
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
+from scaler_support import DeviceSkipSGD
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 import ampguard
 import ampguard.scaler
 from ampguard.config import FLOAT32_MAX
 from ampguard.scaler import SafeGradScaler
-from scaler_support import DeviceSkipSGD
 
 SKIP_AT = 2  # the iteration whose gradients get an inf written into them: a skipped step
 ITERATIONS = 5
@@ -86,7 +87,7 @@ def snapshot(*models: torch.nn.Module, optimizers: tuple[torch.optim.Optimizer, 
     for opt in optimizers:
         for group in opt.param_groups:
             for p in group["params"]:
-                for key, value in sorted(opt.state[p].items()):
+                for _key, value in sorted(opt.state[p].items()):
                     if isinstance(value, torch.Tensor):
                         tensors.append(value.detach().clone().reshape(-1).float())
     return tensors
@@ -248,7 +249,7 @@ def test_pickle_round_trip_as_torch(scale_created):
         return s, pickle.loads(pickle.dumps(s))
 
     with plain_torch():
-        torch_original, torch_copy = round_trip()
+        _torch_original, torch_copy = round_trip()
     original, restored = round_trip()
     assert type(restored) is type(original)
     assert restored.is_enabled() and torch_copy.is_enabled()
@@ -680,7 +681,7 @@ def _self_scaling_loop(opt_class: type) -> tuple[Outcome, torch.optim.Optimizer,
 
 def test_optimizer_with_a_grad_scaler_keyword_receives_the_scaler():
     with plain_torch():
-        reference, torch_opt, _ = _self_scaling_loop(TakesTheScaler)
+        reference, _torch_opt, _ = _self_scaling_loop(TakesTheScaler)
     result, opt, _ = _self_scaling_loop(TakesTheScaler)
     assert type(reference.scaler) is ampguard.scaler.TorchGradScaler and isinstance(result.scaler, SafeGradScaler)
     assert [(scaler is result.scaler, attrs) for scaler, attrs in opt.seen] == [(True, False)] * ITERATIONS

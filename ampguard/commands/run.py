@@ -22,8 +22,8 @@ import os
 import runpy
 import sys
 import types
+from collections.abc import Sequence
 from importlib.machinery import SourceFileLoader
-from typing import Sequence
 
 USAGE = "ampguard run [-h] (script.py | -m module) [args ...]"
 DESCRIPTION = (

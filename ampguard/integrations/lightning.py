@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+from collections.abc import Callable
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any
 
 from ampguard import containment, integrations
 from ampguard.bindings import Bindings

@@ -33,7 +33,7 @@ def _is_deprecation_wrapper(function: Any) -> bool:
 
 
 def legacy_classes() -> list[type]:
-    found = [torch.cuda.amp.autocast, torch.cpu.amp.autocast, torch.cuda.amp.GradScaler]
+    found = [torch.cuda.amp.autocast, torch.cpu.amp.autocast, torch.cuda.amp.GradScaler]  # type: ignore[attr-defined]
     cpu_scaler = getattr(torch.cpu.amp, "GradScaler", None)  # torch >= 2.3
     if cpu_scaler is not None:
         found.append(cpu_scaler)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Callable, ClassVar
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 try:  # torch's own copy of packaging, which `import torch` has loaded: importing packaging.version costs ~4 ms more
     from torch._vendor.packaging.version import Version
@@ -31,7 +32,7 @@ def torch_release(version: str | None = None) -> Version:
 
 
 _SIMPLE_CLAUSE = re.compile(r"\s*(>=|<=|==|!=|>|<)\s*(\d+(?:\.\d+)*)\s*")
-_COMPARE: dict[str, Callable[[object, object], bool]] = {
+_COMPARE: dict[str, Callable[[Any, Any], Any]] = {
     ">=": operator.ge, "<=": operator.le, "==": operator.eq, "!=": operator.ne, ">": operator.gt, "<": operator.lt,
 }
 

@@ -22,8 +22,7 @@ from __future__ import annotations
 import torch
 import wrapt
 
-from ampguard import clip, clip_api
-from ampguard import torch_privates
+from ampguard import clip, clip_api, torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch

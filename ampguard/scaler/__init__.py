@@ -132,7 +132,7 @@ class SafeGradScaler(TorchGradScaler):
             )
         settings = active_settings(init_scale, growth_interval, min_scale, max_scale)
         super().__init__(
-            device,  # type: ignore[arg-type]
+            device,
             init_scale=settings.init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=settings.growth_interval, enabled=enabled,
         )
@@ -175,7 +175,7 @@ class SafeGradScaler(TorchGradScaler):
         # The thread that called scale(): clip_grad_norm_ in a thread looks at that thread's scalers.
         self._scaling_thread: int | None = None
 
-    def scale(self, outputs):  # type: ignore[override]
+    def scale(self, outputs: Any) -> Any:
         """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
 
         Called again after ``unscale_()`` in the same iteration (gradient
@@ -379,9 +379,9 @@ def _loss_check(outputs: Any) -> torch.Tensor | None:
         return None
     total: torch.Tensor | None = None
     for item in outputs:
-        check = _loss_check(item)
-        if check is not None:
-            total = check if total is None else total + check.to(total.device)
+        item_check = _loss_check(item)
+        if item_check is not None:
+            total = item_check if total is None else total + item_check.to(total.device)
     return total
 
 

@@ -24,7 +24,7 @@ def safe_sharded_scaler_class(sharded: Any) -> type:
         return _sharded_classes[sharded]
     from ampguard.scaler import SafeGradScaler
 
-    class SafeShardedGradScaler(SafeGradScaler, sharded):  # type: ignore[misc, valid-type]
+    class SafeShardedGradScaler(SafeGradScaler, sharded):  # type: ignore[misc]
         """FSDP's ``ShardedGradScaler`` under ampguard: its cross-rank found_inf all-reduce, SafeGradScaler's safety."""
 
         _host_mirror_exact = False

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 
@@ -14,7 +14,7 @@ import pytest
 if str(Path(__file__).parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).parent))
 
-import integration_support  # noqa: E402, F401  (sets the offline environment before any library import)
+import integration_support  # noqa: F401  (sets the offline environment before any library import)
 
 
 @pytest.fixture

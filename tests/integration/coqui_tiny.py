@@ -13,10 +13,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import trainer.trainer
 from torch import nn
 from torch.utils.data import DataLoader
-
-import trainer.trainer
 from trainer import Trainer, TrainerArgs, TrainerConfig, TrainerModel
 
 SAMPLES = 32

@@ -16,9 +16,10 @@ import functools
 import os
 import subprocess
 import sys
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 import pytest
 import torch

@@ -24,9 +24,6 @@ import textwrap
 
 import pytest
 import torch
-from torch import nn
-
-import ampguard
 from integration_support import (
     OverflowInjector,
     assert_ran,
@@ -37,6 +34,7 @@ from integration_support import (
     stock_torch,
     torch_grad_scaler,
 )
+from torch import nn
 
 require("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -335,9 +333,8 @@ def _accumulate_and_clip_every_micro_step(mixed_precision: str, scaler_class=Non
 
 
 def test_clip_on_every_micro_step_torch_refuses_ampguard_clips_what_fp32_clips():
-    with stock_torch():
-        with pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
-            _accumulate_and_clip_every_micro_step("fp16")
+    with stock_torch(), pytest.raises(RuntimeError, match="unscale_\\(\\) has already been called"):
+        _accumulate_and_clip_every_micro_step("fp16")
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     reference = _accumulate_and_clip_every_micro_step("no")

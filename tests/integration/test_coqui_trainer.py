@@ -22,24 +22,23 @@ import warnings
 
 import pytest
 import torch
-
-import ampguard
 from integration_support import (
     REPO,
     OverflowInjector,
     assert_ran,
     assert_safe,
     cuda_reported_available,
+    require,
     run_python,
     stock_torch,
     torch_grad_scaler,
 )
-from integration_support import require
+
+import ampguard
 
 require("trainer")
-import trainer.trainer  # noqa: E402
-
 import coqui_tiny  # noqa: E402
+import trainer.trainer  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from integration_support import REPO, assert_ran, require, run_python
 
 pytestmark = pytest.mark.integration

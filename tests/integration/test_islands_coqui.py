@@ -14,10 +14,9 @@ from typing import Any
 
 import pytest
 import torch
+from integration_support import require
 from torch import nn
 from torch.utils.data import DataLoader
-
-from integration_support import require
 
 require("trainer")
 import coqui_tiny  # noqa: E402

@@ -12,7 +12,6 @@ import logging
 
 import pytest
 import torch
-
 from integration_support import require, stock_torch, torch_grad_scaler
 
 require("accelerate")

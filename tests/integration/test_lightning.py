@@ -22,8 +22,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-
 from integration_support import (
     OverflowInjector,
     assert_ran,
@@ -34,6 +32,7 @@ from integration_support import (
     stock_torch,
     torch_grad_scaler,
 )
+from torch import nn
 
 L = require("lightning")
 from lightning.fabric.plugins.precision import MixedPrecision as FabricMixedPrecision  # noqa: E402

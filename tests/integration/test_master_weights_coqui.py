@@ -13,15 +13,14 @@ import glob
 
 import pytest
 import torch
-
-from ampguard import master
 from integration_support import require
 
+from ampguard import master
+
 require("trainer")
+import coqui_tiny  # noqa: E402
 import trainer.trainer  # noqa: E402
 from trainer import Trainer, TrainerArgs  # noqa: E402
-
-import coqui_tiny  # noqa: E402
 
 pytestmark = pytest.mark.integration
 

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from ampguard import master
 from integration_support import require, stock_torch
 from test_accelerate_hf import _fresh_accelerate_state, hand_cpu_scaler  # noqa: F401
+
+from ampguard import master
 
 pytestmark = pytest.mark.integration
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from integration_support import require
 
 from ampguard import master
-from integration_support import require
 
 L = require("lightning")
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402

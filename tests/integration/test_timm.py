@@ -20,7 +20,6 @@ import textwrap
 
 import pytest
 import torch
-
 from integration_support import (
     OverflowInjector,
     assert_ran,

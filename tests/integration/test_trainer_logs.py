@@ -22,7 +22,6 @@ import textwrap
 
 import pytest
 import torch
-
 from integration_support import OverflowInjector, assert_ran, require, run_python
 
 import ampguard
