@@ -191,7 +191,9 @@ def _module_globals(wanted: dict[int, Any]) -> Iterator[tuple[types.ModuleType, 
         try:
             # Most modules hold neither a wanted object nor a partial: two passes in C rule them out faster
             # than the loop below would (the scan of a torch process's ~50,000 globals is most of install()).
-            if wanted_ids.isdisjoint(map(id, namespace.values())) and functools.partial not in map(type, namespace.values()):
+            if wanted_ids.isdisjoint(map(id, namespace.values())) and functools.partial not in map(
+                type, namespace.values()
+            ):
                 continue
             items = list(namespace.items())
         except RuntimeError:  # another thread is importing into this module

@@ -250,7 +250,9 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
     return decorate
 
 
-def _generator_read_once(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
+def _generator_read_once(
+    args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
     """``args``/``kwargs`` with a generator of parameters replaced by a fresh one, and a way to get another."""
     positional = bool(args) and isinstance(args[0], types.GeneratorType)
     key = None if positional else next((k for k, v in kwargs.items() if isinstance(v, types.GeneratorType)), None)
@@ -268,7 +270,9 @@ def _generator_read_once(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple
 
 
 @contained("safe clip_grad_norm_")
-def clip_grad_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+def clip_grad_norm_wrapper(
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)
@@ -326,7 +330,9 @@ def _caller_stacklevel() -> int:
     level = 1
     frame: types.FrameType | None = sys._getframe(1)
     # Skip this module's frames and wrapt's (when it runs without its C extension).
-    while frame is not None and (frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_WRAPT_DIR)):
+    while frame is not None and (
+        frame.f_code.co_filename == __file__ or frame.f_code.co_filename.startswith(_WRAPT_DIR)
+    ):
         frame = frame.f_back
         level += 1
     return level
@@ -347,8 +353,11 @@ def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
-        if not state.foreign_scaler and state.active and getattr(self, "_enabled", False) and not isinstance(
-            self, SafeGradScaler
+        if (
+            not state.foreign_scaler
+            and state.active
+            and getattr(self, "_enabled", False)
+            and not isinstance(self, SafeGradScaler)
         ):
             state.foreign_scaler = True
             if state.guard:

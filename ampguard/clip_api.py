@@ -62,7 +62,9 @@ def _bind_value(parameters: Any, clip_value: float, foreach: bool | None = None)
 
 
 @clip.contained("safe clip_grad_value_")
-def clip_grad_value_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def clip_grad_value_wrapper(
+    wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_value_``."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)
@@ -118,7 +120,9 @@ def _bind_total(
 
 
 @clip.contained("safe get_total_norm")
-def get_total_norm_wrapper(wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Tensor:
+def get_total_norm_wrapper(
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.get_total_norm`` (torch >= 2.6)."""
     if instance is not None or clip.idle():
         return wrapped(*args, **kwargs)
@@ -173,7 +177,9 @@ def _bind_with_norm(
 
 
 @clip.contained("safe clip_grads_with_norm_")
-def clip_grads_with_norm_wrapper(wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+def clip_grads_with_norm_wrapper(
+    wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6)."""
     if instance is not None or idle():
         return wrapped(*args, **kwargs)

@@ -94,17 +94,30 @@ def _suggest(value: str, known: Iterable[str]) -> str:
 _MEANINGS: dict[str, tuple[str, ...]] = {
     "PATCH": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
     "PATCHES": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
-    "OFF": ("AMPGUARD_DISABLE",), "SKIP": ("AMPGUARD_DISABLE",), "EXCLUDE": ("AMPGUARD_DISABLE",),
-    "ON": ("AMPGUARD_ENABLE",), "INCLUDE": ("AMPGUARD_ENABLE",), "OPT": ("AMPGUARD_ENABLE",),
+    "OFF": ("AMPGUARD_DISABLE",),
+    "SKIP": ("AMPGUARD_DISABLE",),
+    "EXCLUDE": ("AMPGUARD_DISABLE",),
+    "ON": ("AMPGUARD_ENABLE",),
+    "INCLUDE": ("AMPGUARD_ENABLE",),
+    "OPT": ("AMPGUARD_ENABLE",),
     "SCALE": ("AMPGUARD_INIT_SCALE", "AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE"),
-    "FLOOR": ("AMPGUARD_MIN_SCALE",), "CAP": ("AMPGUARD_MAX_SCALE",), "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
-    "SILENT": ("AMPGUARD_QUIET",), "BANNER": ("AMPGUARD_QUIET",), "VERBOSE": ("AMPGUARD_QUIET",),
+    "FLOOR": ("AMPGUARD_MIN_SCALE",),
+    "CAP": ("AMPGUARD_MAX_SCALE",),
+    "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
+    "SILENT": ("AMPGUARD_QUIET",),
+    "BANNER": ("AMPGUARD_QUIET",),
+    "VERBOSE": ("AMPGUARD_QUIET",),
     "STALL": ("AMPGUARD_ON_STALL", "AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
-    "STATS": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"), "LOG": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
-    "JSON": ("AMPGUARD_STATS_FILE",), "JSONL": ("AMPGUARD_STATS_FILE",),
-    "FP16": ("AMPGUARD_FP16_GRADS",), "BF16": ("AMPGUARD_BF16_FALLBACK",),
-    "MASTER": ("AMPGUARD_MASTER_WEIGHTS",), "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
-    "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"), "PROBE": ("AMPGUARD_PROBE_STEPS",),
+    "STATS": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
+    "LOG": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
+    "JSON": ("AMPGUARD_STATS_FILE",),
+    "JSONL": ("AMPGUARD_STATS_FILE",),
+    "FP16": ("AMPGUARD_FP16_GRADS",),
+    "BF16": ("AMPGUARD_BF16_FALLBACK",),
+    "MASTER": ("AMPGUARD_MASTER_WEIGHTS",),
+    "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
+    "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"),
+    "PROBE": ("AMPGUARD_PROBE_STEPS",),
 }
 
 
@@ -135,62 +148,172 @@ class Setting:
 
 
 SETTINGS: tuple[Setting, ...] = (
-    Setting("AMPGUARD", "enabled", True, "1 or 0 (also true/false, yes/no, on/off)",
-            "Master switch. 0: `import ampguard` works but patches nothing.", "AMPGUARD=0", _parse_bool),
-    Setting("AMPGUARD_DISABLE", "disable", frozenset(), "comma-separated patch names",
-            "Patches not to apply (see `ampguard patches`).", "AMPGUARD_DISABLE=clip_grad,bf16_check", None),
-    Setting("AMPGUARD_ENABLE", "enable", frozenset(), "comma-separated patch names",
-            "Opt-in patches to apply in addition to the default ones.", "AMPGUARD_ENABLE=anomaly", None),
-    Setting("AMPGUARD_QUIET", "quiet", False, "1 or 0",
-            "1: no banner on import.", "AMPGUARD_QUIET=1", _parse_bool),
-    Setting("AMPGUARD_INIT_SCALE", "init_scale", None, "a number from 1 to 3.4e38 (float32's largest)",
-            "Initial loss scale of every GradScaler, overriding even an explicit argument "
-            "(unset: 1024 unless the caller passes init_scale).", "AMPGUARD_INIT_SCALE=4096",
-            _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE)),
-    Setting("AMPGUARD_GROWTH_INTERVAL", "growth_interval", None, "a whole number from 1 to 2147483647",
-            "Successful steps between scale growths, overriding even an explicit argument "
-            "(unset: 100 unless the caller passes growth_interval).", "AMPGUARD_GROWTH_INTERVAL=200",
-            _number_parser(int, 1, INT32_MAX, describe="a whole number from 1 to 2147483647 (the int32 growth tracker)")),
-    Setting("AMPGUARD_MAX_SCALE", "max_scale", 2.0**24, "a number from 1 to 3.4e38 (float32's largest)",
-            "The loss scale never grows past this cap.", "AMPGUARD_MAX_SCALE=65536",
-            _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE)),
-    Setting("AMPGUARD_MIN_SCALE", "min_scale", 1.0, "a number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor",
-            "The loss scale never falls below this floor.", "AMPGUARD_MIN_SCALE=0",
-            _number_parser(float, 1e-30, FLOAT32_MAX, allow_zero=True,
-                           describe="a finite number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor")),
-    Setting("AMPGUARD_MAX_CONSECUTIVE_SKIPS", "max_consecutive_skips", 100, "a whole number from 1 to 16777216",
-            "After this many consecutive skipped steps ampguard logs CRITICAL (or raises, see AMPGUARD_ON_STALL).",
-            "AMPGUARD_MAX_CONSECUTIVE_SKIPS=50",
-            _number_parser(int, 1, FLOAT32_EXACT_INT, describe="a whole number from 1 to 16777216 (2**24)")),
-    Setting("AMPGUARD_ON_STALL", "on_stall", "warn", "warn or raise",
-            "What a stall does: log CRITICAL, or raise ampguard.ScaleCollapseError.", "AMPGUARD_ON_STALL=raise",
-            _choice_parser(("warn", "raise"))),
-    Setting("AMPGUARD_STATS_EVERY", "stats_every", 500, "a whole number >= 0",
-            "Optimizer steps between two stats lines on logger `ampguard` (0: never).", "AMPGUARD_STATS_EVERY=100",
-            _number_parser(int, 0, describe="a whole number >= 0")),
-    Setting("AMPGUARD_STATS_FILE", "stats_file", None, "a file path in an existing, writable directory",
-            "Append each stats line and each notable event (skipped step, collapse, stall, fp32 island, ...) to this "
-            "file as one JSON object per line, rank 0 only; `ampguard report FILE` summarises it "
-            "(see docs/stats-file.md).", "AMPGUARD_STATS_FILE=run.jsonl", _parse_writable_path),
-    Setting("AMPGUARD_FP16_GRADS", "fp16_grads", "allow", "allow or error",
-            "fp16 parameters under a GradScaler: unscale them with a warning, or raise torch's ValueError.",
-            "AMPGUARD_FP16_GRADS=error", _choice_parser(("allow", "error"))),
-    Setting("AMPGUARD_BF16_FALLBACK", "bf16_fallback", "off", "off or fp16",
-            "bf16 autocast on a GPU without native bf16: only warn, or run the region in fp16.",
-            "AMPGUARD_BF16_FALLBACK=fp16", _choice_parser(("off", "fp16"))),
-    Setting("AMPGUARD_FP32_ISLANDS", "fp32_islands", "auto", "auto or report",
-            "A module found to overflow float16 in the forward pass: run it in float32 from then on, "
-            "or only name it (see docs/islands.md).", "AMPGUARD_FP32_ISLANDS=report", _choice_parser(("auto", "report"))),
-    Setting("AMPGUARD_MAX_ISLANDS", "max_islands", 8, "a whole number >= 1",
-            "At most this many fp32 islands; past that ampguard reports that the model does not suit float16.",
-            "AMPGUARD_MAX_ISLANDS=2", _number_parser(int, 1, describe="a whole number >= 1")),
-    Setting("AMPGUARD_PROBE_STEPS", "probe_steps", 200, "a whole number >= 1",
-            "Optimizer steps the forward-overflow probe stays armed without another overflow.",
-            "AMPGUARD_PROBE_STEPS=50", _number_parser(int, 1, describe="a whole number >= 1")),
-    Setting("AMPGUARD_MASTER_WEIGHTS", "master_weights", "fp16", "fp16, all or off",
-            "float32 master copies of the trainable half-precision parameters an optimizer steps: "
-            "of float16 ones, of float16 and bfloat16 ones, or none (see docs/master-weights.md).",
-            "AMPGUARD_MASTER_WEIGHTS=all", _choice_parser(("fp16", "all", "off"))),
+    Setting(
+        "AMPGUARD",
+        "enabled",
+        True,
+        "1 or 0 (also true/false, yes/no, on/off)",
+        "Master switch. 0: `import ampguard` works but patches nothing.",
+        "AMPGUARD=0",
+        _parse_bool,
+    ),
+    Setting(
+        "AMPGUARD_DISABLE",
+        "disable",
+        frozenset(),
+        "comma-separated patch names",
+        "Patches not to apply (see `ampguard patches`).",
+        "AMPGUARD_DISABLE=clip_grad,bf16_check",
+        None,
+    ),
+    Setting(
+        "AMPGUARD_ENABLE",
+        "enable",
+        frozenset(),
+        "comma-separated patch names",
+        "Opt-in patches to apply in addition to the default ones.",
+        "AMPGUARD_ENABLE=anomaly",
+        None,
+    ),
+    Setting("AMPGUARD_QUIET", "quiet", False, "1 or 0", "1: no banner on import.", "AMPGUARD_QUIET=1", _parse_bool),
+    Setting(
+        "AMPGUARD_INIT_SCALE",
+        "init_scale",
+        None,
+        "a number from 1 to 3.4e38 (float32's largest)",
+        "Initial loss scale of every GradScaler, overriding even an explicit argument "
+        "(unset: 1024 unless the caller passes init_scale).",
+        "AMPGUARD_INIT_SCALE=4096",
+        _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE),
+    ),
+    Setting(
+        "AMPGUARD_GROWTH_INTERVAL",
+        "growth_interval",
+        None,
+        "a whole number from 1 to 2147483647",
+        "Successful steps between scale growths, overriding even an explicit argument "
+        "(unset: 100 unless the caller passes growth_interval).",
+        "AMPGUARD_GROWTH_INTERVAL=200",
+        _number_parser(int, 1, INT32_MAX, describe="a whole number from 1 to 2147483647 (the int32 growth tracker)"),
+    ),
+    Setting(
+        "AMPGUARD_MAX_SCALE",
+        "max_scale",
+        2.0**24,
+        "a number from 1 to 3.4e38 (float32's largest)",
+        "The loss scale never grows past this cap.",
+        "AMPGUARD_MAX_SCALE=65536",
+        _number_parser(float, 1.0, FLOAT32_MAX, describe=_SCALE_RANGE),
+    ),
+    Setting(
+        "AMPGUARD_MIN_SCALE",
+        "min_scale",
+        1.0,
+        "a number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor",
+        "The loss scale never falls below this floor.",
+        "AMPGUARD_MIN_SCALE=0",
+        _number_parser(
+            float,
+            1e-30,
+            FLOAT32_MAX,
+            allow_zero=True,
+            describe="a finite number from 1e-30 to AMPGUARD_MAX_SCALE, or 0 for no floor",
+        ),
+    ),
+    Setting(
+        "AMPGUARD_MAX_CONSECUTIVE_SKIPS",
+        "max_consecutive_skips",
+        100,
+        "a whole number from 1 to 16777216",
+        "After this many consecutive skipped steps ampguard logs CRITICAL (or raises, see AMPGUARD_ON_STALL).",
+        "AMPGUARD_MAX_CONSECUTIVE_SKIPS=50",
+        _number_parser(int, 1, FLOAT32_EXACT_INT, describe="a whole number from 1 to 16777216 (2**24)"),
+    ),
+    Setting(
+        "AMPGUARD_ON_STALL",
+        "on_stall",
+        "warn",
+        "warn or raise",
+        "What a stall does: log CRITICAL, or raise ampguard.ScaleCollapseError.",
+        "AMPGUARD_ON_STALL=raise",
+        _choice_parser(("warn", "raise")),
+    ),
+    Setting(
+        "AMPGUARD_STATS_EVERY",
+        "stats_every",
+        500,
+        "a whole number >= 0",
+        "Optimizer steps between two stats lines on logger `ampguard` (0: never).",
+        "AMPGUARD_STATS_EVERY=100",
+        _number_parser(int, 0, describe="a whole number >= 0"),
+    ),
+    Setting(
+        "AMPGUARD_STATS_FILE",
+        "stats_file",
+        None,
+        "a file path in an existing, writable directory",
+        "Append each stats line and each notable event (skipped step, collapse, stall, fp32 island, ...) to this "
+        "file as one JSON object per line, rank 0 only; `ampguard report FILE` summarises it "
+        "(see docs/stats-file.md).",
+        "AMPGUARD_STATS_FILE=run.jsonl",
+        _parse_writable_path,
+    ),
+    Setting(
+        "AMPGUARD_FP16_GRADS",
+        "fp16_grads",
+        "allow",
+        "allow or error",
+        "fp16 parameters under a GradScaler: unscale them with a warning, or raise torch's ValueError.",
+        "AMPGUARD_FP16_GRADS=error",
+        _choice_parser(("allow", "error")),
+    ),
+    Setting(
+        "AMPGUARD_BF16_FALLBACK",
+        "bf16_fallback",
+        "off",
+        "off or fp16",
+        "bf16 autocast on a GPU without native bf16: only warn, or run the region in fp16.",
+        "AMPGUARD_BF16_FALLBACK=fp16",
+        _choice_parser(("off", "fp16")),
+    ),
+    Setting(
+        "AMPGUARD_FP32_ISLANDS",
+        "fp32_islands",
+        "auto",
+        "auto or report",
+        "A module found to overflow float16 in the forward pass: run it in float32 from then on, "
+        "or only name it (see docs/islands.md).",
+        "AMPGUARD_FP32_ISLANDS=report",
+        _choice_parser(("auto", "report")),
+    ),
+    Setting(
+        "AMPGUARD_MAX_ISLANDS",
+        "max_islands",
+        8,
+        "a whole number >= 1",
+        "At most this many fp32 islands; past that ampguard reports that the model does not suit float16.",
+        "AMPGUARD_MAX_ISLANDS=2",
+        _number_parser(int, 1, describe="a whole number >= 1"),
+    ),
+    Setting(
+        "AMPGUARD_PROBE_STEPS",
+        "probe_steps",
+        200,
+        "a whole number >= 1",
+        "Optimizer steps the forward-overflow probe stays armed without another overflow.",
+        "AMPGUARD_PROBE_STEPS=50",
+        _number_parser(int, 1, describe="a whole number >= 1"),
+    ),
+    Setting(
+        "AMPGUARD_MASTER_WEIGHTS",
+        "master_weights",
+        "fp16",
+        "fp16, all or off",
+        "float32 master copies of the trainable half-precision parameters an optimizer steps: "
+        "of float16 ones, of float16 and bfloat16 ones, or none (see docs/master-weights.md).",
+        "AMPGUARD_MASTER_WEIGHTS=all",
+        _choice_parser(("fp16", "all", "off")),
+    ),
 )
 
 SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}
@@ -254,9 +377,7 @@ def _parse_names(variable: str, raw: str, known: Iterable[str]) -> frozenset[str
     names = frozenset(part.strip().lower() for part in raw.split(",") if part.strip())
     for name in sorted(names):
         if name not in known:
-            raise ConfigError(
-                variable, raw, "comma-separated names from: " + ", ".join(known), _suggest(name, known)
-            )
+            raise ConfigError(variable, raw, "comma-separated names from: " + ", ".join(known), _suggest(name, known))
     return names
 
 
@@ -281,13 +402,17 @@ def load(
         name = unknown[0]
         known = ", ".join(SETTINGS_BY_VARIABLE)
         raise ConfigError(
-            name, environ[name], f"one of the known variables: {known}", _suggest_variable(name),
+            name,
+            environ[name],
+            f"one of the known variables: {known}",
+            _suggest_variable(name),
             message=f"{name} is not an ampguard variable (it is set to {environ[name]!r}). The known ones are: {known}.",
         )
     config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
     if config.min_scale > config.max_scale:
         raise ConfigError(
-            "AMPGUARD_MIN_SCALE", environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
+            "AMPGUARD_MIN_SCALE",
+            environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
             f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
         )
     return config

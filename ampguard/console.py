@@ -7,7 +7,9 @@ from collections.abc import Sequence
 from typing import TextIO
 
 
-def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], stream: TextIO | None = None) -> None:
+def print_table(
+    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], stream: TextIO | None = None
+) -> None:
     stream = stream or sys.stdout
     if stream.isatty():
         from rich.console import Console

@@ -160,7 +160,7 @@ def nonfinite_gradients_and_weights(optimizer: Any, *, weights: bool = True) -> 
     finite = _finite([grad for *_, grad in grads] + [p for _, _, p in params])
     return (
         _nonfinite(optimizer, [(g, i, p) for g, i, p, _ in grads], finite[: len(grads)]),
-        _nonfinite(optimizer, params, finite[len(grads):]),
+        _nonfinite(optimizer, params, finite[len(grads) :]),
     )
 
 
@@ -212,8 +212,13 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     hint = "" if names_known(optimizer) else " (ampguard.watch(model) names them.)"
     if weights.total:  # said first: whatever else happened, these parameters make every step fail
         message = messages.PARAMETERS_NONFINITE.format(
-            step=step, at_scale=at_scale, total=weights.total, checked=weights.with_grad, optimizer=label,
-            names=_listed(weights), hint=hint,
+            step=step,
+            at_scale=at_scale,
+            total=weights.total,
+            checked=weights.with_grad,
+            optimizer=label,
+            names=_listed(weights),
+            hint=hint,
         )
         level = logging.ERROR
     elif loss_nonfinite:
@@ -239,7 +244,11 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
             )
         level = logging.INFO
     if unreported:
-        what = "skipped step since the previous report was" if unreported == 1 else "skipped steps since the previous report were"
+        what = (
+            "skipped step since the previous report was"
+            if unreported == 1
+            else "skipped steps since the previous report were"
+        )
         message += f" ({unreported} {what} not described.)"
     if every > 0:
         message += f" (Next description from step {((step - 1) // every + 1) * every + 1} on.)"

@@ -115,7 +115,9 @@ def agreed_forward_overflow(local: bool) -> bool:
         return local
     verdict = _active.verdict if _active is not None else 0
     try:
-        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
         flags = torch.tensor([float(local), float(verdict)], device=device)
         dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         agreed, verdict_value = read_to_host(flags)
@@ -208,8 +210,12 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
             if not probe.armed:
                 if not active.exhausted:
                     probe.arm()
-                    logger.info("forward overflow at step %d: watching the next forward passes to find the module "
-                                "(AMPGUARD_PROBE_STEPS=%d).", step, active.probe_steps)
+                    logger.info(
+                        "forward overflow at step %d: watching the next forward passes to find the module "
+                        "(AMPGUARD_PROBE_STEPS=%d).",
+                        step,
+                        active.probe_steps,
+                    )
                 return
             call = probe.call(verdict)
             if call is None:
@@ -223,13 +229,17 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
             active.quiet_steps += 1
             if active.quiet_steps >= active.probe_steps:
                 probe.disarm()
-                logger.info("forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps)
+                logger.info(
+                    "forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps
+                )
                 return
         if probe.armed:
             probe.reset()
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
-        _warn_once("end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error)
+        _warn_once(
+            "end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error
+        )
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

@@ -103,8 +103,11 @@ def _warn_fallback(error: Exception) -> None:
     global _fallback_warned
     if not _fallback_warned:
         _fallback_warned = True
-        logger.warning("an fp32 island could not run in float32 (%s: %s); it runs under autocast as before.",
-                       type(error).__name__, error)
+        logger.warning(
+            "an fp32 island could not run in float32 (%s: %s); it runs under autocast as before.",
+            type(error).__name__,
+            error,
+        )
 
 
 @dataclass
@@ -246,8 +249,10 @@ def end_restore_window() -> None:
     left = _pending["names"]
     _stop_restoring()
     if left:
-        logger.warning("the checkpoint names fp32 islands %s, but no module called since has them: not re-applied.",
-                       ", ".join(left))
+        logger.warning(
+            "the checkpoint names fp32 islands %s, but no module called since has them: not re-applied.",
+            ", ".join(left),
+        )
 
 
 def _stop_restoring() -> None:
@@ -256,4 +261,3 @@ def _stop_restoring() -> None:
     _pending["names"] = []
     if handle is not None:
         handle.remove()
-

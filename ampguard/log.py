@@ -167,7 +167,10 @@ class _RichOnFirstRecord(logging.Handler):
 
             rich_handler = RichHandler(
                 console=Console(stderr=True),  # like the plain handler; rich's default console is stdout
-                show_path=False, markup=False, rich_tracebacks=False, log_time_format="[%X]",
+                show_path=False,
+                markup=False,
+                rich_tracebacks=False,
+                log_time_format="[%X]",
             )
             rich_handler.setFormatter(logging.Formatter("ampguard: %(message)s"))
             self._rich = rich_handler

@@ -242,14 +242,22 @@ def recommend(report: CudaReport) -> Recommendation:
             grad_scaler=False,
             weights_dtype="float32",
             summary='bf16 autocast, no GradScaler: torch.autocast("cuda", dtype=torch.bfloat16), float32 weights.',
-            reasons=(reason, "bfloat16 has float32's range: no overflow, so no loss scaling is needed.", _NEVER_FP16_WEIGHTS),
+            reasons=(
+                reason,
+                "bfloat16 has float32's range: no overflow, so no loss scaling is needed.",
+                _NEVER_FP16_WEIGHTS,
+            ),
         )
     return Recommendation(
         precision="fp16",
         autocast_dtype="float16",
         grad_scaler=True,
         weights_dtype="float32",
-        summary='fp16 autocast with a GradScaler (ampguard makes it a SafeGradScaler): '
+        summary="fp16 autocast with a GradScaler (ampguard makes it a SafeGradScaler): "
         'torch.autocast("cuda", dtype=torch.float16), torch.amp.GradScaler("cuda"), float32 weights.',
-        reasons=(reason, "float16 overflows above 65504 and underflows small gradients: loss scaling is required.", _NEVER_FP16_WEIGHTS),
+        reasons=(
+            reason,
+            "float16 overflows above 65504 and underflows small gradients: loss scaling is required.",
+            _NEVER_FP16_WEIGHTS,
+        ),
     )

@@ -66,9 +66,7 @@ CANNOT_WRAP = (
     "updates round away (and AdamW can produce NaN in float16). Keep such weights in float32 for training, "
     "or use an optimizer ampguard can wrap (see docs/master-weights.md)."
 )
-FAILED = (
-    "ampguard's master weights failed for {optimizer} ({error}); it is stepped without master weights from now on."
-)
+FAILED = "ampguard's master weights failed for {optimizer} ({error}); it is stepped without master weights from now on."
 
 
 class _State:
@@ -272,7 +270,8 @@ def _retire(optimizer: Any, record: _Masters) -> None:
             param.copy_(master)
             if master in optimizer.state:
                 optimizer.state[param] = {
-                    key: value.to(param.dtype) if key != "step" and torch.is_tensor(value) and value.is_floating_point()
+                    key: value.to(param.dtype)
+                    if key != "step" and torch.is_tensor(value) and value.is_floating_point()
                     else value
                     for key, value in optimizer.state.pop(master).items()
                 }

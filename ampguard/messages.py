@@ -59,8 +59,7 @@ TORCH_STATE_LOADED = (
 )
 
 LOSS_WAS_NONFINITE = (
-    " The loss itself was inf/NaN before scaling: the forward pass overflowed, "
-    "which no loss scale can fix."
+    " The loss itself was inf/NaN before scaling: the forward pass overflowed, which no loss scale can fix."
 )
 
 PARAMETERS_NONFINITE = (

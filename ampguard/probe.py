@@ -38,6 +38,7 @@ except ImportError:  # a torch that moved it: tensors in (nested) lists, tuples 
             return [leaf for item in tree.values() for leaf in tree_flatten(item)[0]], None
         return [tree], None
 
+
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
 
@@ -55,7 +56,12 @@ def nonfinite_mark(value: Any) -> torch.Tensor | None:
     """NaN when a floating tensor in ``value`` holds inf/NaN, else 0 (a device scalar); None without any tensor."""
     mark: torch.Tensor | None = None
     for leaf in tree_flatten(value)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
+        if (
+            isinstance(leaf, torch.Tensor)
+            and leaf.is_floating_point()
+            and leaf.layout == torch.strided
+            and leaf.numel()
+        ):
             t = leaf.detach()
             check = (t - t).sum().float()  # 0, or NaN if any element is inf/NaN
             mark = check if mark is None else mark + check.to(mark.device)

@@ -145,7 +145,9 @@ def _apply(patch: Patch, config: config_module.Config) -> tuple[State, str]:
         _revert_quietly(patch)
         logger.warning(
             "ampguard patch %r could not be applied and is off (%s: %s); training runs on without it.",
-            patch.name, type(error).__name__, error,
+            patch.name,
+            type(error).__name__,
+            error,
         )
         return "unavailable", f"failed to apply: {type(error).__name__}: {error}"
     return "applied", ""

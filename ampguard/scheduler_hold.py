@@ -142,7 +142,9 @@ def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
     return step
 
 
-def _warning_at_caller(original: Callable[..., Any], scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _warning_at_caller(
+    original: Callable[..., Any], scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Any:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = original(scheduler, *args, **kwargs)

@@ -83,5 +83,7 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
 def log_stats(stats: ScalerStats, skipped_in_interval: int) -> None:
     if is_rank_zero() and logger.isEnabledFor(logging.INFO):
         # The numbers themselves ride along for AMPGUARD_STATS_FILE (ampguard.stats_file); the line is for people.
-        logger.info(stats_line(stats, skipped_in_interval),
-                    extra={"ampguard_stats": stats, "ampguard_skipped_in_interval": skipped_in_interval})
+        logger.info(
+            stats_line(stats, skipped_in_interval),
+            extra={"ampguard_stats": stats, "ampguard_skipped_in_interval": skipped_in_interval},
+        )

@@ -101,8 +101,12 @@ class StatsFileHandler(logging.Handler):
             self._write(line)
         except Exception as error:  # never the reason a run dies: one warning, then the file is off
             self._off = True
-            logger.warning("ampguard could not write AMPGUARD_STATS_FILE=%s (%s: %s); no more records go there.",
-                           self.path, type(error).__name__, error)
+            logger.warning(
+                "ampguard could not write AMPGUARD_STATS_FILE=%s (%s: %s); no more records go there.",
+                self.path,
+                type(error).__name__,
+                error,
+            )
 
     def _write(self, line: str) -> None:
         assert self._stream is not None
@@ -112,8 +116,14 @@ class StatsFileHandler(logging.Handler):
     def _start_record(self, created: float) -> dict[str, Any]:
         from ampguard import __version__
 
-        return {"event": "start", "time": round(created, 3), "format": FORMAT_VERSION, "ampguard": __version__,
-                "pid": os.getpid(), "message": self._banner}
+        return {
+            "event": "start",
+            "time": round(created, 3),
+            "format": FORMAT_VERSION,
+            "ampguard": __version__,
+            "pid": os.getpid(),
+            "message": self._banner,
+        }
 
     def close(self) -> None:
         with self.lock:  # type: ignore[union-attr]  # (a Handler's lock exists once it is made)

@@ -23,8 +23,13 @@ class ReportError(Exception):
 
 # Each stats record's required fields and their JSON types (bool is excluded below: it is an int to Python).
 _STATS_FIELDS: dict[str, tuple[type, ...]] = {
-    "steps": (int,), "skipped": (int,), "no_grad_steps": (int,), "nonfinite_loss": (int,),
-    "scale": (int, float), "min_scale_seen": (int, float), "max_scale_seen": (int, float),
+    "steps": (int,),
+    "skipped": (int,),
+    "no_grad_steps": (int,),
+    "nonfinite_loss": (int,),
+    "scale": (int, float),
+    "min_scale_seen": (int, float),
+    "max_scale_seen": (int, float),
 }
 
 
@@ -135,7 +140,9 @@ def read(path: str) -> tuple[list[Run], list[str]]:
             record = json.loads(line)
         except json.JSONDecodeError as error:
             if cut_off and number == len(lines) + 1:
-                warnings.append(f"{path} line {number}: incomplete last record (the run stopped while writing it); skipped")
+                warnings.append(
+                    f"{path} line {number}: incomplete last record (the run stopped while writing it); skipped"
+                )
                 break
             raise ReportError(f"{path} line {number}: not JSON ({error.msg} at column {error.colno})") from None
         problem = _check(record, number)

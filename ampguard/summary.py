@@ -40,7 +40,9 @@ def track(scaler: Any) -> None:
 def remember(scaler: Any) -> None:
     """A scaler about to be collected (``SafeGradScaler.__del__``): keep its line, from host counters only."""
     if scaler in _scalers:
-        line = _line(scaler, scaler._steps, scaler._skipped, scaler._nonfinite_loss, scaler._no_grad_steps, scaler._mirror_scale)
+        line = _line(
+            scaler, scaler._steps, scaler._skipped, scaler._nonfinite_loss, scaler._no_grad_steps, scaler._mirror_scale
+        )
         if line is not None:
             _gone.append(line)
 
@@ -67,7 +69,9 @@ def summary_line() -> str | None:
         if line is not None:
             parts.append(line)
     if process_counters.clip_skipped:
-        parts.append(f"clip_grad_norm_ without a GradScaler: {process_counters.clip_skipped} step(s) skipped for an inf/NaN norm")
+        parts.append(
+            f"clip_grad_norm_ without a GradScaler: {process_counters.clip_skipped} step(s) skipped for an inf/NaN norm"
+        )
     return "run summary: " + "; ".join(parts) + "." if parts else None
 
 

@@ -33,7 +33,10 @@ GRAD_SCALER: tuple[Private, ...] = (
     Private("torch.amp.grad_scaler._MultiDeviceReplicator"),
     Private("torch.amp.grad_scaler._refresh_per_optimizer_state"),
     Private("torch.amp.grad_scaler.GradScaler._maybe_opt_step", ("self", "optimizer", "optimizer_state")),
-    Private("torch.amp.grad_scaler.GradScaler._unscale_grads_", ("self", "optimizer", "inv_scale", "found_inf", "allow_fp16")),
+    Private(
+        "torch.amp.grad_scaler.GradScaler._unscale_grads_",
+        ("self", "optimizer", "inv_scale", "found_inf", "allow_fp16"),
+    ),
     Private("torch.amp.grad_scaler.GradScaler._lazy_init_scale_growth_tracker", ("self", "dev")),
     Private("torch._amp_foreach_non_finite_check_and_unscale_"),
     Private("torch._amp_update_scale_"),
@@ -85,7 +88,9 @@ def problem(privates: Iterable[Private]) -> str | None:
         except (TypeError, ValueError):  # a builtin without a signature: nothing to compare
             continue
         if names[: len(private.parameters)] != private.parameters:
-            return f"{private.path} takes ({', '.join(names)}), ampguard calls it with ({', '.join(private.parameters)})"
+            return (
+                f"{private.path} takes ({', '.join(names)}), ampguard calls it with ({', '.join(private.parameters)})"
+            )
         missing = [keyword for keyword in private.keywords if keyword not in names]
         if missing:
             return f"{private.path} has no {', '.join(missing)} parameter"

@@ -105,7 +105,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not torch.cuda.is_available():
         # What Trainer.__init__ calls, on "cpu" instead of "cuda" (the class is whatever torch's is now).
         current = trainer.trainer.GradScaler
-        trainer.trainer.GradScaler = functools.partial(current.func, *current.args, **{**current.keywords, "device": "cpu"})
+        trainer.trainer.GradScaler = functools.partial(
+            current.func, *current.args, **{**current.keywords, "device": "cpu"}
+        )
 
     torch.manual_seed(0)
     model = TinyTTS()
@@ -133,7 +135,9 @@ def main(argv: list[str] | None = None) -> dict:
         "lr_scheduler_steps": coqui.scheduler[0].last_epoch,
         "ampguard": ampguard.__version__,
     }
-    print(f"coqui trainer: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}")
+    print(
+        f"coqui trainer: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}"
+    )
     print(json.dumps(summary))
     return summary
 

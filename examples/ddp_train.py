@@ -42,7 +42,9 @@ from torch.nn.parallel import DistributedDataParallel
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps (default 60)")
-    parser.add_argument("--overflow-step", type=int, default=10, help="step at which the last rank overflows (-1: never)")
+    parser.add_argument(
+        "--overflow-step", type=int, default=10, help="step at which the last rank overflows (-1: never)"
+    )
     parser.add_argument("--lr", type=float, default=0.05)
     parser.add_argument("--batch", type=int, default=32)
     return parser.parse_args()
@@ -84,7 +86,9 @@ def main() -> None:
     args = parse_args()
     rank, world, device = init_distributed()
     torch.manual_seed(0)  # the same initial weights on every rank (DDP also broadcasts them)
-    model = DistributedDataParallel(make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None)
+    model = DistributedDataParallel(
+        make_model().to(device), device_ids=[device.index] if device.type == "cuda" else None
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     scaler = torch.amp.GradScaler(device.type)
     data = torch.Generator(device="cpu").manual_seed(1000 + rank)  # each rank its own shard of data
@@ -108,7 +112,10 @@ def main() -> None:
         if scaler.get_scale() < scale_before:
             skipped += 1
         if rank == 0 and (step + 1) % 20 == 0:
-            print(f"ddp_train: step {step + 1}/{args.steps} loss {loss.item():.4f} scale {scaler.get_scale():g}", flush=True)
+            print(
+                f"ddp_train: step {step + 1}/{args.steps} loss {loss.item():.4f} scale {scaler.get_scale():g}",
+                flush=True,
+            )
 
     exchanged: list[torch.Tensor] = []
     identical = params_identical_across_ranks(model, world, exchanged)

@@ -108,7 +108,9 @@ def main(argv: list[str] | None = None) -> dict:
         "lr_scheduler_steps": hf.lr_scheduler.last_epoch,
         "ampguard": ampguard.__version__,
     }
-    print(f"HF Trainer: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}")
+    print(
+        f"HF Trainer: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}"
+    )
     print(json.dumps(summary))
     return summary
 

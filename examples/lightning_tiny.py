@@ -97,7 +97,9 @@ def main(argv: list[str] | None = None) -> dict:
         "global_step": trainer.global_step,
         "ampguard": ampguard.__version__,
     }
-    print(f"Lightning: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}")
+    print(
+        f"Lightning: {stats.skipped} of {stats.steps} optimizer steps skipped (overflow), loss scale now {stats.scale:g}"
+    )
     print(json.dumps(summary))
     return summary
 

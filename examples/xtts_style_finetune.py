@@ -57,7 +57,9 @@ class TinyGPT(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.embed = nn.Embedding(VOCAB, WIDTH)
-        self.blocks = nn.Sequential(*[nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True) for _ in range(1)])
+        self.blocks = nn.Sequential(
+            *[nn.TransformerEncoderLayer(WIDTH, 4, 4 * WIDTH, dropout=0.0, batch_first=True) for _ in range(1)]
+        )
         self.head = nn.Linear(WIDTH, VOCAB)
         self.speaker_adapter = nn.Linear(WIDTH, WIDTH)  # frozen by this recipe: no gradient reaches it
 
@@ -94,7 +96,9 @@ class Trainer:
             with torch.cpu.amp.autocast(dtype=torch.float16):
                 logits = self.model(tokens, loudness)
                 # Summed over frames, as TTS losses are: large values, large gradients.
-                loss = nn.functional.cross_entropy(logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction="sum")
+                loss = nn.functional.cross_entropy(
+                    logits.float().reshape(-1, VOCAB), targets.reshape(-1), reduction="sum"
+                )
             self.scaler.scale(loss / self.accumulation).backward()
             total += loss.item() / self.accumulation
         scale_before = self.scaler.get_scale()  # coqui's skip detection: scale before vs after
@@ -154,10 +158,14 @@ def main() -> int:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         results = [run(name, args.steps) for name in scenarios]
-    deprecations = sorted({str(w.message).split("(")[0].strip("`") for w in caught if issubclass(w.category, FutureWarning)})
+    deprecations = sorted(
+        {str(w.message).split("(")[0].strip("`") for w in caught if issubclass(w.category, FutureWarning)}
+    )
     for result in results:
-        print(f"{result['scenario']:>12}: {result['outcome']}; skipped {result['skipped_steps']} of {result['steps_run']} steps; "
-              f"loss {result['first_loss']} -> {result['final_loss']}; final scale {result['final_scale']:g}")
+        print(
+            f"{result['scenario']:>12}: {result['outcome']}; skipped {result['skipped_steps']} of {result['steps_run']} steps; "
+            f"loss {result['first_loss']} -> {result['final_loss']}; final scale {result['final_scale']:g}"
+        )
     print(f"FutureWarnings: {len(deprecations)}" + "".join(f"\n  {d}" for d in deprecations))
     print(json.dumps({"results": results, "future_warnings": deprecations, "ampguard": "ampguard" in sys.modules}))
     return 0

@@ -92,9 +92,17 @@ class Result:
     nonfinite_losses: int = 0
 
 
-def train(steps: int, *, model: nn.Module | None = None, scaler: Any = None, start: int = 0,
-          optimizer: torch.optim.Optimizer | None = None, healthy: bool = False, check_losses: bool = True,
-          after_update: Any = None) -> Result:
+def train(
+    steps: int,
+    *,
+    model: nn.Module | None = None,
+    scaler: Any = None,
+    start: int = 0,
+    optimizer: torch.optim.Optimizer | None = None,
+    healthy: bool = False,
+    check_losses: bool = True,
+    after_update: Any = None,
+) -> Result:
     """fp16 autocast on CPU with a GradScaler (default: whatever class ``torch.amp.GradScaler`` is now).
 
     ``healthy``: no batch overflows. ``check_losses``: count non-finite losses (one host read per step).

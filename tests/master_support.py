@@ -130,12 +130,16 @@ def table(width: int = 128) -> None:
     def share(result: Result, reference: float) -> str:
         return f"{100 * result.reduction / reference:.0f}%" if result.finite() else "NaN weights"
 
-    print("| optimizer | lr | loop | float16, no masters | float16, masters | bfloat16, no masters | bfloat16, masters (`all`) |")
+    print(
+        "| optimizer | lr | loop | float16, no masters | float16, masters | bfloat16, no masters | bfloat16, masters (`all`) |"
+    )
     print("|---|---|---|---|---|---|---|")
     for optimizer, lr in [("adamw", 1e-4), ("adamw", 1e-5), ("sgd", 1e-3)]:
         for scaler in (True, False):
-            references = {d: fine_tune(torch.float32, optimizer, lr, scaler=scaler, start_like=d).reduction
-                          for d in (torch.float16, torch.bfloat16)}
+            references = {
+                d: fine_tune(torch.float32, optimizer, lr, scaler=scaler, start_like=d).reduction
+                for d in (torch.float16, torch.bfloat16)
+            }
             cells = []
             for dtype in (torch.float16, torch.bfloat16):
                 for mode in ("off", "all"):

@@ -55,7 +55,9 @@ ITERATIONS = 3
 OVERFLOW = 1e38  # a finite loss whose scaled value (x 1024) is inf in float32: inf gradients
 
 
-def _accumulate(unscale_every_micro_step: bool, clip: float | None, overflow_at: tuple[int, int] | None) -> dict[str, Any]:
+def _accumulate(
+    unscale_every_micro_step: bool, clip: float | None, overflow_at: tuple[int, int] | None
+) -> dict[str, Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     scaler = _scaler()
@@ -127,7 +129,7 @@ def step_with_positional_closure() -> dict[str, Any]:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = _scaler()
-    (x, y), = _batches(1)
+    ((x, y),) = _batches(1)
     scaler.scale(_loss(model, x, y))  # scaled, never back-propagated: no gradient yet
 
     def closure() -> torch.Tensor:

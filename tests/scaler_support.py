@@ -32,7 +32,9 @@ def fused_adam_available() -> bool:
     return True
 
 
-needs_fused_adam = pytest.mark.skipif(not fused_adam_available(), reason="Adam(fused=True) has no CPU kernel in this torch")
+needs_fused_adam = pytest.mark.skipif(
+    not fused_adam_available(), reason="Adam(fused=True) has no CPU kernel in this torch"
+)
 
 
 class DeviceSkipSGD(torch.optim.Optimizer):
@@ -171,10 +173,7 @@ def ampguard_log(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPat
 
 
 def records(caplog: pytest.LogCaptureFixture, level: int, contains: str = "") -> list[logging.LogRecord]:
-    return [
-        r for r in caplog.records
-        if r.name == "ampguard" and r.levelno == level and contains in r.getMessage()
-    ]
+    return [r for r in caplog.records if r.name == "ampguard" and r.levelno == level and contains in r.getMessage()]
 
 
 @pytest.fixture(autouse=False)
@@ -191,8 +190,14 @@ def tiny() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def iteration(scaler: Any, model: torch.nn.Module, *optimizers: torch.optim.Optimizer, fault: bool = False,
-              loss_factor: float = 1.0, update: bool = True) -> None:
+def iteration(
+    scaler: Any,
+    model: torch.nn.Module,
+    *optimizers: torch.optim.Optimizer,
+    fault: bool = False,
+    loss_factor: float = 1.0,
+    update: bool = True,
+) -> None:
     """One fp16-autocast iteration; ``fault`` poisons a gradient, ``loss_factor=inf`` the loss itself."""
     for opt in optimizers:
         opt.zero_grad()

@@ -34,13 +34,30 @@ def test_half_params_bench_reports_memory_and_no_extra_syncs(dtype):
     assert result["finite"] and result["ratio"] > 0
     assert master.state.dtypes == (torch.float16,)  # bfloat16 masters only for the length of the bench
     assert [row[0] for row in half.table_rows(result)] == [
-        "step time", "syncs/step", "parameters", "fp32 masters", "optimizer state",
+        "step time",
+        "syncs/step",
+        "parameters",
+        "fp32 masters",
+        "optimizer state",
     ]
 
 
 def test_half_params_from_the_command_line(tiny_model, capsys):
-    argv = ["bench", "--half-params", "--json", "--steps", "1", "--warmup-steps", "0", "--import-runs", "0",
-            "--dtype", "float16", "--device", "cpu"]
+    argv = [
+        "bench",
+        "--half-params",
+        "--json",
+        "--steps",
+        "1",
+        "--warmup-steps",
+        "0",
+        "--import-runs",
+        "0",
+        "--dtype",
+        "float16",
+        "--device",
+        "cpu",
+    ]
     assert cli.main(argv) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["autocast_dtype"] == "float16" and result["masters"] > 0

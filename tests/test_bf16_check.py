@@ -21,7 +21,9 @@ from ampguard import machine, registry
 from ampguard.patches import bf16_check
 
 T4 = machine.GpuInfo(index=0, name="Tesla T4", capability=(7, 5), total_memory_gib=15.0, bf16_native=False)
-A100 = machine.GpuInfo(index=0, name="NVIDIA A100-SXM4-40GB", capability=(8, 0), total_memory_gib=40.0, bf16_native=True)
+A100 = machine.GpuInfo(
+    index=0, name="NVIDIA A100-SXM4-40GB", capability=(8, 0), total_memory_gib=40.0, bf16_native=True
+)
 
 
 def bf16_check_patch() -> bf16_check.Bf16CheckPatch:
@@ -211,6 +213,7 @@ def test_a_cpu_region_does_no_check_work(monkeypatch):
 
     (The time is measured, not asserted: docs/troubleshooting.md gives the numbers.)
     """
+
     def must_not_run(*args, **kwargs):
         raise AssertionError("the bf16 check ran for a region that is not an enabled CUDA one")
 

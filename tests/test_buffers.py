@@ -22,9 +22,15 @@ POISONED = 5  # this batch overflows float16 in the first convolution
 def conv_net() -> nn.Module:
     torch.manual_seed(0)
     return nn.Sequential(
-        nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 4),
+        nn.Conv2d(3, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Conv2d(8, 8, 3, padding=1),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(8, 4),
     )
 
 
@@ -72,7 +78,9 @@ def test_torch_leaves_them_poisoned_and_so_does_the_disabled_patch(reinstall):
 
 def test_guarding_healthy_steps_reads_nothing_and_changes_nothing():
     with HostReadCounter() as torch_reads:
-        reference, _, _ = run(ampguard.scaler.TorchGradScaler("cpu", init_scale=1024.0, growth_interval=100), poisoned=None)
+        reference, _, _ = run(
+            ampguard.scaler.TorchGradScaler("cpu", init_scale=1024.0, growth_interval=100), poisoned=None
+        )
     with HostReadCounter() as reads:
         guarded, _, _ = run(torch.amp.GradScaler("cpu"), poisoned=None)
     assert reads.total == torch_reads.total

@@ -14,7 +14,9 @@ BAD = {"AMPGUARD_FOO": "1"}
 
 def ampguard_command(*args: str, env: dict[str, str] = BAD) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1"} | env
-    return subprocess.run([sys.executable, "-m", "ampguard", *args], capture_output=True, text=True, env=environ, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "ampguard", *args], capture_output=True, text=True, env=environ, timeout=300
+    )
 
 
 @pytest.mark.parametrize("args", [("--help",), ("--version",), ("patches", "--help"), ()])
@@ -46,4 +48,6 @@ def test_doctor_reports_the_bad_variable_as_a_finding():
 def test_a_training_script_still_gets_the_config_error():
     environ = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | BAD
     done = subprocess.run([sys.executable, "-c", "import ampguard"], capture_output=True, text=True, env=environ)
-    assert done.returncode == 1 and "ampguard.errors.ConfigError: AMPGUARD_FOO is not an ampguard variable" in done.stderr
+    assert (
+        done.returncode == 1 and "ampguard.errors.ConfigError: AMPGUARD_FOO is not an ampguard variable" in done.stderr
+    )

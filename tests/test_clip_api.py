@@ -99,7 +99,11 @@ CASES = [
     for dtype in (torch.float32, torch.float16)
     for unscale_first in (False, True)
 ]
-FOREACH = [pytest.param(None, id="foreach=None"), pytest.param(False, id="foreach=False"), pytest.param(True, id="foreach=True")]
+FOREACH = [
+    pytest.param(None, id="foreach=None"),
+    pytest.param(False, id="foreach=False"),
+    pytest.param(True, id="foreach=True"),
+]
 
 
 @pytest.mark.parametrize("foreach", FOREACH)
@@ -196,7 +200,11 @@ def test_no_scaler_in_play_is_torchs_function() -> None:
 
 def test_wrapped_uninstalled_and_disabled(reinstall: Callable) -> None:
     names = ["clip_grad_value_"] + (["get_total_norm", "clip_grads_with_norm_"] if HAS_SPLIT else [])
-    private = {"clip_grad_value_": "clip_grad_value_", "get_total_norm": "_get_total_norm", "clip_grads_with_norm_": "_clip_grads_with_norm_"}
+    private = {
+        "clip_grad_value_": "clip_grad_value_",
+        "get_total_norm": "_get_total_norm",
+        "clip_grads_with_norm_": "_clip_grads_with_norm_",
+    }
     wrappers = {name: getattr(torch.nn.utils, name) for name in names}
     for name, wrapper in wrappers.items():
         assert isinstance(wrapper, wrapt.FunctionWrapper)

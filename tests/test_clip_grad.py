@@ -110,7 +110,9 @@ def make_model(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Sequenti
 
 def make_data(steps: int = STEPS, micro: int = 1, seed: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(seed)
-    return torch.randn(steps, micro, 8, 16, generator=generator), torch.randn(steps, micro, 8, 4, generator=generator) * 3
+    return torch.randn(steps, micro, 8, 16, generator=generator), torch.randn(
+        steps, micro, 8, 4, generator=generator
+    ) * 3
 
 
 def fp16_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -141,7 +143,9 @@ class AcceleratedOptimizerLike:
         self.scaler.step(self.optimizer)
 
 
-def accelerator_clip_grad_norm_(optimizers: list[AcceleratedOptimizerLike], parameters: Any, max_norm: float) -> torch.Tensor:
+def accelerator_clip_grad_norm_(
+    optimizers: list[AcceleratedOptimizerLike], parameters: Any, max_norm: float
+) -> torch.Tensor:
     """``Accelerator.clip_grad_norm_``: unscale_ every prepared (inner) optimizer, then torch's clip."""
     for wrapped in optimizers:
         wrapped.scaler.unscale_(wrapped.optimizer)
@@ -428,11 +432,16 @@ def test_scaler_error_if_nonfinite_raises_like_torch() -> None:
 
 
 def _adam_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, ...]]:
-    return [tuple(v.clone() if torch.is_tensor(v) else torch.tensor(v) for v in s.values()) for s in optimizer.state.values()]
+    return [
+        tuple(v.clone() if torch.is_tensor(v) else torch.tensor(v) for v in s.values())
+        for s in optimizer.state.values()
+    ]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_no_scaler_nonfinite_norm_skips_the_step(dtype: torch.dtype, ampguard_log: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_no_scaler_nonfinite_norm_skips_the_step(
+    dtype: torch.dtype, ampguard_log: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(ampguard.clip.state, "skip_log", RateLimiter(60.0))
     model = make_model(dtype=dtype)
     xs, ys = make_data(4)
@@ -757,7 +766,9 @@ def test_generator_single_tensor_and_empty_inputs() -> None:
     assert [str(w.message) for w in got] == [str(w.message) for w in expected]
 
 
-def test_two_scalers_with_still_scaled_gradients_clip_as_torch(ampguard_log: list, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_two_scalers_with_still_scaled_gradients_clip_as_torch(
+    ampguard_log: list, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setattr(ampguard.clip.state, "warned_ambiguous", False)
     param = nn.Parameter(torch.tensor([3.0, 4.0]))
     first = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)

@@ -86,8 +86,12 @@ def test_bad_values_name_variable_value_and_what_is_accepted(variable, raw, acce
 
 def test_accepted_extremes_are_accepted():
     config = load(
-        {"AMPGUARD_MAX_SCALE": "3.4028234663852886e38", "AMPGUARD_GROWTH_INTERVAL": "2147483647",
-         "AMPGUARD_MAX_CONSECUTIVE_SKIPS": "16777216", "AMPGUARD_MIN_SCALE": "1e-30"},
+        {
+            "AMPGUARD_MAX_SCALE": "3.4028234663852886e38",
+            "AMPGUARD_GROWTH_INTERVAL": "2147483647",
+            "AMPGUARD_MAX_CONSECUTIVE_SKIPS": "16777216",
+            "AMPGUARD_MIN_SCALE": "1e-30",
+        },
         patch_names=PATCHES,
     )
     assert (config.max_scale, config.growth_interval, config.min_scale) == (3.4028234663852886e38, 2**31 - 1, 1e-30)
@@ -168,7 +172,8 @@ def test_bad_value_raises_from_import_ampguard():
     result = subprocess.run(
         [sys.executable, "-c", "import ampguard"],
         env={"PATH": "", "AMPGUARD_STATS_EVERY": "often"},
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 1
     assert "ampguard.errors.ConfigError: AMPGUARD_STATS_EVERY='often' is not valid" in result.stderr

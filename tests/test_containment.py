@@ -54,7 +54,9 @@ def _fresh_reports(monkeypatch):
 
 @pytest.mark.parametrize(("module", "name"), HOOKS, ids=[f"{m.__name__}.{n}" for m, n in HOOKS])
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
-def test_a_failing_hook_leaves_torchs_results_and_one_warning(module, name, optimizer, monkeypatch, ampguard_log, reinstall):
+def test_a_failing_hook_leaves_torchs_results_and_one_warning(
+    module, name, optimizer, monkeypatch, ampguard_log, reinstall
+):
     reinstall(AMPGUARD_STATS_EVERY="4")
     reference = train(stock(**SETTINGS), optimizer=optimizer, steps=16, faults=FAULTS, clip=True)
     monkeypatch.setattr(module, name, _raise)

@@ -17,10 +17,16 @@ def _run(*command: str, **env: str) -> dict:
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     result = subprocess.run(
         [sys.executable, *command, str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
-        capture_output=True, text=True, env={**base, **env}, check=True,
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        check=True,
     )
     summary = json.loads(result.stdout.strip().splitlines()[-1])
-    return {r["scenario"]: r for r in summary["results"]} | {"warnings": summary["future_warnings"], "stderr": result.stderr}
+    return {r["scenario"]: r for r in summary["results"]} | {
+        "warnings": summary["future_warnings"],
+        "stderr": result.stderr,
+    }
 
 
 def test_demo_script_fails_plain_and_trains_through_with_ampguard():

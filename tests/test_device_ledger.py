@@ -18,8 +18,20 @@ from ampguard.syncs import HostReadCounter
 # (gradient fault, loss factor) per iteration: backward overflows, forward overflows (inf and NaN losses),
 # a streak of four, healthy iterations in between.
 PLAN = [
-    (False, 1.0), (True, 1.0), (False, float("inf")), (False, 1.0), (True, 1.0), (True, 1.0), (False, float("nan")),
-    (True, 1.0), (False, 1.0), (False, 1.0), (True, 1.0), (False, float("inf")), (False, 1.0), (False, 1.0),
+    (False, 1.0),
+    (True, 1.0),
+    (False, float("inf")),
+    (False, 1.0),
+    (True, 1.0),
+    (True, 1.0),
+    (False, float("nan")),
+    (True, 1.0),
+    (False, 1.0),
+    (False, 1.0),
+    (True, 1.0),
+    (False, float("inf")),
+    (False, 1.0),
+    (False, 1.0),
 ]
 
 
@@ -40,8 +52,15 @@ def _host_sgd(params, lr):
 
 
 def _numbers(stats):
-    return (stats.steps, stats.skipped, stats.nonfinite_loss, stats.consecutive_skipped, stats.scale,
-            stats.min_scale_seen, stats.max_scale_seen)
+    return (
+        stats.steps,
+        stats.skipped,
+        stats.nonfinite_loss,
+        stats.consecutive_skipped,
+        stats.scale,
+        stats.min_scale_seen,
+        stats.max_scale_seen,
+    )
 
 
 def test_rows_replay_to_the_host_modes_counts_and_scale_range():

@@ -103,8 +103,15 @@ def test_first_few_names_and_the_total(caplog):
     model = ampguard.watch(make_model(6))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = ampguard.SafeGradScaler("cpu")
-    poisoned = [model.block0.weight, model.block1.bias, model.block2.weight, model.block3.weight,
-                model.block4.bias, model.block5.weight, model.block5.bias]
+    poisoned = [
+        model.block0.weight,
+        model.block1.bias,
+        model.block2.weight,
+        model.block3.weight,
+        model.block4.bias,
+        model.block5.weight,
+        model.block5.bias,
+    ]
     with caplog.at_level(logging.INFO, logger="ampguard"):
         step(model, optimizer, scaler, poison=poisoned)
     message = reports(caplog)[0].getMessage()

@@ -160,7 +160,9 @@ if __name__ == "__main__":
 '''
 
 
-def _torchrun(tmp_path: Path, *worker_args: str, under_ampguard_run: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+def _torchrun(
+    tmp_path: Path, *worker_args: str, under_ampguard_run: bool = False
+) -> tuple[list[dict[str, Any]], list[str]]:
     """Run WORKER on 2 ranks; return each rank's record and its stderr."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -169,8 +171,19 @@ def _torchrun(tmp_path: Path, *worker_args: str, under_ampguard_run: bool = Fals
     logs = tmp_path / "logs"
     entry = ["-m", "ampguard", "run", str(worker)] if under_ampguard_run else [str(worker)]
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--log-dir", str(logs), "--redirects", "3", *entry, *worker_args, str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(logs),
+        "--redirects",
+        "3",
+        *entry,
+        *worker_args,
+        str(out),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     env.update(AMPGUARD_STATS_EVERY=str(STATS_EVERY), T_STEPS=str(STEPS), OMP_NUM_THREADS="1")
@@ -242,10 +255,14 @@ def _check_logs_from_rank_zero_only(stderr: list[str]) -> None:
     rank0, rank1 = (_ampguard_lines(text) for text in stderr)
     assert any(line.startswith("ampguard: ") and " on torch " in line for line in rank0), rank0  # the banner
     stats = [line for line in rank0 if line.startswith("ampguard: stats ")]
-    assert [line.split()[2] for line in stats] == [f"step={n}" for n in range(STATS_EVERY, STEPS + 1, STATS_EVERY)], stats
+    assert [line.split()[2] for line in stats] == [f"step={n}" for n in range(STATS_EVERY, STEPS + 1, STATS_EVERY)], (
+        stats
+    )
     assert f"skipped_total={len(SKIPPED_STEPS)} " in stats[-1]
     # Rank 1 says one thing: that its own loss was inf/NaN (rank 0 saw only inf/NaN gradients).
-    assert len(rank1) == 1 and rank1[0].startswith(f"ampguard WARNING: [rank 1] step {SKIPPED_STEPS[1] + 1} skipped"), rank1
+    assert len(rank1) == 1 and rank1[0].startswith(f"ampguard WARNING: [rank 1] step {SKIPPED_STEPS[1] + 1} skipped"), (
+        rank1
+    )
     assert "forward overflow" in rank1[0]
 
 
@@ -257,7 +274,10 @@ def test_ddp_overflow_on_one_rank_under_ampguard_run(tmp_path: Path, request: py
 
     _check_ranks_agree(records)
     _check_logs_from_rank_zero_only(stderr)
-    assert records[0]["scaler_mro"][:2] == ["ampguard.patches.grad_scaler.SafeGradScaler", "ampguard.scaler.SafeGradScaler"]
+    assert records[0]["scaler_mro"][:2] == [
+        "ampguard.patches.grad_scaler.SafeGradScaler",
+        "ampguard.scaler.SafeGradScaler",
+    ]
 
 
 @pytest.mark.distributed
@@ -337,7 +357,7 @@ def test_sharded_scaler_import_orders_and_uninstall(tmp_path: Path, order: str) 
     )
     assert result.returncode == 0, result.stderr
     line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
-    report = json.loads(line[len("REPORT "):])
+    report = json.loads(line[len("REPORT ") :])
     installed, uninstalled, reinstalled = report["installed"], report["uninstalled"], report["reinstalled"]
 
     for state in (installed, reinstalled):
@@ -368,14 +388,30 @@ def test_ddp_example_under_torchrun(tmp_path: Path, request: pytest.FixtureReque
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     steps = 30
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "-m", "ampguard", "run", str(EXAMPLES / "ddp_train.py"), "--steps", str(steps), "--overflow-step", "10",
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "ampguard",
+        "run",
+        str(EXAMPLES / "ddp_train.py"),
+        "--steps",
+        str(steps),
+        "--overflow-step",
+        "10",
     ]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
 
-    summaries = re.findall(r"^ddp_train: world=(\d+) steps=(\d+) skipped=(\d+) ampguard_skipped=(\d+) .*params_identical=(\w+)", output, re.M)
+    summaries = re.findall(
+        r"^ddp_train: world=(\d+) steps=(\d+) skipped=(\d+) ampguard_skipped=(\d+) .*params_identical=(\w+)",
+        output,
+        re.M,
+    )
     assert summaries == [("2", str(steps), "1", "1", "True")], output[-6000:]  # rank 0 only, one skip seen both ways
     banners = [line for line in output.splitlines() if line.startswith("ampguard: ") and " on torch " in line]
     assert len(banners) == 1, banners  # one banner for two ranks

@@ -120,7 +120,10 @@ def test_json_of_a_mocked_t4_machine_matches_every_documented_field(gpus, monkey
     ]
     assert data["torch"]["is_bf16_supported"] is True  # what torch claims, next to the truth
     assert data["environment"]["AMPGUARD_STATS_EVERY"] == "100"
-    assert data["libraries"] == [{"name": "accelerate", "version": "1.1.1"}, {"name": "transformers", "version": "4.46.3"}]
+    assert data["libraries"] == [
+        {"name": "accelerate", "version": "1.1.1"},
+        {"name": "transformers", "version": "4.46.3"},
+    ]
     assert set(data["config"]) == {f.name for f in dataclasses.fields(Config)}
 
 
@@ -188,7 +191,10 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "ampguard", "doctor", *args],
-        capture_output=True, text=True, env=environment, timeout=120,
+        capture_output=True,
+        text=True,
+        env=environment,
+        timeout=120,
     )
 
 

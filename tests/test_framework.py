@@ -42,7 +42,12 @@ def test_install_is_idempotent():
 
 
 def test_uninstall_restores_the_identical_objects(stock_torch):
-    originals = (torch.amp.GradScaler, torch.GradScaler, torch.cuda.amp.GradScaler, torch.cuda.amp.autocast.__dict__.copy())
+    originals = (
+        torch.amp.GradScaler,
+        torch.GradScaler,
+        torch.cuda.amp.GradScaler,
+        torch.cuda.amp.autocast.__dict__.copy(),
+    )
     ampguard.install()
     assert torch.amp.GradScaler is not originals[0]
     ampguard.uninstall()
@@ -85,7 +90,13 @@ def test_disable_by_name(reinstall):
 
 @pytest.mark.parametrize(
     ("version", "release"),
-    [("2.4.0a0+git1234abc", "2.4.0"), ("2.4.0.dev20240501", "2.4.0"), ("2.4.0rc1", "2.4.0"), ("2.4.1+cu121", "2.4.1"), ("2.13.0+cpu", "2.13.0")],
+    [
+        ("2.4.0a0+git1234abc", "2.4.0"),
+        ("2.4.0.dev20240501", "2.4.0"),
+        ("2.4.0rc1", "2.4.0"),
+        ("2.4.1+cu121", "2.4.1"),
+        ("2.13.0+cpu", "2.13.0"),
+    ],
 )
 def test_version_gate_uses_release_numbers(version, release):
     assert str(torch_release(version)) == release
@@ -202,7 +213,9 @@ def test_root_logger_is_never_configured():
 
 
 def _banner(env: dict[str, str], code: str = "import ampguard; ampguard.uninstall(); ampguard.install()") -> str:
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "", **env}, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "", **env}, check=True
+    )
     return result.stderr
 
 
@@ -226,9 +239,6 @@ def test_a_handler_the_user_attached_is_respected():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": ""}, check=True)
     assert "patched autocast" in result.stdout and result.stderr == ""
-
-
-
 
 
 def test_modules_imported_while_installed_get_the_originals_back(stock_torch):

@@ -27,7 +27,7 @@ pytestmark = [
     pytest.mark.skipif(fully_shard is None, reason="torch.distributed.fsdp.fully_shard needs torch >= 2.6"),
 ]
 
-WORKER = r'''
+WORKER = r"""
 import json, sys
 import torch, torch.distributed as dist
 if sys.argv[1] == "ampguard":
@@ -68,18 +68,30 @@ record = {
 if rank == 0:
     print("RESULT " + json.dumps(record))
 dist.destroy_process_group()
-'''
+"""
 
 
 def _run(tmp_path: Path, mode: str) -> dict:
     worker = tmp_path / "fsdp2_worker.py"
     worker.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(worker), mode]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {
+        "AMPGUARD_QUIET": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+        mode,
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):])
+    return json.loads(line[len("RESULT ") :])
 
 
 def test_fsdp2_dtensor_gradients_train_as_with_torch(tmp_path: Path) -> None:

@@ -43,7 +43,10 @@ def test_modern_names_all_give_safegradscaler():
         scaler = make("cpu")
         assert type(scaler) is PatchedGradScaler and scaler.get_scale() == 1024.0
         _works(scaler)
-    assert type(torch.amp.GradScaler(device="cpu", init_scale=8.0)).__mro__[1:3] == (SafeGradScaler, ampguard.scaler.TorchGradScaler)
+    assert type(torch.amp.GradScaler(device="cpu", init_scale=8.0)).__mro__[1:3] == (
+        SafeGradScaler,
+        ampguard.scaler.TorchGradScaler,
+    )
 
 
 def test_legacy_cuda_scaler_takes_init_scale_first(monkeypatch):
@@ -56,8 +59,16 @@ def test_legacy_cuda_scaler_takes_init_scale_first(monkeypatch):
     monkeypatch.setattr(torch.cuda.amp.common, "amp_definitely_not_available", lambda: False)
     scaler = torch.cuda.amp.GradScaler(512.0, 3.0, 0.25, 7)
     assert scaler.is_enabled()
-    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (
-        512.0, 3.0, 0.25, 7,
+    assert (
+        scaler.get_scale(),
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    ) == (
+        512.0,
+        3.0,
+        0.25,
+        7,
     )
     assert torch.cuda.amp.GradScaler().get_scale() == 1024.0
     assert torch.cuda.amp.GradScaler(enabled=False).is_enabled() is False
@@ -67,8 +78,16 @@ def test_legacy_cuda_scaler_takes_init_scale_first(monkeypatch):
 def test_legacy_cpu_scaler_takes_init_scale_first():
     scaler = torch.cpu.amp.GradScaler(512.0, 3.0, 0.25, 7)
     assert isinstance(scaler, SafeGradScaler) and scaler._device == "cpu"
-    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (
-        512.0, 3.0, 0.25, 7,
+    assert (
+        scaler.get_scale(),
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    ) == (
+        512.0,
+        3.0,
+        0.25,
+        7,
     )
     _works(torch.cpu.amp.GradScaler())
     restored = pickle.loads(pickle.dumps(torch.cpu.amp.GradScaler(256.0)))

@@ -17,7 +17,7 @@ import pytest
 
 pytestmark = pytest.mark.distributed
 
-WORKER = r'''
+WORKER = r"""
 import json
 import torch, torch.distributed as dist
 import ampguard
@@ -39,15 +39,31 @@ for step in range(6):
 dist.barrier()
 print("RESULT " + json.dumps({"rank": rank, "skipped": scaler.stats.skipped, "scale": scaler.get_scale()}), flush=True)
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_independent_ranks_skipping_different_steps_do_not_hang(tmp_path: Path) -> None:
     worker = tmp_path / "independent.py"
     worker.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1", "OMP_NUM_THREADS": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "--log-dir", str(tmp_path / "logs"), "--redirects", "3", "--tee", "3", str(worker)]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {
+        "AMPGUARD_QUIET": "1",
+        "OMP_NUM_THREADS": "1",
+    }
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--redirects",
+        "3",
+        "--tee",
+        "3",
+        str(worker),
+    ]
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     results = sorted(

@@ -82,8 +82,11 @@ def test_disabled_patch_probes_nothing(reinstall, monkeypatch, ampguard_log):
     reinstall(AMPGUARD_DISABLE="fp32_islands")
     registered = []
     original = torch.nn.modules.module.register_module_forward_pre_hook
-    monkeypatch.setattr(torch.nn.modules.module, "register_module_forward_pre_hook",
-                        lambda hook: registered.append(hook) or original(hook))
+    monkeypatch.setattr(
+        torch.nn.modules.module,
+        "register_module_forward_pre_hook",
+        lambda hook: registered.append(hook) or original(hook),
+    )
     run = train(3 * EVERY)
     assert registered == [] and global_hooks() == 0 and module_hooks(run.model) == 0
     assert run.nonfinite_losses == 3 and run.scaler.stats.fp32_islands == ()
@@ -209,8 +212,10 @@ def test_checkpoint_round_trip_in_a_new_process_has_no_overflow(tmp_path: Path):
     run = train(start)
     assert run.scaler.stats.fp32_islands == ("blocks.1.attn",)
     path = tmp_path / "checkpoint.pt"
-    torch.save({"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(),
-                "scaler": run.scaler.state_dict()}, path)
+    torch.save(
+        {"model": run.model.state_dict(), "optimizer": run.optimizer.state_dict(), "scaler": run.scaler.state_dict()},
+        path,
+    )
     tests = str(Path(__file__).parent)
     script = RESUME.format(paths=[tests], path=str(path), steps=3 * EVERY, start=start)
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1"}

@@ -20,7 +20,7 @@ import torch
 TESTS = Path(__file__).resolve().parent
 STEPS = 30
 
-WORKER = r'''
+WORKER = r"""
 import json, os, sys
 sys.path.insert(0, sys.argv[2])
 import ampguard
@@ -52,7 +52,7 @@ with open(os.path.join(OUT, f"rank{rank}.json"), "w") as handle:
 dist.barrier()
 del model  # before the group: see examples/ddp_train.py (a rare gloo hang at exit on torch < 2.8)
 dist.destroy_process_group()
-'''
+"""
 
 
 @pytest.mark.distributed
@@ -61,8 +61,18 @@ def test_overflow_on_one_rank_heals_both_ranks_alike(tmp_path: Path) -> None:
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               str(worker), str(out), str(TESTS), str(STEPS)]
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(worker),
+        str(out),
+        str(TESTS),
+        str(STEPS),
+    ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]

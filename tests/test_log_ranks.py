@@ -40,7 +40,9 @@ def test_other_ranks_records_below_error_never_reach_a_handler(users_handler, mo
 def test_a_fact_only_this_rank_knows_passes_once_tagged(users_handler, monkeypatch):
     monkeypatch.setenv("RANK", "3")
     logger.warning("step 6 skipped: forward overflow: the loss itself was inf/NaN", extra=ANY_RANK)
-    assert users_handler.messages == [(logging.WARNING, "[rank 3] step 6 skipped: forward overflow: the loss itself was inf/NaN")]
+    assert users_handler.messages == [
+        (logging.WARNING, "[rank 3] step 6 skipped: forward overflow: the loss itself was inf/NaN")
+    ]
 
 
 def test_rank_zero_logs_as_before(users_handler, monkeypatch):

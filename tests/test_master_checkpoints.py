@@ -21,7 +21,7 @@ import torch
 import ampguard
 from ampguard import master
 
-WORKER = r'''
+WORKER = r"""
 import sys
 
 MODE, CHECKPOINT, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
@@ -78,7 +78,7 @@ else:
         assert set(state) == {0, 1, 2, 3} and state[0]["exp_avg"].dtype == torch.float16, state[0]
         assert scaler.get_scale() == checkpoint["scaler"]["scale"]
 torch.save({"params": [p.detach() for p in model.parameters()], "optimizer": optimizer.state_dict()}, OUT)
-'''
+"""
 
 
 def _run(tmp_path: Path, mode: str) -> Path:
@@ -89,7 +89,10 @@ def _run(tmp_path: Path, mode: str) -> Path:
     env.update(AMPGUARD_QUIET="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
         [sys.executable, str(script), mode, str(tmp_path / "checkpoint.pt"), str(out)],
-        env=env, capture_output=True, text=True, timeout=300,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return out

@@ -43,7 +43,9 @@ def test_float16_student_learns_like_float32(optimizer, lr, scaler):
     assert half.reduction >= 0.9 * reference_reduction(optimizer, lr, scaler)
     for param, copy in master.masters_of(half.optimizer):
         assert copy.dtype == torch.float32 and torch.equal(copy.to(torch.float16), param)
-    assert all(t.dtype == torch.float32 for s in half.optimizer.state.values() for t in s.values() if t.is_floating_point())
+    assert all(
+        t.dtype == torch.float32 for s in half.optimizer.state.values() for t in s.values() if t.is_floating_point()
+    )
 
 
 @pytest.mark.parametrize("scaler", [True, False], ids=["grad_scaler", "plain_step"])
@@ -122,7 +124,9 @@ class AdaptedLinear(torch.nn.Module):
 def _adapter_run(dtype: torch.dtype, steps: int = 60) -> tuple[float, float, AdaptedLinear, torch.optim.Optimizer]:
     model = AdaptedLinear().to(dtype)
     torch.manual_seed(1)
-    target = torch.randn(BASE_SHAPE[0], 4, dtype=torch.float64) @ torch.randn(4, BASE_SHAPE[1], dtype=torch.float64) * 0.05
+    target = (
+        torch.randn(BASE_SHAPE[0], 4, dtype=torch.float64) @ torch.randn(4, BASE_SHAPE[1], dtype=torch.float64) * 0.05
+    )
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)  # the frozen base too, as many scripts pass it
     scaler = torch.amp.GradScaler("cpu")
     data = torch.Generator().manual_seed(2)
@@ -155,8 +159,11 @@ def test_frozen_base_gets_no_float32_copy_and_the_adapter_learns():
     assert {id(p) for p, _ in copies} == {id(model.down.weight), id(model.up.weight)}
     gc.collect()
     float32_base_shaped = [
-        obj for obj in gc.get_objects()
-        if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.dtype == torch.float32 and tuple(obj.shape) == BASE_SHAPE
+        obj
+        for obj in gc.get_objects()
+        if type(obj) in (torch.Tensor, torch.nn.Parameter)
+        and obj.dtype == torch.float32
+        and tuple(obj.shape) == BASE_SHAPE
     ]
     assert float32_base_shaped == []
     assert model.base.weight.dtype == torch.float16 and model.base.weight.grad is None
@@ -210,7 +217,9 @@ def test_param_groups_zero_grad_schedulers_and_add_param_group_keep_working():
     extra = torch.nn.Linear(8, 8).half()
     opt.add_param_group({"params": extra.parameters(), "lr": 1e-3})
     opt.zero_grad()
-    (model(torch.randn(2, 8, dtype=torch.float16)).sum() + extra(torch.randn(2, 8, dtype=torch.float16)).sum()).float().backward()
+    (
+        model(torch.randn(2, 8, dtype=torch.float16)).sum() + extra(torch.randn(2, 8, dtype=torch.float16)).sum()
+    ).float().backward()
     before = extra.weight.detach().clone()
     opt.step()
     assert len(master.masters_of(opt)) == 4 and not torch.equal(before, extra.weight)
@@ -342,7 +351,11 @@ def test_sparse_gradients_get_one_message_and_run_as_today(ampguard_log):
 @pytest.mark.parametrize("kind", ["own_state_dict", "closure"])
 def test_an_optimizer_ampguard_cannot_wrap_gets_one_message(kind, ampguard_log):
     model = torch.nn.Linear(8, 8).half()
-    opt = OwnStateDictSGD(model.parameters(), lr=0.01) if kind == "own_state_dict" else torch.optim.SGD(model.parameters(), lr=0.01)
+    opt = (
+        OwnStateDictSGD(model.parameters(), lr=0.01)
+        if kind == "own_state_dict"
+        else torch.optim.SGD(model.parameters(), lr=0.01)
+    )
     x = torch.randn(4, 8, dtype=torch.float16)
 
     def closure() -> torch.Tensor:
@@ -412,7 +425,9 @@ def test_a_second_unscale_leaves_the_master_gradients_alone():
     before = [m.clone() for _, m in master.masters_of(opt)]
     scaler.step(opt)
     scaler.update()
-    assert all(torch.equal(m, torch.add(b, g, alpha=-0.1)) for (_, m), b, g in zip(master.masters_of(opt), before, once))
+    assert all(
+        torch.equal(m, torch.add(b, g, alpha=-0.1)) for (_, m), b, g in zip(master.masters_of(opt), before, once)
+    )
 
 
 def test_zero_grad_without_set_to_none_steps_like_float32():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-WORKER = r'''
+WORKER = r"""
 import json
 import sys
 
@@ -81,15 +81,25 @@ record = {"float32": run(torch.float32), "float16": run(torch.float16)}
 with open(f"{OUT}/rank{dist.get_rank()}.json", "w") as handle:
     json.dump(record, handle)
 dist.destroy_process_group()
-'''
+"""
 
 
 def test_float16_ddp_trains_like_float32_and_ranks_agree(tmp_path: Path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-        "--log-dir", str(tmp_path / "logs"), "--redirects", "3", str(worker), str(tmp_path),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "--log-dir",
+        str(tmp_path / "logs"),
+        "--redirects",
+        "3",
+        str(worker),
+        str(tmp_path),
     ]
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     env.update(AMPGUARD_QUIET="1", OMP_NUM_THREADS="1")

@@ -49,9 +49,7 @@ def _fused_adamw_on_cpu() -> bool:
 
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(
-        torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4)
-    )
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 4))
 
 
 def _ops_per_step(scaler_class: type, clip_grad_norm_: Callable[..., torch.Tensor], fused: bool) -> Counter[str]:

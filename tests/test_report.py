@@ -85,7 +85,10 @@ def test_png_without_matplotlib_is_one_clear_error(written, tmp_path, capsys):
     path, _ = written
     code, out, err = report(capsys, str(path), "--png", str(tmp_path / "out.png"))
     assert code == 2 and out == ""
-    assert err == "ampguard report: error: --png needs matplotlib, which is not installed: pip install 'ampguard[report]'\n"
+    assert (
+        err
+        == "ampguard report: error: --png needs matplotlib, which is not installed: pip install 'ampguard[report]'\n"
+    )
 
 
 def test_a_truncated_last_line_is_skipped_with_a_warning(written, capsys):
@@ -94,7 +97,10 @@ def test_a_truncated_last_line_is_skipped_with_a_warning(written, capsys):
     path.write_text("\n".join(whole[:-1]) + "\n" + whole[-1][: len(whole[-1]) // 2])  # a crash mid-write
     code, out, err = report(capsys, str(path), "--json")
     assert code == 0
-    assert err == f"ampguard report: warning: {path} line {len(whole)}: incomplete last record (the run stopped while writing it); skipped\n"
+    assert (
+        err
+        == f"ampguard report: warning: {path} line {len(whole)}: incomplete last record (the run stopped while writing it); skipped\n"
+    )
     assert json.loads(out)[0]["scalers"][0]["steps"] == stats.steps - 5  # the stats line of step 20 was cut off
 
 
@@ -142,10 +148,17 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     subprocess.run(
         [sys.executable, "-m", "ampguard", "run", str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
-        env={**base, "AMPGUARD_STATS_FILE": str(path), "AMPGUARD_STATS_EVERY": "10"}, capture_output=True, check=True,
+        env={**base, "AMPGUARD_STATS_FILE": str(path), "AMPGUARD_STATS_EVERY": "10"},
+        capture_output=True,
+        check=True,
     )
-    result = subprocess.run([sys.executable, "-m", "ampguard", "report", str(path), "--json"],
-                            env=base, capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "ampguard", "report", str(path), "--json"],
+        env=base,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     [run] = json.loads(result.stdout)
     calibration, storm, no_grad, hot_block = run["scalers"]
     assert calibration["skipped"] == 0 and storm["skipped"] > 0 and storm["scale_min"] == 1.0
@@ -153,8 +166,9 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
     assert "blocks.0.linear1" in hot_block["fp32_islands"]
     assert set(hot_block["fp32_islands"]) <= set(run["fp32_islands"])  # (islands are counted per process)
     assert run["events"]["collapse"] == 1 and run["events"]["island"] >= 1 and run["events"]["no_grad"] == 1
-    text = subprocess.run([sys.executable, "-m", "ampguard", "report", str(path)],
-                          env=base, capture_output=True, text=True, check=True).stdout
+    text = subprocess.run(
+        [sys.executable, "-m", "ampguard", "report", str(path)], env=base, capture_output=True, text=True, check=True
+    ).stdout
     assert text.count("loss scale, log2") == 4
 
 
@@ -164,9 +178,19 @@ def test_a_long_run_fits_the_chart_width(tmp_path, capsys):
     records = [{"event": "start", "time": 1.0, "format": 1}]
     for index in range(1, 501):
         scale = 2.0 ** (10 - index // 100)
-        records.append({"event": "stats", "time": 1.0 + index, "steps": 10 * index, "skipped": index // 100,
-                        "no_grad_steps": 0, "nonfinite_loss": 0, "scale": scale, "min_scale_seen": scale,
-                        "max_scale_seen": 1024.0})
+        records.append(
+            {
+                "event": "stats",
+                "time": 1.0 + index,
+                "steps": 10 * index,
+                "skipped": index // 100,
+                "no_grad_steps": 0,
+                "nonfinite_loss": 0,
+                "scale": scale,
+                "min_scale_seen": scale,
+                "max_scale_seen": 1024.0,
+            }
+        )
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     code, out, _ = report(capsys, str(path))
     rows = [line.split("|", 1)[1] for line in out.splitlines() if "|" in line]
@@ -180,6 +204,10 @@ def test_the_report_command_itself_writes_nothing_to_the_stats_file(written):
     path, _ = written
     before = path.read_bytes()
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    subprocess.run([sys.executable, "-m", "ampguard", "report", str(path)],
-                   env={**base, "AMPGUARD_STATS_FILE": str(path)}, capture_output=True, check=True)
+    subprocess.run(
+        [sys.executable, "-m", "ampguard", "report", str(path)],
+        env={**base, "AMPGUARD_STATS_FILE": str(path)},
+        capture_output=True,
+        check=True,
+    )
     assert path.read_bytes() == before

@@ -79,7 +79,7 @@ def _run(command: list[str], cwd: Path, **env: str) -> subprocess.CompletedProce
 def _probe(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     lines = [line for line in result.stdout.splitlines() if line.startswith("PROBE ")]
     assert lines, f"no report (exit {result.returncode}):\n{result.stdout}\n{result.stderr}"
-    return json.loads(lines[-1][len("PROBE "):])
+    return json.loads(lines[-1][len("PROBE ") :])
 
 
 @pytest.fixture
@@ -197,7 +197,8 @@ def test_usage(tmp_path: Path) -> None:
 def test_script_trains_with_safe_scaler_without_importing_ampguard(tmp_path: Path) -> None:
     """An unmodified AMP loop: under ``ampguard run`` its scaler is ampguard's and counts the injected skip."""
     script = tmp_path / "train.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import torch
 
         torch.manual_seed(0)
@@ -216,7 +217,8 @@ def test_script_trains_with_safe_scaler_without_importing_ampguard(tmp_path: Pat
             scaler.update()
         assert scaler.stats.skipped == 1, scaler.stats
         print("skipped", scaler.stats.skipped)
-    '''))
+    """)
+    )
 
     plain = _run([sys.executable, str(script)], tmp_path)
     assert plain.returncode == 1 and "SafeGradScaler" in plain.stderr  # the check bites without ampguard
@@ -235,7 +237,8 @@ def test_ampguard_off_still_runs_the_script(tmp_path: Path, probe: Path) -> None
 def test_spawned_child_processes_get_ampguard_too(tmp_path: Path) -> None:
     """``mp.spawn``-style workers re-run the script as ``__mp_main__`` in a new interpreter: ampguard is there first."""
     script = tmp_path / "launch.py"
-    script.write_text(textwrap.dedent('''
+    script.write_text(
+        textwrap.dedent("""
         import multiprocessing as mp
         import sys
 
@@ -255,7 +258,8 @@ def test_spawned_child_processes_get_ampguard_too(tmp_path: Path) -> None:
                 print(method, *queue.get(timeout=120), flush=True)
                 child.join()
                 assert child.exitcode == 0
-    '''))
+    """)
+    )
 
     result = _run([sys.executable, "-m", "ampguard", "run", str(script)], tmp_path, AMPGUARD_QUIET="1")
 

@@ -46,8 +46,16 @@ def test_defaults_are_1024_and_100_the_rest_as_torch():
 
 def test_explicit_arguments_win_over_ampguard_defaults():
     scaler = torch.amp.GradScaler("cpu", 65536.0, 3.0, 0.25, 2000)
-    assert (scaler.get_scale(), scaler.get_growth_factor(), scaler.get_backoff_factor(), scaler.get_growth_interval()) == (
-        65536.0, 3.0, 0.25, 2000,
+    assert (
+        scaler.get_scale(),
+        scaler.get_growth_factor(),
+        scaler.get_backoff_factor(),
+        scaler.get_growth_interval(),
+    ) == (
+        65536.0,
+        3.0,
+        0.25,
+        2000,
     )
     scaler = SafeGradScaler("cpu", init_scale=8.0, growth_interval=3)
     assert (scaler.get_scale(), scaler.get_growth_interval()) == (8.0, 3)
@@ -314,9 +322,16 @@ def test_device_mode_stall_raises_from_the_next_update(reinstall):
 def test_stats_snapshot_attributes_and_as_dict():
     stats = safe().stats
     assert stats.as_dict() == {
-        "steps": 0, "skipped": 0, "no_grad_steps": 0, "nonfinite_loss": 0, "scale": 1024.0,
-        "min_scale_seen": 1024.0, "max_scale_seen": 1024.0, "consecutive_skipped": 0,
-        "fp32_islands": [], "buffers_restored": 0,
+        "steps": 0,
+        "skipped": 0,
+        "no_grad_steps": 0,
+        "nonfinite_loss": 0,
+        "scale": 1024.0,
+        "min_scale_seen": 1024.0,
+        "max_scale_seen": 1024.0,
+        "consecutive_skipped": 0,
+        "fp32_islands": [],
+        "buffers_restored": 0,
     }
     with pytest.raises(AttributeError):
         stats.steps = 3  # a snapshot

@@ -44,8 +44,13 @@ def test_state_dict_keeps_torchs_five_keys_and_adds_plain_counters():
     assert {k: state[k] for k in TORCH_KEYS} == torch_state
     assert all(_plain(v) for v in state.values())
     assert state["ampguard"] == {
-        "steps": 40, "skipped": 4, "no_grad_steps": 0, "nonfinite_loss": 0, "consecutive_skipped": 0,
-        "min_scale_seen": safe_run.scaler.stats.min_scale_seen, "max_scale_seen": safe_run.scaler.stats.max_scale_seen,
+        "steps": 40,
+        "skipped": 4,
+        "no_grad_steps": 0,
+        "nonfinite_loss": 0,
+        "consecutive_skipped": 0,
+        "min_scale_seen": safe_run.scaler.stats.min_scale_seen,
+        "max_scale_seen": safe_run.scaler.stats.max_scale_seen,
         "fp32_islands": [],
     }
 
@@ -62,7 +67,9 @@ def test_resume_into_torchs_scaler_and_into_safegradscaler_continues_identically
         resumed.append(train(scaler, optimizer=optimizer, steps=40, faults=FAULTS_B, model=model, seed=1))
     torch_resumed, safe_resumed = resumed
     assert same_parameters(torch_resumed.model, safe_resumed.model)
-    assert torch_resumed.scaler.state_dict() == {k: v for k, v in safe_resumed.scaler.state_dict().items() if k != "ampguard"}
+    assert torch_resumed.scaler.state_dict() == {
+        k: v for k, v in safe_resumed.scaler.state_dict().items() if k != "ampguard"
+    }
     stats = safe_resumed.scaler.stats
     assert (stats.steps, stats.skipped) == (80, 7)  # loaded counters continue, not reset
 

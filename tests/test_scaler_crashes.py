@@ -127,7 +127,10 @@ def test_fp16_parameters_are_unscaled_with_one_warning_and_overflows_still_skip(
     assert scaler.stats.skipped == 1 and len(calls) == 4
     warned = records(ampguard_log, logging.WARNING, "float16 parameters")
     assert len(warned) == 1
-    assert "fp32" in warned[0].getMessage().replace("float32", "fp32") and "AMPGUARD_FP16_GRADS=error" in warned[0].getMessage()
+    assert (
+        "fp32" in warned[0].getMessage().replace("float32", "fp32")
+        and "AMPGUARD_FP16_GRADS=error" in warned[0].getMessage()
+    )
 
 
 def test_fp16_gradients_unscaled_exactly_as_torchs_kernel_would(reinstall):

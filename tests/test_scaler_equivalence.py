@@ -60,7 +60,9 @@ def test_injected_faults_counted_exactly_and_parameters_bit_identical(optimizer)
 
 def test_injected_faults_with_clipping_counted_exactly():
     faults = fault_steps(12, STEPS, seed=11)
-    torch_run = train(stock(**FAULT_HYPER), optimizer="sgd", steps=STEPS, faults=faults, clip=True, check_every_step=True)
+    torch_run = train(
+        stock(**FAULT_HYPER), optimizer="sgd", steps=STEPS, faults=faults, clip=True, check_every_step=True
+    )
     safe_run = train(safe(**FAULT_HYPER), optimizer="sgd", steps=STEPS, faults=faults, clip=True, check_every_step=True)
     assert safe_run.scaler.stats.skipped == 12
     assert same_parameters(torch_run.model, safe_run.model)

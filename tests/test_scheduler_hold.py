@@ -67,8 +67,10 @@ class Run:
         generator = torch.Generator().manual_seed(0)
         self.model = nn.Linear(8, 4)
         self.xs = torch.randn(40, 16, 8, generator=generator)
-        self.optimizer = torch.optim.Adam(self.model.parameters(), lr=0.01, fused=fused) if fused else torch.optim.SGD(
-            self.model.parameters(), lr=0.1
+        self.optimizer = (
+            torch.optim.Adam(self.model.parameters(), lr=0.01, fused=fused)
+            if fused
+            else torch.optim.SGD(self.model.parameters(), lr=0.1)
         )
         self.scheduler = schedule(self.optimizer)
         self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if fp16 else None

@@ -74,8 +74,12 @@ def test_stats_lines_and_events_are_json_objects_matching_the_scaler(reinstall, 
 
 def test_collapse_and_stall_are_events_of_their_own(reinstall, tmp_path):
     path = tmp_path / "run.jsonl"
-    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_INIT_SCALE="4", AMPGUARD_MAX_CONSECUTIVE_SKIPS="4",
-              AMPGUARD_STATS_EVERY="0")
+    reinstall(
+        AMPGUARD_STATS_FILE=str(path),
+        AMPGUARD_INIT_SCALE="4",
+        AMPGUARD_MAX_CONSECUTIVE_SKIPS="4",
+        AMPGUARD_STATS_EVERY="0",
+    )
     train(6, overflow_every_step=True)
     kinds = [r["event"] for r in read(path)]
     assert kinds.count("collapse") == 1 and kinds.count("stall") == 1

@@ -36,23 +36,37 @@ for _ in range(3):
 
 def _run(extra: str = "", loop: str = SCRIPT, **env: str) -> str:
     environ = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1"} | env
-    done = subprocess.run([sys.executable, "-c", loop.format(extra=extra)], capture_output=True, text=True, env=environ, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", loop.format(extra=extra)], capture_output=True, text=True, env=environ, timeout=300
+    )
     assert done.returncode == 0, done.stderr
     return done.stderr
 
 
 def test_a_short_run_that_skipped_most_steps_ends_with_the_tally():
     lines = [line for line in _run().splitlines() if "run summary" in line]
-    assert lines == [
-        "ampguard: run summary: SafeGradScaler#" + lines[0].split("#")[1][:4]
-        + ": 7 of 8 steps skipped (87.5%), 0 with a non-finite loss, 0 without gradients, final scale 8."  # 1024 halved 7 times
-    ]
+    assert (
+        lines
+        == [
+            "ampguard: run summary: SafeGradScaler#"
+            + lines[0].split("#")[1][:4]
+            + ": 7 of 8 steps skipped (87.5%), 0 with a non-finite loss, 0 without gradients, final scale 8."  # 1024 halved 7 times
+        ]
+    )
 
 
 def test_a_scaler_collected_before_exit_is_in_the_tally():
     """The training loop lived in a function that returned: its scaler is gone by exit."""
-    in_a_function = "def train():\n" + "\n".join("    " + line for line in SCRIPT.format(extra="").splitlines()) + "\ntrain()\nimport gc; gc.collect()\n"
-    lines = [line for line in _run(loop=in_a_function.replace("{", "{{").replace("}", "}}") + "{extra}").splitlines() if "run summary" in line]
+    in_a_function = (
+        "def train():\n"
+        + "\n".join("    " + line for line in SCRIPT.format(extra="").splitlines())
+        + "\ntrain()\nimport gc; gc.collect()\n"
+    )
+    lines = [
+        line
+        for line in _run(loop=in_a_function.replace("{", "{{").replace("}", "}}") + "{extra}").splitlines()
+        if "run summary" in line
+    ]
     assert len(lines) == 1 and ": 7 of 8 steps skipped (87.5%)" in lines[0] and "final scale 8" in lines[0]
 
 

@@ -95,7 +95,7 @@ def test_second_unscale_without_new_gradients_stays_a_no_op():
     model = scenarios._model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = scenarios._scaler()
-    (x, y), = scenarios._batches(1)
+    ((x, y),) = scenarios._batches(1)
     scaler.scale(scenarios._loss(model, x, y)).backward()
     scaler.unscale_(opt)
     once = [p.grad.clone() for p in model.parameters()]
@@ -150,7 +150,7 @@ def test_clip_threshold_is_unscaled_when_get_scale_was_not_read():
     """The documented improvement stays: unscale_ forgotten, max_norm applies to the unscaled gradients."""
     model = scenarios._model()
     scaler = scenarios._scaler()
-    (x, y), = scenarios._batches(1)
+    ((x, y),) = scenarios._batches(1)
     scaler.scale(scenarios._loss(model, x, y) * 100).backward()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
     unscaled = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])) / 1024
@@ -176,7 +176,9 @@ def test_fsdp_sharded_scaler_pickles_and_loads_in_a_new_process(tmp_path):
         "print(type(s) is ShardedGradScaler, isinstance(s, ampguard.SafeGradScaler), s.get_scale())\n"
     )
     env = {**os.environ, "AMPGUARD_QUIET": "1"}
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, check=True
+    )
     assert done.stdout.split() == ["True", "True", "256.0"]
 
 

@@ -39,7 +39,10 @@ def _statuses(change: str) -> dict[str, list[str]]:
 @pytest.mark.parametrize(
     ("change", "named"),
     [
-        ("del grad_scaler._refresh_per_optimizer_state", "torch has no torch.amp.grad_scaler._refresh_per_optimizer_state"),
+        (
+            "del grad_scaler._refresh_per_optimizer_state",
+            "torch has no torch.amp.grad_scaler._refresh_per_optimizer_state",
+        ),
         ("del grad_scaler.OptState", "torch has no torch.amp.grad_scaler.OptState"),
         (
             "grad_scaler.GradScaler._unscale_grads_ = lambda self, optimizer, inv_scale, found_inf: {}",
@@ -62,7 +65,10 @@ def test_every_declared_private_exists_in_this_torch():
 
 def test_problem_names_what_is_missing():
     assert torch_privates.problem([torch_privates.Private("torch.no_such_thing")]) == "torch has no torch.no_such_thing"
-    assert torch_privates.problem([torch_privates.Private("torch.amp.grad_scaler.GradScaler.step", ("self", "optimizer"))]) is None
+    assert (
+        torch_privates.problem([torch_privates.Private("torch.amp.grad_scaler.GradScaler.step", ("self", "optimizer"))])
+        is None
+    )
     hook = "torch.nn.modules.module.register_module_forward_hook"
     assert torch_privates.problem([torch_privates.Private(hook, keywords=("always_call",))]) is None
     assert torch_privates.problem([torch_privates.Private(hook, keywords=("always_call", "sometimes_call"))]) == (

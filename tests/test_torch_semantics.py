@@ -158,7 +158,13 @@ OPTIMIZERS = [
 
 
 def _getters(s: Any) -> tuple[float, float, float, int, int]:
-    return (s.get_scale(), s.get_growth_factor(), s.get_backoff_factor(), s.get_growth_interval(), s._get_growth_tracker())
+    return (
+        s.get_scale(),
+        s.get_growth_factor(),
+        s.get_backoff_factor(),
+        s.get_growth_interval(),
+        s._get_growth_tracker(),
+    )
 
 
 TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
@@ -368,7 +374,9 @@ def _mixed(bad_at: int) -> list[torch.Tensor]:
     return grads
 
 
-@pytest.mark.parametrize("bad_at", [-1, 0, 1, 2, 3], ids=["finite", "inf_fp32", "inf_fp32_slice", "inf_fp16", "inf_fp16_t"])
+@pytest.mark.parametrize(
+    "bad_at", [-1, 0, 1, 2, 3], ids=["finite", "inf_fp32", "inf_fp32_slice", "inf_fp16", "inf_fp16_t"]
+)
 def test_unscale_of_mixed_float16_and_float32_gradients(bad_at):
     want_found, want = _unscale_directly(ampguard.scaler.TorchGradScaler, _mixed(bad_at), allow_fp16=True)
     found, got = _unscale_directly(SafeGradScaler, _mixed(bad_at), allow_fp16=True)
@@ -393,7 +401,9 @@ def test_float16_gradients_through_unscale_are_what_torch_unscales_where_torch_r
 
 def _sparse(values: list[float], dtype: torch.dtype, indices: list[list[int]] | None = None) -> torch.Tensor:
     indices = indices or [[0, 1, 1], [2, 0, 2]]
-    return torch.sparse_coo_tensor(torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype, check_invariants=True)
+    return torch.sparse_coo_tensor(
+        torch.tensor(indices), torch.tensor(values), (2, 3), dtype=dtype, check_invariants=True
+    )
 
 
 SPARSE = {
@@ -404,7 +414,9 @@ SPARSE = {
     # Two entries at one index: each fits in float16 (60000 < 65504), their sum does not.
     # Checking the uncoalesced values would miss the overflow that coalescing makes.
     "fp16_uncoalesced_sum_overflows": (
-        lambda: _sparse([60000.0, 32.0, 60000.0], torch.float16, [[0, 1, 0], [2, 0, 2]]), True, 1.0,
+        lambda: _sparse([60000.0, 32.0, 60000.0], torch.float16, [[0, 1, 0], [2, 0, 2]]),
+        True,
+        1.0,
     ),
 }
 

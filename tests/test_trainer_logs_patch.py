@@ -36,10 +36,14 @@ def test_on_by_default_and_off_with_ampguard_disable(reinstall):
 
 def test_import_ampguard_imports_no_trainer_library():
     code = f"import sys, ampguard; print(sorted(m for m in sys.modules if m.split('.')[0] in {TRAINER_LIBRARIES!r}))"
-    environment = {**{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}, "AMPGUARD_QUIET": "1",
-                   "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    result = subprocess.run([sys.executable, "-c", code], env=environment, capture_output=True, text=True,
-                            timeout=120, check=False)
+    environment = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")},
+        "AMPGUARD_QUIET": "1",
+        "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, timeout=120, check=False
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -73,7 +77,8 @@ def test_ampguard_records_reach_the_trainer_s_log_file_and_not_its_console(coqui
     assert lines[-2:] == ["ampguard: stats step=10 scale=512", "ampguard WARNING: something to look at"]
     assert not [r for r in console_records if r.name == "ampguard"]
     assert list(dict.fromkeys(r.getMessage() for r in caplog.records if r.name == "ampguard"))[-2:] == [
-        "stats step=10 scale=512", "something to look at"  # the original records, unchanged for other handlers
+        "stats step=10 scale=512",
+        "something to look at",  # the original records, unchanged for other handlers
     ]
 
 
@@ -104,15 +109,27 @@ def test_a_failing_log_file_costs_one_warning_and_nothing_else(coqui_logging, ca
 
 
 def _stats(skipped: int, scale: float, islands: tuple[str, ...] = ()) -> ScalerStats:
-    return ScalerStats(steps=10, skipped=skipped, no_grad_steps=0, nonfinite_loss=1, scale=scale,
-                       min_scale_seen=scale, max_scale_seen=1024.0, consecutive_skipped=0, fp32_islands=islands)
+    return ScalerStats(
+        steps=10,
+        skipped=skipped,
+        no_grad_steps=0,
+        nonfinite_loss=1,
+        scale=scale,
+        min_scale_seen=scale,
+        max_scale_seen=1024.0,
+        consecutive_skipped=0,
+        fp32_islands=islands,
+    )
 
 
 def test_metric_fields_count_skipped_steps_since_the_previous_record():
     fields = integrations.MetricFields()
     assert fields(_stats(2, 256.0)) == {
-        "ampguard/loss_scale": 256.0, "ampguard/skipped": 2.0, "ampguard/skipped_total": 2.0,
-        "ampguard/nonfinite_loss": 1.0, "ampguard/fp32_islands": 0.0,
+        "ampguard/loss_scale": 256.0,
+        "ampguard/skipped": 2.0,
+        "ampguard/skipped_total": 2.0,
+        "ampguard/nonfinite_loss": 1.0,
+        "ampguard/fp32_islands": 0.0,
     }
     assert fields(_stats(2, 512.0))["ampguard/skipped"] == 0.0
     assert fields(_stats(5, 64.0, ("net.attn",)))["ampguard/skipped"] == 3.0

@@ -36,7 +36,10 @@ def run(name: str, replacements: dict[str, str] | None = None) -> dict[str, Any]
         assert old in code, f"{old!r} not in reproduction {name}"
         code = code.replace(old, new)
     printed: list[str] = []
-    namespace: dict[str, Any] = {"print": lambda *args: printed.append(" ".join(str(a) for a in args)), "printed": printed}
+    namespace: dict[str, Any] = {
+        "print": lambda *args: printed.append(" ".join(str(a) for a in args)),
+        "printed": printed,
+    }
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         exec(compile(code, f"docs/troubleshooting.md:{name}", "exec"), namespace)
@@ -49,8 +52,15 @@ def ampguard_warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
 
 def test_every_entry_of_issue_6_has_a_reproduction():
     assert set(reproductions()) == {
-        "device-mismatch", "no-inf-checks", "fp16-gradients", "initial-scale", "clip-scaled",
-        "deprecated-amp-api", "bf16-pre-ampere", "bf16-unscale-cuda", "labels-vs-label-ids",
+        "device-mismatch",
+        "no-inf-checks",
+        "fp16-gradients",
+        "initial-scale",
+        "clip-scaled",
+        "deprecated-amp-api",
+        "bf16-pre-ampere",
+        "bf16-unscale-cuda",
+        "labels-vs-label-ids",
     }
     for name, code in reproductions().items():
         compile(code, name, "exec")  # the GPU-only ones at least parse
@@ -100,8 +110,10 @@ def test_fp16_gradients_handled(caplog):
     assert all(p.dtype is torch.float16 and torch.isfinite(p).all() for p in namespace["model"].parameters())
     assert not ampguard_warnings(caplog)
     assert any("keeps float32 master copies of 5 float16 parameters" in r.getMessage() for r in caplog.records)
-    assert all(s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32
-               for s in namespace["optimizer"].state.values())
+    assert all(
+        s["momentum_buffer"] is None or s["momentum_buffer"].dtype == torch.float32
+        for s in namespace["optimizer"].state.values()
+    )
 
 
 def test_fp16_gradients_without_master_weights_warn_once(caplog, reinstall):
@@ -130,7 +142,9 @@ def test_initial_scale_handled(caplog):
 def test_a_too_high_scale_is_explained_as_backward_overflow(caplog):
     """Even at torch's 65536 under ampguard, the skip is described: backward overflow, which layer."""
     with caplog.at_level(logging.INFO, logger="ampguard"):
-        namespace = run("initial-scale", {'torch.amp.GradScaler("cpu")': 'torch.amp.GradScaler("cpu", init_scale=65536.0)'})
+        namespace = run(
+            "initial-scale", {'torch.amp.GradScaler("cpu")': 'torch.amp.GradScaler("cpu", init_scale=65536.0)'}
+        )
     assert namespace["scaler"].stats.skipped == 1
     described = [r.getMessage() for r in caplog.records if "skipped at loss scale 65536" in r.getMessage()]
     assert described and "backward overflow" in described[0] and "param_groups[0][0] (16x16 float32)" in described[0]
@@ -138,7 +152,9 @@ def test_a_too_high_scale_is_explained_as_backward_overflow(caplog):
 
 # -- clipping scaled gradients ----------------------------------------------------------------------
 
-RECIPE = {"norm = torch.nn.utils.clip_grad_norm_(": "scaler.unscale_(optimizer)\nnorm = torch.nn.utils.clip_grad_norm_("}
+RECIPE = {
+    "norm = torch.nn.utils.clip_grad_norm_(": "scaler.unscale_(optimizer)\nnorm = torch.nn.utils.clip_grad_norm_("
+}
 
 
 def test_clip_scaled_symptom_on_stock_torch(stock_torch):
@@ -210,7 +226,7 @@ def _cuda_like_unscale_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
 
     def without_bf16(grads, found_inf, inv_scale):
         if any(g.dtype is torch.bfloat16 for g in grads):
-            raise RuntimeError('"_amp_foreach_non_finite_check_and_unscale_cuda" not implemented for \'BFloat16\'')
+            raise RuntimeError("\"_amp_foreach_non_finite_check_and_unscale_cuda\" not implemented for 'BFloat16'")
         return kernel(grads, found_inf, inv_scale)
 
     monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", without_bf16)

@@ -75,7 +75,9 @@ def render(data: dict[str, Any]) -> None:
     """The report as tables (rich on a terminal, plain text otherwise)."""
     out = sys.stdout
     torch_info = data["torch"]
-    cuda = torch_info["cuda_build"] or (f"ROCm {torch_info['hip_build']}" if torch_info["hip_build"] else "none (CPU-only build)")
+    cuda = torch_info["cuda_build"] or (
+        f"ROCm {torch_info['hip_build']}" if torch_info["hip_build"] else "none (CPU-only build)"
+    )
     rows: list[list[object]] = [
         ["ampguard", data["ampguard_version"]],
         ["python", f"{data['python']['version']} ({data['python']['executable']})"],
@@ -98,7 +100,10 @@ def render(data: dict[str, Any]) -> None:
         print_table(
             "GPUs",
             ["index", "name", "capability", "memory (GiB)", "native bf16"],
-            [[g["index"], g["name"], g["capability"], g["total_memory_gib"], _yes_no(g["bf16_native"])] for g in data["gpus"]],
+            [
+                [g["index"], g["name"], g["capability"], g["total_memory_gib"], _yes_no(g["bf16_native"])]
+                for g in data["gpus"]
+            ],
             out,
         )
     else:
@@ -120,7 +125,11 @@ def render(data: dict[str, Any]) -> None:
         "configuration",
         ["variable", "value", "from"],
         [
-            [s.variable, _config_value(data["config"].get(s.attribute)), "environment" if s.variable in environment else "default"]
+            [
+                s.variable,
+                _config_value(data["config"].get(s.attribute)),
+                "environment" if s.variable in environment else "default",
+            ]
             for s in SETTINGS
         ],
         out,
@@ -128,7 +137,9 @@ def render(data: dict[str, Any]) -> None:
     out.write("\n")
 
     if data["libraries"]:
-        print_table("trainer libraries", ["name", "version"], [[lib["name"], lib["version"]] for lib in data["libraries"]], out)
+        print_table(
+            "trainer libraries", ["name", "version"], [[lib["name"], lib["version"]] for lib in data["libraries"]], out
+        )
     else:
         out.write("trainer libraries: none of the known ones is installed\n")
     out.write("\n")

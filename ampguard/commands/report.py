@@ -63,7 +63,9 @@ def render(path: str, runs: list[Run]) -> str:
     for number, run in enumerate(runs, start=1):
         summary = run.summary()
         started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary["started"])) if summary["started"] else "?"
-        out.append(f"\nrun {number}: started {started}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}")
+        out.append(
+            f"\nrun {number}: started {started}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}"
+        )
         if not run.series:
             out.append("  no stats lines (AMPGUARD_STATS_EVERY=0, or fewer steps than it)")
         for index, (series, numbers) in enumerate(zip(run.series, summary["scalers"]), start=1):
@@ -119,8 +121,9 @@ def draw_png(runs: list[Run], path: str) -> None:
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
 
-    figure, (scale_axes, skip_axes) = plt.subplots(2, 1, sharex=True, figsize=(10, 6),
-                                                     gridspec_kw={"height_ratios": (2, 1)})
+    figure, (scale_axes, skip_axes) = plt.subplots(
+        2, 1, sharex=True, figsize=(10, 6), gridspec_kw={"height_ratios": (2, 1)}
+    )
     for run_number, run in enumerate(runs, start=1):
         for index, series in enumerate(run.series, start=1):
             steps, scales, skipped = zip(*series.points())

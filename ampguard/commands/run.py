@@ -37,7 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.usage = USAGE
     parser.description = DESCRIPTION
     parser.add_argument("-m", dest="module", metavar="module", help="run a module as `python -m module` does")
-    parser.add_argument("script", nargs="?", help="path of the script (a .py file, a directory or a zip with __main__.py)")
+    parser.add_argument(
+        "script", nargs="?", help="path of the script (a .py file, a directory or a zip with __main__.py)"
+    )
     parser.add_argument("args", nargs=argparse.REMAINDER, help="passed to the script as sys.argv[1:]")
 
 
@@ -250,7 +252,11 @@ def _launcher_path_entry() -> str | None:
     if spec is not None and spec.name.partition(".")[0] == "ampguard":
         return os.getcwd()  # python -m ampguard
     file = getattr(main, "__file__", None)
-    if spec is None and isinstance(file, str) and os.path.basename(file).lower() in ("ampguard", "ampguard-script.py", "ampguard.exe"):
+    if (
+        spec is None
+        and isinstance(file, str)
+        and os.path.basename(file).lower() in ("ampguard", "ampguard-script.py", "ampguard.exe")
+    ):
         return os.path.dirname(os.path.realpath(file))  # the console script
     return None
 

@@ -45,8 +45,12 @@ class ToTrainerLogFiles(logging.Handler):
                     handler.handle(line)
         except Exception as error:  # never the reason a run dies: off after one warning
             self._off = True
-            logger.warning("ampguard could not write to the coqui trainer's log file (%s: %s); its lines stay on "
-                           "the console only from now on.", type(error).__name__, error)
+            logger.warning(
+                "ampguard could not write to the coqui trainer's log file (%s: %s); its lines stay on "
+                "the console only from now on.",
+                type(error).__name__,
+                error,
+            )
 
 
 _handler: ToTrainerLogFiles | None = None

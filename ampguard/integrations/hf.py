@@ -42,8 +42,9 @@ def callback_class() -> type:
             def __init__(self) -> None:
                 self._fields = integrations.MetricFields()
 
-            def on_log(self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None,
-                       **kwargs: Any) -> None:
+            def on_log(
+                self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
+            ) -> None:
                 if logs is not None and integrations.active():
                     try:
                         _merge(self._fields, state, logs, kwargs.get("optimizer"))

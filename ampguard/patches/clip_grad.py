@@ -52,7 +52,9 @@ class ClipGradPatch(Patch):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is missing")
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
-        self.bindings.rebind_names_of(original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper, idle=clip.idle))
+        self.bindings.rebind_names_of(
+            original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper, idle=clip.idle)
+        )
         for name, wrapper, idle in clip_api.WRAPPED:
             function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6
             if callable(function) and not isinstance(function, wrapt.FunctionWrapper):

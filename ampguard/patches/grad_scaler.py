@@ -52,7 +52,9 @@ class _LegacyGradScaler(GradScaler):
         enabled: bool = True,
         **safe_options: Any,
     ) -> None:
-        super().__init__(self.legacy_device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options)
+        super().__init__(
+            self.legacy_device, init_scale, growth_factor, backoff_factor, growth_interval, enabled, **safe_options
+        )
 
 
 class CudaGradScaler(_LegacyGradScaler):

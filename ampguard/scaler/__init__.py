@@ -48,8 +48,14 @@ from ampguard.scaler.sharded import safe_sharded_scaler_class
 from ampguard.stats import ScalerStats
 
 __all__ = [
-    "SafeGradScaler", "ScalerStats", "TorchGradScaler", "live_scalers", "next_scale", "params_of",
-    "safe_sharded_scaler_class", "scalers_in_iteration",
+    "SafeGradScaler",
+    "ScalerStats",
+    "TorchGradScaler",
+    "live_scalers",
+    "next_scale",
+    "params_of",
+    "safe_sharded_scaler_class",
+    "scalers_in_iteration",
 ]
 
 TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever names point to later
@@ -122,8 +128,16 @@ class SafeGradScaler(TorchGradScaler):
     _host_mirror_exact = True
 
     def __init__(
-        self, device: str = "cuda", init_scale: float | None = None, growth_factor: float = 2.0, backoff_factor: float = 0.5,
-        growth_interval: int | None = None, enabled: bool = True, *, min_scale: float | None = None, max_scale: float | None = None
+        self,
+        device: str = "cuda",
+        init_scale: float | None = None,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int | None = None,
+        enabled: bool = True,
+        *,
+        min_scale: float | None = None,
+        max_scale: float | None = None,
     ) -> None:
         if not isinstance(device, (str, torch.device)):
             raise TypeError(
@@ -133,8 +147,11 @@ class SafeGradScaler(TorchGradScaler):
         settings = active_settings(init_scale, growth_interval, min_scale, max_scale)
         super().__init__(
             device,
-            init_scale=settings.init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
-            growth_interval=settings.growth_interval, enabled=enabled,
+            init_scale=settings.init_scale,
+            growth_factor=growth_factor,
+            backoff_factor=backoff_factor,
+            growth_interval=settings.growth_interval,
+            enabled=enabled,
         )
         self._ampguard_setup(settings)
 
@@ -194,7 +211,9 @@ class SafeGradScaler(TorchGradScaler):
                 self._scaling_thread = threading.get_ident()
                 check = _loss_check(outputs)
                 if check is not None:
-                    self._loss_check = check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
+                    self._loss_check = (
+                        check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
+                    )
             except Exception as error:
                 containment.report("loss check (scale())", error)
         return scaled
@@ -248,7 +267,9 @@ class SafeGradScaler(TorchGradScaler):
         self._steps += 1
         return result
 
-    def _maybe_opt_step(self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
         # The single host read torch makes here also carries "was the loss finite?" and the probe's verdict.
         try:
             code = self._step_code(optimizer_state)

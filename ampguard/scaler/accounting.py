@@ -41,8 +41,10 @@ def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value
 
 def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]]) -> bool:
     """Every optimizer with a found_inf was read on the host this iteration (no fused one, no ledger pending)."""
-    return scaler._ledger is None and scaler._host_mirror_exact and all(
-        key in scaler._host_found for key, s in states.items() if s["found_inf_per_device"]
+    return (
+        scaler._ledger is None
+        and scaler._host_mirror_exact
+        and all(key in scaler._host_found for key, s in states.items() if s["found_inf_per_device"])
     )
 
 
@@ -56,8 +58,12 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     # A forward overflow (the loss itself inf/NaN) was not the scale's doing: for the scale it is an iteration
     # without overflow, as in device mode (ampguard.scaler.ledger), written over torch's back-off.
     scale, tracker = policy.next_scale(
-        scale_before, scaler._mirror_tracker, found and not forward_overflow,
-        scaler._growth_factor, scaler._backoff_factor, scaler._growth_interval,
+        scale_before,
+        scaler._mirror_tracker,
+        found and not forward_overflow,
+        scaler._growth_factor,
+        scaler._backoff_factor,
+        scaler._growth_interval,
     )
     if forward_overflow:
         healing.write_scale(scaler, scale, tracker)

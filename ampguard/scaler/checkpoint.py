@@ -19,7 +19,15 @@ from ampguard.scaler.settings import resolve_settings
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
 
-COUNTER_KEYS = ("steps", "skipped", "no_grad_steps", "nonfinite_loss", "consecutive_skipped", "min_scale_seen", "max_scale_seen")
+COUNTER_KEYS = (
+    "steps",
+    "skipped",
+    "no_grad_steps",
+    "nonfinite_loss",
+    "consecutive_skipped",
+    "min_scale_seen",
+    "max_scale_seen",
+)
 
 
 def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
@@ -36,12 +44,18 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
 
     env_interval = active_config().growth_interval
     if env_interval is not None and env_interval != scaler._growth_interval:
-        logger.info("AMPGUARD_GROWTH_INTERVAL=%d overrides the checkpoint's growth_interval %d.", env_interval, scaler._growth_interval)
+        logger.info(
+            "AMPGUARD_GROWTH_INTERVAL=%d overrides the checkpoint's growth_interval %d.",
+            env_interval,
+            scaler._growth_interval,
+        )
         scaler._growth_interval = env_interval
     loaded = policy.f32(float(state_dict["scale"]))
     bounded = policy.bounded(scaler, loaded)
     if bounded != loaded:
-        logger.info("loaded loss scale %g is outside [%g, %g]: using %g.", loaded, scaler._min_scale, scaler._max_scale, bounded)
+        logger.info(
+            "loaded loss scale %g is outside [%g, %g]: using %g.", loaded, scaler._min_scale, scaler._max_scale, bounded
+        )
         scaler._init_scale = bounded
         if scaler._scale is not None:
             scaler._scale.fill_(bounded)
@@ -74,7 +88,9 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
 
 def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
     """The pickled ``__dict__``: the iteration in progress is not part of it."""
-    state.update(_loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False)
+    state.update(
+        _loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False
+    )
     return state
 
 

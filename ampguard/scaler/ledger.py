@@ -81,7 +81,9 @@ class DeviceLedger:
     def full(self) -> bool:
         return len(self._held) >= self.MAX_ROWS
 
-    def record(self, skipped: torch.Tensor, found: torch.Tensor, check: torch.Tensor, scale: torch.Tensor, held: bool) -> None:
+    def record(
+        self, skipped: torch.Tensor, found: torch.Tensor, check: torch.Tensor, scale: torch.Tensor, held: bool
+    ) -> None:
         if not self._free_rows:
             ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, device=self.device)
             self._rings.append(ring)
@@ -129,7 +131,8 @@ def update_in_device_mode(
     recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
     if recorded:
         found_per_optimizer = {
-            key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device) for key, s in recorded.items()
+            key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
+            for key, s in recorded.items()
         }
         flags = list(found_per_optimizer.values())
         found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
@@ -179,7 +182,13 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
     scaler._max_seen = max(scaler._max_seen, replay.high)
     scaler._mirror_scale, scaler._mirror_tracker = scale, tracker
     if logger.isEnabledFor(logging.DEBUG):
-        logger.debug("loss scale %g at step %d (range %g..%g since the last report)", scale, scaler._steps, replay.low, replay.high)
+        logger.debug(
+            "loss scale %g at step %d (range %g..%g since the last report)",
+            scale,
+            scaler._steps,
+            replay.low,
+            replay.high,
+        )
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

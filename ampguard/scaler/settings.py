@@ -51,7 +51,9 @@ def resolve_settings(
 
     settings = Settings(
         init_scale=float(pick("AMPGUARD_INIT_SCALE", config.init_scale, init_scale, DEFAULT_INIT_SCALE)),
-        growth_interval=int(pick("AMPGUARD_GROWTH_INTERVAL", config.growth_interval, growth_interval, DEFAULT_GROWTH_INTERVAL)),
+        growth_interval=int(
+            pick("AMPGUARD_GROWTH_INTERVAL", config.growth_interval, growth_interval, DEFAULT_GROWTH_INTERVAL)
+        ),
         min_scale=float(config.min_scale if min_scale is None else min_scale),
         max_scale=float(config.max_scale if max_scale is None else max_scale),
         max_consecutive_skips=config.max_consecutive_skips,

@@ -46,8 +46,14 @@ def safe_sharded_scaler_class(sharded: Any) -> type:
             settings = active_settings(init_scale, growth_interval, min_scale, max_scale)
             extra = {} if process_group is _DEFAULT_GROUP else {"process_group": process_group}
             sharded.__init__(
-                self, device, init_scale=settings.init_scale, backoff_factor=backoff_factor,
-                growth_factor=growth_factor, growth_interval=settings.growth_interval, enabled=enabled, **extra,
+                self,
+                device,
+                init_scale=settings.init_scale,
+                backoff_factor=backoff_factor,
+                growth_factor=growth_factor,
+                growth_interval=settings.growth_interval,
+                enabled=enabled,
+                **extra,
             )
             self._ampguard_setup(settings)
 

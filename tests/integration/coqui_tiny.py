@@ -56,7 +56,9 @@ class TinyModel(TrainerModel):
     def get_criterion(self) -> nn.Module:
         return nn.MSELoss()
 
-    def get_data_loader(self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True):  # type: ignore[override]
+    def get_data_loader(
+        self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True
+    ):  # type: ignore[override]
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(SAMPLES, 8, generator=generator)
         y = torch.randn(SAMPLES, 1, generator=generator)
@@ -144,7 +146,9 @@ class TinyGAN(TrainerModel):
     def get_criterion(self) -> nn.Module:
         return nn.BCEWithLogitsLoss()
 
-    def get_data_loader(self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True):  # type: ignore[override]
+    def get_data_loader(
+        self, config: TrainerConfig, *, is_eval: bool = False, samples: Any = None, verbose: bool = True
+    ):  # type: ignore[override]
         generator = torch.Generator().manual_seed(0)
         x = torch.randn(SAMPLES, 8, generator=generator)
         return DataLoader([{"x": a} for a in x], batch_size=config.batch_size)
@@ -156,6 +160,8 @@ def build_gan_trainer(output_path: Path | str, *, scaler_factory: Any = None) ->
     previous = trainer.trainer.GradScaler
     trainer.trainer.GradScaler = scaler_factory or cpu_grad_scaler_factory()
     try:
-        return Trainer(TrainerArgs(), TinyGANConfig(output_path=str(output_path)), model=model, parse_command_line_args=False)
+        return Trainer(
+            TrainerArgs(), TinyGANConfig(output_path=str(output_path)), model=model, parse_command_line_args=False
+        )
     finally:
         trainer.trainer.GradScaler = previous

@@ -129,7 +129,9 @@ def cuda_reported_available(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
-def run_python(args: list[str], *, cwd: Path | str | None = None, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_python(
+    args: list[str], *, cwd: Path | str | None = None, timeout: float = 120, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     """``python ARGS`` in a fresh interpreter (this one's), ampguard's env cleared except AMPGUARD_QUIET."""
     environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     environment["AMPGUARD_QUIET"] = "1"

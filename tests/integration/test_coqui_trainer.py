@@ -227,7 +227,7 @@ def test_import_ampguard_after_trainer_still_takes_effect(tmp_path):
     result = run_python(["-c", IMPORT_AFTER_TRAINER, str(REPO / "tests" / "integration")], cwd=tmp_path)
     assert_ran(result)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    seen = json.loads(line[len("RESULT "):])
+    seen = json.loads(line[len("RESULT ") :])
     assert seen == {
         "held_was_torch": True,
         "held_is_safe": True,

@@ -45,17 +45,28 @@ def _trainer(output_dir, scaler_class=None):
             hand_cpu_scaler(self.accelerator, scaler_class)
 
     torch.manual_seed(0)
-    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2,
-                                     attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+    config = transformers.GPT2Config(
+        vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2, attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0
+    )
     config._attn_implementation = "eager"
     model = transformers.GPT2LMHeadModel(config)
     with torch.no_grad():
         model.transformer.h[1].attn.c_attn.weight[:, : 2 * config.n_embd].mul_(FACTOR)
     tokens = torch.randint(0, 64, (STEPS * 2, 16), generator=torch.Generator().manual_seed(0))
     args = transformers.TrainingArguments(
-        output_dir=str(output_dir), fp16=True, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=2,
-        learning_rate=1e-3, optim="adamw_torch", logging_steps=1, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+        output_dir=str(output_dir),
+        fp16=True,
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=2,
+        learning_rate=1e-3,
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
     )
     return CpuFp16Trainer(model=model, args=args, train_dataset=[{"input_ids": r, "labels": r} for r in tokens])
 
@@ -69,7 +80,9 @@ def test_tiny_gpt2_overflowing_layer_is_named_and_healed_through_the_hf_trainer(
     assert stats.fp32_islands == ("transformer.h.1.attn",)
     assert stats.skipped == stats.nonfinite_loss == 2  # the step that armed the probe, the one that named it
     assert stats.scale >= 1024.0
-    made = {r.getMessage() for r in caplog.records if r.getMessage().startswith("fp32 island:")}  # (caplog may see a record twice)
+    made = {
+        r.getMessage() for r in caplog.records if r.getMessage().startswith("fp32 island:")
+    }  # (caplog may see a record twice)
     assert len(made) == 1 and made.pop().startswith("fp32 island: transformer.h.1.attn (GPT2Attention)")
     assert all(torch.isfinite(p).all() for p in hf.model.parameters())
 

@@ -245,4 +245,8 @@ def test_import_ampguard_after_lightning_still_takes_effect(tmp_path):
     result = run_python(["-c", IMPORT_AFTER_LIGHTNING], cwd=tmp_path)
     assert_ran(result)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):]) == {"type": "SafeGradScaler", "init_scale": 1024.0, "growth_interval": 100}
+    assert json.loads(line[len("RESULT ") :]) == {
+        "type": "SafeGradScaler",
+        "init_scale": 1024.0,
+        "growth_interval": 100,
+    }

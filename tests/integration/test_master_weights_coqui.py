@@ -41,7 +41,9 @@ def _fit(output_path, dtype: torch.dtype) -> Trainer:
     try:
         coqui = Trainer(
             TrainerArgs(),
-            coqui_tiny.TinyConfig(output_path=str(output_path), optimizer="AdamW", lr=1e-3, grad_clip=1.0, epochs=EPOCHS),
+            coqui_tiny.TinyConfig(
+                output_path=str(output_path), optimizer="AdamW", lr=1e-3, grad_clip=1.0, epochs=EPOCHS
+            ),
             model=model,
             parse_command_line_args=False,
         )

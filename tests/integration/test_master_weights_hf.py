@@ -43,8 +43,13 @@ def _sequences(count: int, seed: int) -> list[dict[str, torch.Tensor]]:
 def _saved_tiny_llama(transformers, directory) -> str:
     torch.manual_seed(0)
     config = transformers.LlamaConfig(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32,
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=32,
     )
     transformers.LlamaForCausalLM(config).save_pretrained(directory)
     return str(directory)
@@ -66,9 +71,19 @@ def _train(transformers, path: str, output_dir, dtype: torch.dtype, optim: str) 
     model = _load(transformers, path, dtype)
     assert {p.dtype for p in model.parameters()} == {dtype}
     args = transformers.TrainingArguments(
-        output_dir=str(output_dir), fp16=True, use_cpu=True, max_steps=STEPS, per_device_train_batch_size=4,
-        learning_rate=1e-3, optim=optim, logging_steps=10, save_strategy="no", report_to="none",
-        dataloader_num_workers=0, disable_tqdm=True, seed=0,
+        output_dir=str(output_dir),
+        fp16=True,
+        use_cpu=True,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        learning_rate=1e-3,
+        optim=optim,
+        logging_steps=10,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        seed=0,
     )
     held_out = _sequences(16, seed=1)
     trainer = CpuFp16Trainer(model=model, args=args, train_dataset=_sequences(STEPS * 4, seed=0), eval_dataset=held_out)
@@ -87,7 +102,9 @@ def test_float16_loaded_llama_trains_like_float32_under_the_hf_trainer(transform
     path = _saved_tiny_llama(transformers, tmp_path / "llama")
     start32, end32, _ = _train(transformers, path, tmp_path / "fp32", torch.float32, optim)
     start16, end16, trainer = _train(transformers, path, tmp_path / "fp16", torch.float16, optim)
-    print(f"\nhf-trainer {optim}: float32 model {start32:.3f} -> {end32:.3f}, float16 model {start16:.3f} -> {end16:.3f}")
+    print(
+        f"\nhf-trainer {optim}: float32 model {start32:.3f} -> {end32:.3f}, float16 model {start16:.3f} -> {end16:.3f}"
+    )
     assert end32 < start32 - 0.5  # the task is learnt
     assert end16 == pytest.approx(end32, rel=0.05)
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in trainer.model.parameters())

@@ -63,9 +63,16 @@ def _data():
 def _fit(tmp_path, dtype: torch.dtype, *, max_steps: int = STEPS, ckpt_path=None):
     module = Student(dtype)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, plugins=[MixedPrecision(precision="16-mixed", device="cpu")],
-        max_steps=max_steps, gradient_clip_val=1.0, logger=False, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision(precision="16-mixed", device="cpu")],
+        max_steps=max_steps,
+        gradient_clip_val=1.0,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     start = module.held_out_loss()
     trainer.fit(module, _data(), ckpt_path=ckpt_path, weights_only=True if ckpt_path else None)

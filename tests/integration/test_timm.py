@@ -102,7 +102,9 @@ def test_train_loop_skips_and_counts_and_schedules_as_with_torch_s_scaler(ci_lin
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
     with stock_torch():
-        stock_model, _, stock_rates = _train({2, 5}, scaler=torch_grad_scaler(init_scale=1024.0, growth_interval=100)("cpu"))
+        stock_model, _, stock_rates = _train(
+            {2, 5}, scaler=torch_grad_scaler(init_scale=1024.0, growth_interval=100)("cpu")
+        )
     assert stock_rates == learning_rates  # timm steps its scheduler on every update, skipped or not
     for ours, theirs in zip(model.parameters(), stock_model.parameters()):
         torch.testing.assert_close(ours, theirs)
@@ -137,4 +139,4 @@ def test_import_ampguard_after_timm_still_takes_effect(tmp_path):
     result = run_python(["-c", IMPORT_AFTER_TIMM], cwd=tmp_path)
     assert_ran(result)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
-    assert json.loads(line[len("RESULT "):]) == {"type": "SafeGradScaler", "init_scale": 1024.0}
+    assert json.loads(line[len("RESULT ") :]) == {"type": "SafeGradScaler", "init_scale": 1024.0}

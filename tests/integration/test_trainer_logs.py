@@ -240,9 +240,16 @@ def _lightning_fit(tmp_path):
     module = LoggingModule()
     module.overflow_at = set(OVERFLOWS)
     trainer = L.Trainer(
-        accelerator="cpu", devices=1, plugins=[MixedPrecision(precision="16-mixed", device="cpu")],
-        max_steps=STEPS, logger=CSVLogger(tmp_path), log_every_n_steps=2, enable_progress_bar=False,
-        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+        accelerator="cpu",
+        devices=1,
+        plugins=[MixedPrecision(precision="16-mixed", device="cpu")],
+        max_steps=STEPS,
+        logger=CSVLogger(tmp_path),
+        log_every_n_steps=2,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=tmp_path,
     )
     trainer.fit(module, _data())
     with open(f"{trainer.logger.log_dir}/metrics.csv", newline="") as file:
@@ -256,13 +263,21 @@ def test_lightning_logger_holds_ampguard_s_numbers_at_its_logging_steps(tmp_path
     assert [int(row["step"]) for row in rows] == [1, 3, 5, 7]
     assert all(row["train_loss"] for row in rows)
     got = [
-        (float(row["ampguard/loss_scale"]), int(float(row["ampguard/skipped"])), int(float(row["ampguard/skipped_total"])))
+        (
+            float(row["ampguard/loss_scale"]),
+            int(float(row["ampguard/skipped"])),
+            int(float(row["ampguard/skipped_total"])),
+        )
         for row in rows
     ]
     scale_after = [scale for scale, _, _ in expected]
     total_after = [total for _, _, total in expected]
-    skipped_since = [total_after[1], total_after[3] - total_after[1], total_after[5] - total_after[3],
-                     total_after[7] - total_after[5]]
+    skipped_since = [
+        total_after[1],
+        total_after[3] - total_after[1],
+        total_after[5] - total_after[3],
+        total_after[7] - total_after[5],
+    ]
     assert got == [(scale_after[i], skipped_since[n], total_after[i]) for n, i in enumerate((1, 3, 5, 7))]
     assert float(trainer.logged_metrics["ampguard/skipped_total"]) == trainer.precision_plugin.scaler.stats.skipped
 
