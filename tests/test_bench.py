@@ -27,22 +27,65 @@ FUSED_UNAVAILABLE = runs.fused_unavailable_reason("cpu")
 needs_fused = pytest.mark.skipif(FUSED_UNAVAILABLE is not None, reason=f"fused AdamW on CPU: {FUSED_UNAVAILABLE}")
 
 JSON_FIELDS = {
-    "schema", "environment", "settings", "patches", "clip_wrapped", "step_time", "syncs",
-    "clip_idle", "import_time", "targets", "checks",
+    "schema",
+    "environment",
+    "settings",
+    "patches",
+    "clip_wrapped",
+    "step_time",
+    "syncs",
+    "clip_idle",
+    "import_time",
+    "targets",
+    "checks",
 }
 STEP_TIME_FIELDS = {
-    "optimizer", "torch_ms_per_step", "ampguard_ms_per_step", "ratio", "ratio_min", "ratio_max", "ratio_stderr",
-    "overhead_us_per_step", "blocks", "block_steps", "same_parameters",
+    "optimizer",
+    "torch_ms_per_step",
+    "ampguard_ms_per_step",
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "ratio_stderr",
+    "overhead_us_per_step",
+    "blocks",
+    "block_steps",
+    "same_parameters",
 }
 SYNC_FIELDS = {
-    "optimizer", "torch_per_step", "ampguard_per_step", "extra_per_step", "ampguard_per_stats_report",
-    "optimizer_host_reads_per_step", "torch_ops_per_step", "ampguard_ops_per_step", "extra_ops_per_step",
+    "optimizer",
+    "torch_per_step",
+    "ampguard_per_step",
+    "extra_per_step",
+    "ampguard_per_stats_report",
+    "optimizer_host_reads_per_step",
+    "torch_ops_per_step",
+    "ampguard_ops_per_step",
+    "extra_ops_per_step",
 }
 CLIP_FIELDS = {
-    "tensors", "tensor_shape", "wrapped", "torch_us_per_call", "ampguard_us_per_call", "overhead",
-    "overhead_min", "overhead_max", "overhead_stderr", "torch_syncs_per_call", "ampguard_syncs_per_call", "blocks",
+    "tensors",
+    "tensor_shape",
+    "wrapped",
+    "torch_us_per_call",
+    "ampguard_us_per_call",
+    "overhead",
+    "overhead_min",
+    "overhead_max",
+    "overhead_stderr",
+    "torch_syncs_per_call",
+    "ampguard_syncs_per_call",
+    "blocks",
 }
-IMPORT_FIELDS = {"runs", "bytecode_cache", "torch_ms", "ampguard_ms", "ampguard_ms_min", "ampguard_ms_max", "ampguard_terminal_ms"}
+IMPORT_FIELDS = {
+    "runs",
+    "bytecode_cache",
+    "torch_ms",
+    "ampguard_ms",
+    "ampguard_ms_min",
+    "ampguard_ms_max",
+    "ampguard_terminal_ms",
+}
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -151,11 +194,28 @@ def test_healthy_training_is_bit_identical_under_ampguard():
 @pytest.fixture(scope="module")
 def bench_json(_one_thread) -> dict:
     stdout = io.StringIO()
-    argv = ["bench", "--device", "cpu", "--steps", "2", "--block-steps", "1", "--warmup-steps", "1",
-            "--import-runs", "1", "--fused", "--threads", "1", "--json"]
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--import-runs",
+        "1",
+        "--fused",
+        "--threads",
+        "1",
+        "--json",
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr("sys.stdout", stdout)
-        patch.setattr(runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))  # the command's model, smaller
+        patch.setattr(
+            runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY)
+        )  # the command's model, smaller
         assert cli.main(argv) == 0
     return json.loads(stdout.getvalue())
 
@@ -180,7 +240,13 @@ def test_bench_json_has_the_documented_fields(bench_json):
     assert all(set(c) == {"name", "target", "measured", "ok"} for c in bench_json["checks"])
     assert bench_json["environment"]["torch_threads"] == 1
     assert bench_json["settings"]["model"] == {
-        "vocab": 64, "d_model": 16, "heads": 2, "ff": 32, "layers": 2, "seq": 8, "batch": 2,
+        "vocab": 64,
+        "d_model": 16,
+        "heads": 2,
+        "ff": 32,
+        "layers": 2,
+        "seq": 8,
+        "batch": 2,
     }
 
 
@@ -200,8 +266,12 @@ def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
 
 def test_bench_table_plain_text(bench_json):
     stream = io.StringIO()
-    print_table("ampguard bench", ["measure", "torch", "ampguard", "result", "target", "met"],
-                list(report.iter_table_rows(bench_json)), stream=stream)
+    print_table(
+        "ampguard bench",
+        ["measure", "torch", "ampguard", "result", "target", "met"],
+        list(report.iter_table_rows(bench_json)),
+        stream=stream,
+    )
     text = stream.getvalue()
     assert "step time, AdamW" in text
     assert "syncs/step, AdamW" in text
@@ -245,8 +315,23 @@ def test_bench_markdown_rewrites_only_the_generated_section(tmp_path, capsys):
     path = tmp_path / "performance.md"
     before, after = "# Performance\n\nprose kept as written\n\n", "\n## More prose\n"
     path.write_text(f"{before}{markdown.BEGIN}\nold numbers\n{markdown.END}\n{after}")
-    argv = ["bench", "--device", "cpu", "--steps", "2", "--block-steps", "1", "--warmup-steps", "1",
-            "--import-runs", "0", "--threads", "1", "--markdown", str(path)]
+    argv = [
+        "bench",
+        "--device",
+        "cpu",
+        "--steps",
+        "2",
+        "--block-steps",
+        "1",
+        "--warmup-steps",
+        "1",
+        "--import-runs",
+        "0",
+        "--threads",
+        "1",
+        "--markdown",
+        str(path),
+    ]
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(runs.ModelSpec, "for_device", classmethod(lambda cls, device: TINY))
         assert cli.main(argv) == 0
@@ -275,17 +360,31 @@ def test_import_ampguard_loads_no_heavy_optional_module():
     import sys
 
     probe = (
-        "import sys, torch, ampguard; "
-        "print(sorted(m for m in ('packaging.specifiers', 'rich') if m in sys.modules))"
+        "import sys, torch, ampguard; print(sorted(m for m in ('packaging.specifiers', 'rich') if m in sys.modules))"
     )
     completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
     assert completed.stdout.strip() == "[]"
 
 
-@pytest.mark.parametrize("specifiers", [">=2.3", ">=2.1", "<2.15", ">=2.3,<2.15", "==2.3", "!=2.3.1", ">2.3",
-                                        "<=2.4", "==2.3.*", "~=2.3", ">=2.3.0, <2.14.1"])
-@pytest.mark.parametrize("version", ["2", "2.1", "2.2.9", "2.3", "2.3.0", "2.3.1", "2.4", "2.10", "2.14.1", "3.0",
-                                     "2.3.0rc1"])
+@pytest.mark.parametrize(
+    "specifiers",
+    [
+        ">=2.3",
+        ">=2.1",
+        "<2.15",
+        ">=2.3,<2.15",
+        "==2.3",
+        "!=2.3.1",
+        ">2.3",
+        "<=2.4",
+        "==2.3.*",
+        "~=2.3",
+        ">=2.3.0, <2.14.1",
+    ],
+)
+@pytest.mark.parametrize(
+    "version", ["2", "2.1", "2.2.9", "2.3", "2.3.0", "2.3.1", "2.4", "2.10", "2.14.1", "3.0", "2.3.0rc1"]
+)
 def test_patch_version_gate_agrees_with_packaging(specifiers, version):
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
@@ -310,8 +409,14 @@ def test_on_a_terminal_rich_is_imported_with_the_first_record_not_before():
     environment = dict(os.environ, AMPGUARD_QUIET="1")
     leader, follower = pty.openpty()
     try:
-        completed = subprocess.run([sys.executable, "-c", probe], env=environment, stdout=subprocess.PIPE,
-                                   stderr=follower, text=True, check=True)
+        completed = subprocess.run(
+            [sys.executable, "-c", probe],
+            env=environment,
+            stdout=subprocess.PIPE,
+            stderr=follower,
+            text=True,
+            check=True,
+        )
     finally:
         os.close(follower)
         os.close(leader)
@@ -362,6 +467,7 @@ def test_on_a_terminal_the_banner_is_laid_out_like_rich_without_importing_it():
     assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] INFO     ampguard: \S.*", lines[0])
     assert all(len(line) == 100 for line in lines)  # padded to the terminal's width, as rich pads
     assert all(line.startswith(" " * 20) and line[20] != " " for line in lines[1:])  # wrapped under the message
-    plain = subprocess.run([sys.executable, "-c", "import torch, ampguard"], env=environment, capture_output=True,
-                           text=True, check=True).stderr.strip()
+    plain = subprocess.run(
+        [sys.executable, "-c", "import torch, ampguard"], env=environment, capture_output=True, text=True, check=True
+    ).stderr.strip()
     assert " ".join(line[20:].strip() for line in lines) == plain  # the banner's text, word for word

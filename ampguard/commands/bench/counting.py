@@ -7,7 +7,8 @@ from the timed ones.
 from __future__ import annotations
 
 from collections import Counter
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -20,7 +21,7 @@ class OpCounter(TorchDispatchMode):
     """Counts every aten op dispatched inside it (``ops.total``, ``ops.by_op``)."""
 
     def __init__(self) -> None:
-        super().__init__()
+        super().__init__()  # type: ignore[no-untyped-call]
         self.by_op: Counter[str] = Counter()
 
     @property
@@ -58,7 +59,8 @@ def _optimizer_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
     return {
         id(state["step"])
         for state in optimizer.state.values()
-        if isinstance(state.get("step"), torch.Tensor) and state["step"].device.type == "cpu"
+        if isinstance(state.get("step"), torch.Tensor)
+        and state["step"].device.type == "cpu"
         and not getattr(optimizer, "_step_supports_amp_scaling", False)
     }
 
@@ -66,7 +68,8 @@ def _optimizer_step_counters(optimizer: torch.optim.Optimizer) -> set[int]:
 def count_steps(run: Run, steps: int) -> tuple[int, int, Counter[str]]:
     """(device synchronisations, host-resident reads, ops by name) of ``steps`` steps of ``run``."""
     counters = _optimizer_step_counters(run.optimizer)
-    with DeviceSyncCounter(lambda: counters) as reads, OpCounter() as ops:
+    reads, ops = DeviceSyncCounter(lambda: counters), OpCounter()
+    with reads, ops:
         run.steps(steps)
     return reads.total, reads.host_resident_reads, ops.by_op
 
@@ -79,7 +82,7 @@ def count_syncs(options: Options, fused: bool) -> dict[str, Any]:
     torch_reads, torch_host, torch_ops = count_steps(torch_run, COUNTED_STEPS)
     ampguard_reads, ampguard_host, ampguard_ops = count_steps(ampguard_run, COUNTED_STEPS)
     with HostReadCounter() as report_reads:
-        ampguard_run.scaler.stats  # what a stats line (every AMPGUARD_STATS_EVERY steps) reads
+        _ = ampguard_run.scaler.stats  # what a stats line (every AMPGUARD_STATS_EVERY steps) reads
     extra_ops = ampguard_ops.copy()
     extra_ops.subtract(torch_ops)
     return {
@@ -93,5 +96,3 @@ def count_syncs(options: Options, fused: bool) -> dict[str, Any]:
         "ampguard_ops_per_step": sum(ampguard_ops.values()) / COUNTED_STEPS,
         "extra_ops_per_step": {name: n / COUNTED_STEPS for name, n in sorted(extra_ops.items()) if n},
     }
-
-

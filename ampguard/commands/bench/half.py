@@ -21,7 +21,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import statistics
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -82,7 +83,9 @@ def run(options: Options) -> dict[str, Any]:
         block = max(1, min(options.block_steps, options.steps))
         pairs = max(1, options.steps // block)
         if options.warmup_steps > 0:
-            interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), max(1, options.warmup_steps // block), timer)
+            interleaved_blocks(
+                lambda: full.steps(block), lambda: half.steps(block), max(1, options.warmup_steps // block), timer
+            )
         timed = interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), pairs, timer)
         masters = [m for _, m in master.masters_of(half.optimizer)]
     return {
@@ -107,8 +110,12 @@ def table_rows(result: dict[str, Any]) -> list[list[str]]:
     params32, params16 = result["parameter_bytes"]
     state32, state16 = result["optimizer_state_bytes"]
     return [
-        ["step time", f"{result['float32_ms_per_step']:.2f} ms", f"{result['half_ms_per_step']:.2f} ms",
-         f"ratio {result['ratio']:.3f} +-{result['ratio_stderr']:.3f} ({result['ratio_min']:.3f}-{result['ratio_max']:.3f})"],
+        [
+            "step time",
+            f"{result['float32_ms_per_step']:.2f} ms",
+            f"{result['half_ms_per_step']:.2f} ms",
+            f"ratio {result['ratio']:.3f} +-{result['ratio_stderr']:.3f} ({result['ratio_min']:.3f}-{result['ratio_max']:.3f})",
+        ],
         ["syncs/step", f"{result['syncs_per_step'][0]:g}", f"{result['syncs_per_step'][1]:g}", ""],
         ["parameters", f"{params32 / mib:.2f} MiB", f"{params16 / mib:.2f} MiB", result["autocast_dtype"]],
         ["fp32 masters", "-", f"{result['master_bytes'] / mib:.2f} MiB", f"{result['masters']} tensors"],

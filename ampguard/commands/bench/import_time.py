@@ -32,12 +32,14 @@ def _import_probe(environment: dict[str, str], terminal: bool) -> tuple[float, f
 
         leader, follower = pty.openpty()
         try:
-            completed = subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=follower, check=True, text=True)
+            completed = subprocess.run(
+                command, env=environment, stdout=subprocess.PIPE, stderr=follower, check=True, text=True
+            )
         finally:
             os.close(follower)
             os.close(leader)
     else:
-        completed = subprocess.run(command, env=environment, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=True, text=True)
+        completed = subprocess.run(command, env=environment, capture_output=True, check=True, text=True)
     torch_seconds, ampguard_seconds = json.loads(completed.stdout.strip().splitlines()[-1])
     return torch_seconds, ampguard_seconds
 
@@ -62,5 +64,3 @@ def time_import(runs: int) -> dict[str, Any]:
         "ampguard_ms_max": max(a for _, a in plain) * 1e3,
         "ampguard_terminal_ms": statistics.median(a for _, a in on_terminal) * 1e3 if on_terminal else None,
     }
-
-

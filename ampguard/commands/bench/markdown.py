@@ -26,8 +26,13 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def _git(*arguments: str) -> subprocess.CompletedProcess[str] | None:
     try:
-        return subprocess.run(["git", *arguments], cwd=os.path.dirname(os.path.abspath(__file__)),
-                              capture_output=True, text=True, timeout=10)
+        return subprocess.run(
+            ["git", *arguments],
+            cwd=os.path.dirname(os.path.abspath(__file__)),
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -47,30 +52,71 @@ def _step_time(result: dict[str, Any]) -> list[str]:
     for timing in result["step_time"].values():
         if timing is None:
             continue
-        rows.append([
-            timing["optimizer"], f"{timing['torch_ms_per_step']:.2f}", f"{timing['ampguard_ms_per_step']:.2f}",
-            f"{timing['ratio']:.4f} +- {timing['ratio_stderr']:.4f}", f"{timing['ratio_min']:.2f}..{timing['ratio_max']:.2f}",
-            f"{timing['overhead_us_per_step']:+.0f}", "yes" if timing["same_parameters"] else "NO",
-        ])
-    return _table(["optimizer", "torch ms/step", "ampguard ms/step", "ratio (median of paired blocks) +- s.e.",
-                   "paired ratios, min..max", "ampguard - torch, us/step", "bit-identical weights"], rows)
+        rows.append(
+            [
+                timing["optimizer"],
+                f"{timing['torch_ms_per_step']:.2f}",
+                f"{timing['ampguard_ms_per_step']:.2f}",
+                f"{timing['ratio']:.4f} +- {timing['ratio_stderr']:.4f}",
+                f"{timing['ratio_min']:.2f}..{timing['ratio_max']:.2f}",
+                f"{timing['overhead_us_per_step']:+.0f}",
+                "yes" if timing["same_parameters"] else "NO",
+            ]
+        )
+    return _table(
+        [
+            "optimizer",
+            "torch ms/step",
+            "ampguard ms/step",
+            "ratio (median of paired blocks) +- s.e.",
+            "paired ratios, min..max",
+            "ampguard - torch, us/step",
+            "bit-identical weights",
+        ],
+        rows,
+    )
 
 
 def _counts(result: dict[str, Any]) -> list[str]:
     counted = [c for c in result["syncs"].values() if "unavailable" not in c]
-    rows = [[
-        c["optimizer"], f"{c['torch_per_step']:g}", f"{c['ampguard_per_step']:g}", f"{c['extra_per_step']:+g}",
-        f"{c['ampguard_per_stats_report']}", f"{c['torch_ops_per_step']:g}", f"{c['ampguard_ops_per_step']:g}",
-        f"{c['ampguard_ops_per_step'] - c['torch_ops_per_step']:+g}",
-    ] for c in counted]
-    lines = _table(["optimizer", "syncs/step, torch", "syncs/step, ampguard", "extra syncs/step",
-                    "reads per stats line", "aten ops/step, torch", "aten ops/step, ampguard", "extra aten ops/step"], rows)
-    lines += [f"| {c['optimizer']} | unavailable: {c['unavailable']} |" for c in result["syncs"].values() if "unavailable" in c]
+    rows = [
+        [
+            c["optimizer"],
+            f"{c['torch_per_step']:g}",
+            f"{c['ampguard_per_step']:g}",
+            f"{c['extra_per_step']:+g}",
+            f"{c['ampguard_per_stats_report']}",
+            f"{c['torch_ops_per_step']:g}",
+            f"{c['ampguard_ops_per_step']:g}",
+            f"{c['ampguard_ops_per_step'] - c['torch_ops_per_step']:+g}",
+        ]
+        for c in counted
+    ]
+    lines = _table(
+        [
+            "optimizer",
+            "syncs/step, torch",
+            "syncs/step, ampguard",
+            "extra syncs/step",
+            "reads per stats line",
+            "aten ops/step, torch",
+            "aten ops/step, ampguard",
+            "extra aten ops/step",
+        ],
+        rows,
+    )
+    lines += [
+        f"| {c['optimizer']} | unavailable: {c['unavailable']} |"
+        for c in result["syncs"].values()
+        if "unavailable" in c
+    ]
     names = sorted({name for c in counted for name in c["extra_ops_per_step"]})
     lines += ["", "The extra aten ops per step, by op (negative: ampguard dispatches fewer than torch):", ""]
-    lines += _table(["op", *(c["optimizer"] for c in counted)],
-                    [[f"`{name}`", *(f"{c['extra_ops_per_step'].get(name, 0):+g}" for c in counted)] for name in names]
-                    or [["(none)", *("" for _ in counted)]])
+    lines += _table(
+        ["op", *(c["optimizer"] for c in counted)],
+        [[f"`{name}`", *(f"{c['extra_ops_per_step'].get(name, 0):+g}" for c in counted)] for name in names]
+        or [["(none)", *("" for _ in counted)]],
+    )
     return lines
 
 
@@ -82,26 +128,46 @@ def _import_time(result: dict[str, Any]) -> list[str]:
     return [
         f"Fresh interpreters, bytecode cache allowed, the median of {imported['runs']} runs each:",
         "",
-        *_table(["", "ms"], [
-            ["`import torch`", f"{imported['torch_ms']:.0f}"],
-            ["`import ampguard` after it, stderr to a pipe",
-             f"{imported['ampguard_ms']:.1f} (min {imported['ampguard_ms_min']:.1f}, max {imported['ampguard_ms_max']:.1f})"],
-            ["`import ampguard` after it, stderr on a pseudo-terminal",
-             f"{terminal:.1f}" if terminal is not None else "no pseudo-terminal here"],
-        ]),
+        *_table(
+            ["", "ms"],
+            [
+                ["`import torch`", f"{imported['torch_ms']:.0f}"],
+                [
+                    "`import ampguard` after it, stderr to a pipe",
+                    f"{imported['ampguard_ms']:.1f} (min {imported['ampguard_ms_min']:.1f}, max {imported['ampguard_ms_max']:.1f})",
+                ],
+                [
+                    "`import ampguard` after it, stderr on a pseudo-terminal",
+                    f"{terminal:.1f}" if terminal is not None else "no pseudo-terminal here",
+                ],
+            ],
+        ),
     ]
 
 
 def _idle_clip(result: dict[str, Any]) -> list[str]:
     clip = result["clip_idle"]
     row = [
-        f"{clip['tensors']} x {'x'.join(map(str, clip['tensor_shape']))}", f"{clip['torch_us_per_call']:.0f}",
-        f"{clip['ampguard_us_per_call']:.0f}", f"{clip['overhead']:+.1%} +- {clip['overhead_stderr']:.1%}",
+        f"{clip['tensors']} x {'x'.join(map(str, clip['tensor_shape']))}",
+        f"{clip['torch_us_per_call']:.0f}",
+        f"{clip['ampguard_us_per_call']:.0f}",
+        f"{clip['overhead']:+.1%} +- {clip['overhead_stderr']:.1%}",
         f"{clip['overhead_min']:+.0%}..{clip['overhead_max']:+.0%}",
-        f"{clip['torch_syncs_per_call']} / {clip['ampguard_syncs_per_call']}", "yes" if clip["wrapped"] else "no",
+        f"{clip['torch_syncs_per_call']} / {clip['ampguard_syncs_per_call']}",
+        "yes" if clip["wrapped"] else "no",
     ]
-    return _table(["float32 tensors", "torch us/call", "ampguard us/call", "overhead (median paired) +- s.e.",
-                   "paired, min..max", "syncs/call torch / ampguard", "clip patch applied"], [row])
+    return _table(
+        [
+            "float32 tensors",
+            "torch us/call",
+            "ampguard us/call",
+            "overhead (median paired) +- s.e.",
+            "paired, min..max",
+            "syncs/call torch / ampguard",
+            "clip patch applied",
+        ],
+        [row],
+    )
 
 
 def _checks(result: dict[str, Any]) -> list[str]:
@@ -109,8 +175,10 @@ def _checks(result: dict[str, Any]) -> list[str]:
         value = check["measured"]
         return f"{value:+.1%}" if check["name"] == "clip_idle_overhead" else f"{value:.4g}"
 
-    return _table(["target", "wanted", "measured", "met"],
-                  [[c["name"], c["target"], shown(c), "yes" if c["ok"] else "NO"] for c in result["checks"]])
+    return _table(
+        ["target", "wanted", "measured", "met"],
+        [[c["name"], c["target"], shown(c), "yes" if c["ok"] else "NO"] for c in result["checks"]],
+    )
 
 
 def render(result: dict[str, Any], command: str, when: datetime.datetime | None = None) -> str:
@@ -172,7 +240,7 @@ def rewrite(path: str, section: str) -> None:
     if start < 0 or end < start:
         raise MarkersMissing(f"{path} has no generated section: put these two lines where it goes:\n{BEGIN}\n{END}")
     end += len(END)
-    if text[end:end + 1] == "\n":
+    if text[end : end + 1] == "\n":
         end += 1
     with open(path, "w", encoding="utf-8") as file:
         file.write(text[:start] + section + text[end:])
@@ -188,7 +256,7 @@ def structure(text: str) -> list[str]:
         raise MarkersMissing("no generated section")
     shape = []
     lines = text[start:end].splitlines()
-    for previous, line in zip([""] + lines, lines):
+    for previous, line in zip(["", *lines], lines):
         if line.startswith("#"):
             shape.append(line)
         elif line.startswith("|") and not previous.startswith("|"):
@@ -196,4 +264,3 @@ def structure(text: str) -> list[str]:
         elif previous == "```" and "ampguard bench" in line:
             shape.append("command: " + " ".join(line.split()[:4]))
     return shape
-

@@ -9,7 +9,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import platform
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -57,21 +58,45 @@ def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
     timings = [t for t in result["step_time"].values() if t]
     if timings:
         ratio = max(t["ratio"] for t in timings)
-        rows.append({"name": "step_time_ratio", "target": f"<= {TARGETS['step_time_ratio']}", "measured": ratio,
-                     "ok": ratio <= TARGETS["step_time_ratio"]})
+        rows.append(
+            {
+                "name": "step_time_ratio",
+                "target": f"<= {TARGETS['step_time_ratio']}",
+                "measured": ratio,
+                "ok": ratio <= TARGETS["step_time_ratio"],
+            }
+        )
     counted = [s for s in result["syncs"].values() if "extra_per_step" in s]
     if counted:
         extra = max(s["extra_per_step"] for s in counted)
-        rows.append({"name": "extra_syncs_per_step", "target": f"== {TARGETS['extra_syncs_per_step']}", "measured": extra,
-                     "ok": extra <= TARGETS["extra_syncs_per_step"]})
+        rows.append(
+            {
+                "name": "extra_syncs_per_step",
+                "target": f"== {TARGETS['extra_syncs_per_step']}",
+                "measured": extra,
+                "ok": extra <= TARGETS["extra_syncs_per_step"],
+            }
+        )
     if result["import_time"]:
         measured = result["import_time"]["ampguard_ms"]
-        rows.append({"name": "import_overhead_ms", "target": f"<= {TARGETS['import_overhead_ms']:g}", "measured": measured,
-                     "ok": measured <= TARGETS["import_overhead_ms"]})
+        rows.append(
+            {
+                "name": "import_overhead_ms",
+                "target": f"<= {TARGETS['import_overhead_ms']:g}",
+                "measured": measured,
+                "ok": measured <= TARGETS["import_overhead_ms"],
+            }
+        )
     if result["clip_idle"]:
         overhead = result["clip_idle"]["overhead"]
-        rows.append({"name": "clip_idle_overhead", "target": f"<= {TARGETS['clip_idle_overhead']:g}", "measured": overhead,
-                     "ok": overhead <= TARGETS["clip_idle_overhead"]})
+        rows.append(
+            {
+                "name": "clip_idle_overhead",
+                "target": f"<= {TARGETS['clip_idle_overhead']:g}",
+                "measured": overhead,
+                "ok": overhead <= TARGETS["clip_idle_overhead"],
+            }
+        )
     return rows
 
 
@@ -159,7 +184,7 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             f"<= {TARGETS['step_time_ratio']}",
             "yes" if timing["ratio"] <= TARGETS["step_time_ratio"] else "NO",
         ]
-    for key, counted in result["syncs"].items():
+    for counted in result["syncs"].values():
         if "unavailable" in counted:
             yield [f"syncs/step, {counted['optimizer']}", "-", "-", "unavailable: " + counted["unavailable"], "", ""]
             continue

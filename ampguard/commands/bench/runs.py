@@ -20,8 +20,9 @@ from __future__ import annotations
 import copy
 import os
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -187,7 +188,8 @@ class TinyTransformer(torch.nn.Module):
         hidden = self.embed(tokens)
         for block in self.blocks:
             hidden = block(hidden)
-        return self.head(hidden)
+        logits: torch.Tensor = self.head(hidden)
+        return logits
 
 
 def fused_unavailable_reason(device: str) -> str | None:
@@ -218,8 +220,8 @@ class Run:
         self.device = device
         self.dtype = dtype
         self.model = copy.deepcopy(model)
-        extra = {"fused": True} if fused else {}
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, **extra)
+        # fused=None is torch's default (AdamW chooses); only fused=True is asked for.
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=LEARNING_RATE, fused=True if fused else None)
         self.scaler = implementation.scaler_class(device, init_scale=INIT_SCALE, growth_interval=GROWTH_INTERVAL)
         self.batches = batches
         self.index = 0
@@ -270,4 +272,3 @@ def optimizer_name(fused: bool) -> str:
 def same_parameters(first: torch.nn.Module, second: torch.nn.Module) -> bool:
     """Whether both runs ended with bit-identical weights (same work done: same steps skipped, same clip)."""
     return all(torch.equal(a, b) for a, b in zip(first.parameters(), second.parameters()))
-

@@ -11,7 +11,8 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -44,7 +45,8 @@ class Timer:
             work()
             end.record()
             end.synchronize()
-            return start.elapsed_time(end) / 1e3
+            milliseconds: float = start.elapsed_time(end)
+            return milliseconds / 1e3
         started = time.perf_counter()
         work()
         return time.perf_counter() - started
@@ -61,7 +63,9 @@ def _without_gc(work: Callable[[], None]) -> Callable[[], None]:
     return run
 
 
-def interleaved_blocks(first: Callable[[], None], second: Callable[[], None], pairs: int, timer: Timer) -> list[tuple[float, float]]:
+def interleaved_blocks(
+    first: Callable[[], None], second: Callable[[], None], pairs: int, timer: Timer
+) -> list[tuple[float, float]]:
     """``pairs`` paired timings (first, second), run in the order A B, B A, A B, ... (drift cancels)."""
     timed: list[tuple[float, float]] = []
     gc.collect()
@@ -158,5 +162,3 @@ def time_idle_clip(options: Options) -> dict[str, Any]:
         "ampguard_syncs_per_call": syncs[1],
         "blocks": options.clip_blocks,
     }
-
-
