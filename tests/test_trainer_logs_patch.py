@@ -58,6 +58,9 @@ def coqui_logging(tmp_path, monkeypatch):
     console_records: list[logging.LogRecord] = []
     console.emit = console_records.append  # type: ignore[method-assign]
     monkeypatch.setattr(trainer_logger, "handlers", [console, file_handler])
+    # Only this test's forwarder: the real coqui trainer imported by an earlier test (tests/integration) leaves
+    # the patch's own forwarder attached, which would write every line twice.
+    monkeypatch.setattr(logger, "handlers", [h for h in logger.handlers if not isinstance(h, ToTrainerLogFiles)])
     forwarder = ToTrainerLogFiles()
     logger.addHandler(forwarder)
     yield tmp_path / "trainer_0_log.txt", console_records, file_handler
