@@ -31,6 +31,7 @@ from typing import Any
 
 import pytest
 import torch
+from torchrun_support import environment_without_ampguard, torchrun_command
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -170,23 +171,8 @@ def _torchrun(
     out.mkdir()
     logs = tmp_path / "logs"
     entry = ["-m", "ampguard", "run", str(worker)] if under_ampguard_run else [str(worker)]
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--log-dir",
-        str(logs),
-        "--redirects",
-        "3",
-        *entry,
-        *worker_args,
-        str(out),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    env.update(AMPGUARD_STATS_EVERY=str(STATS_EVERY), T_STEPS=str(STEPS), OMP_NUM_THREADS="1")
+    command = torchrun_command(*entry, *worker_args, str(out), log_dir=logs)
+    env = environment_without_ampguard(AMPGUARD_STATS_EVERY=str(STATS_EVERY), T_STEPS=str(STEPS))
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     stderr = [_rank_log(logs, rank, "stderr") for rank in range(2)]
     if result.returncode != 0:
@@ -385,24 +371,11 @@ def test_sharded_scaler_import_orders_and_uninstall(tmp_path: Path, order: str) 
 @pytest.mark.distributed
 def test_ddp_example_under_torchrun(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """The README command: ``torchrun --nproc-per-node 2 -m ampguard run examples/ddp_train.py``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    env = environment_without_ampguard()
     steps = 30
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "-m",
-        "ampguard",
-        "run",
-        str(EXAMPLES / "ddp_train.py"),
-        "--steps",
-        str(steps),
-        "--overflow-step",
-        "10",
-    ]
+    command = torchrun_command(
+        "-m", "ampguard", "run", str(EXAMPLES / "ddp_train.py"), "--steps", str(steps), "--overflow-step", "10"
+    )
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]

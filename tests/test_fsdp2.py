@@ -10,12 +10,11 @@ ampguard, with a backward overflow on rank 1 at one step.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_support import environment_without_ampguard, torchrun_command
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -74,21 +73,10 @@ dist.destroy_process_group()
 def _run(tmp_path: Path, mode: str) -> dict:
     worker = tmp_path / "fsdp2_worker.py"
     worker.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {
-        "AMPGUARD_QUIET": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-        mode,
-    ]
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    env = environment_without_ampguard(AMPGUARD_QUIET="1")
+    done = subprocess.run(
+        torchrun_command(str(worker), mode), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])

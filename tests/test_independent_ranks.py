@@ -8,12 +8,11 @@ collective called by the skipping rank alone would hang the job.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_support import environment_without_ampguard, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -45,25 +44,8 @@ dist.destroy_process_group()
 def test_independent_ranks_skipping_different_steps_do_not_hang(tmp_path: Path) -> None:
     worker = tmp_path / "independent.py"
     worker.write_text(WORKER)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {
-        "AMPGUARD_QUIET": "1",
-        "OMP_NUM_THREADS": "1",
-    }
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--redirects",
-        "3",
-        "--tee",
-        "3",
-        str(worker),
-    ]
+    env = environment_without_ampguard(AMPGUARD_QUIET="1")
+    command = torchrun_command(str(worker), log_dir=tmp_path / "logs", tee=True)
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     results = sorted(

@@ -9,13 +9,12 @@ skipped steps only, so both keep the same scale and make the same island.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from torchrun_support import environment_without_ampguard, torchrun_command
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 30
@@ -61,19 +60,8 @@ def test_overflow_on_one_rank_heals_both_ranks_alike(tmp_path: Path) -> None:
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(worker),
-        str(out),
-        str(TESTS),
-        str(STEPS),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"OMP_NUM_THREADS": "1"}
+    command = torchrun_command(str(worker), str(out), str(TESTS), str(STEPS))
+    env = environment_without_ampguard()
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]

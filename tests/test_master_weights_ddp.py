@@ -12,12 +12,11 @@ reduction.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from torchrun_support import environment_without_ampguard, torchrun_command
 
 WORKER = r"""
 import json
@@ -87,22 +86,8 @@ dist.destroy_process_group()
 def test_float16_ddp_trains_like_float32_and_ranks_agree(tmp_path: Path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        "--log-dir",
-        str(tmp_path / "logs"),
-        "--redirects",
-        "3",
-        str(worker),
-        str(tmp_path),
-    ]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    env.update(AMPGUARD_QUIET="1", OMP_NUM_THREADS="1")
+    command = torchrun_command(str(worker), str(tmp_path), log_dir=tmp_path / "logs")
+    env = environment_without_ampguard(AMPGUARD_QUIET="1")
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     if result.returncode != 0:
         logs = "".join(path.read_text()[-3000:] for path in sorted((tmp_path / "logs").glob("**/stderr.log")))
