@@ -38,7 +38,7 @@ try:
 except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
     OptState = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
 
-from ampguard import containment, healing, summary
+from ampguard import containment, summary
 from ampguard.accumulation import rescale_unscaled_gradients
 from ampguard.errors import ScaleCollapseError
 from ampguard.scaler import accounting, checkpoint, crashes, ledger, policy, sharded
@@ -272,7 +272,7 @@ class SafeGradScaler(TorchGradScaler):
     ) -> Any:
         # The single host read torch makes here also carries "was the loss finite?" and the probe's verdict.
         try:
-            code = self._step_code(optimizer_state)
+            code = accounting.step_code(self, optimizer_state)
         except Exception as error:
             containment.report("skip check (step())", error)
             return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
@@ -285,18 +285,6 @@ class SafeGradScaler(TorchGradScaler):
         if found:
             return None
         return optimizer.step(*args, **kwargs)
-
-    def _step_code(self, optimizer_state: dict[str, Any]) -> torch.Tensor:
-        """found_inf (0/1), + 2 when a loss was non-finite, + the probe's verdict: one value for one read."""
-        found_infs = list(optimizer_state["found_inf_per_device"].values())
-        total = found_infs[0]
-        for other in found_infs[1:]:
-            total = total + other.to(total.device, non_blocking=True)
-        code = total.clamp(max=1.0) if len(found_infs) > 1 or not self._host_mirror_exact else total  # 0 or 1
-        if self._loss_check is not None:
-            # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
-            code = code + torch.nan_to_num(self._loss_check.to(code.device, non_blocking=True), nan=2.0)
-        return healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
 
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
         """As torch's ``update()``, plus the floor and cap, accounting and reporting.

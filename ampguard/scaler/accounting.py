@@ -26,6 +26,19 @@ if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
 
 
+def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> torch.Tensor:
+    """found_inf (0/1), + 2 when a loss was non-finite, + the probe's verdict: one value for torch's one read."""
+    found_infs = list(optimizer_state["found_inf_per_device"].values())
+    total = found_infs[0]
+    for other in found_infs[1:]:
+        total = total + other.to(total.device, non_blocking=True)
+    code = total.clamp(max=1.0) if len(found_infs) > 1 or not scaler._host_mirror_exact else total  # 0 or 1
+    if scaler._loss_check is not None:
+        # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
+        code = code + torch.nan_to_num(scaler._loss_check.to(code.device, non_blocking=True), nan=2.0)
+    return healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
+
+
 def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value: int) -> bool:
     """Everything the host learns from the one read; returns whether the step is skipped."""
     healing.note_read(value)
