@@ -48,7 +48,7 @@ def rescale_unscaled_gradients(scaler: SafeGradScaler) -> None:
     if scale is None:
         return
     kept: list[Any] = []
-    for optimizer in scaler._unscaled_optimizers:
+    for optimizer in scaler._iteration.unscaled_optimizers:
         state = scaler._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
         if state is None or state["stage"] is not grad_scaler.OptState.UNSCALED:
             kept.append(optimizer)
@@ -56,7 +56,7 @@ def rescale_unscaled_gradients(scaler: SafeGradScaler) -> None:
         _multiply_gradients(optimizer, scale)
         state["stage"] = grad_scaler.OptState.READY
         state["found_inf_per_device"] = {}
-    scaler._unscaled_optimizers = kept
+    scaler._iteration.unscaled_optimizers = kept
 
 
 def _multiply_gradients(optimizer: Any, scale: torch.Tensor) -> None:

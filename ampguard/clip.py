@@ -408,7 +408,7 @@ def scalers_in_play() -> list[SafeGradScaler]:
     scalers = [s for s in live_scalers() if getattr(s, "_scale", None) is not None]
     if len(scalers) > 1:  # threads training models of their own: each clips with its own scaler
         here = threading.get_ident()
-        scalers = [s for s in scalers if s._scaling_thread == here] or scalers
+        scalers = [s for s in scalers if s._iteration.scaling_thread == here] or scalers
     return scalers
 
 
@@ -417,7 +417,7 @@ def unscaled_optimizers(scalers: list[SafeGradScaler]) -> list[tuple[SafeGradSca
     return [
         (scaler, optimizer, params_of([optimizer]))
         for scaler in scalers
-        for optimizer in getattr(scaler, "_unscaled_optimizers", ())
+        for optimizer in scaler._iteration.unscaled_optimizers
     ]
 
 
@@ -533,7 +533,7 @@ def _scaled_threshold(scaler: SafeGradScaler, max_norm: float) -> bool:
     ``clip_grad_norm_(params, max_norm * scaler.get_scale())``, still in torch's
     own tests. ``max_norm=inf`` means the same either way.
     """
-    return scaler._scale_read_in_iteration and math.isfinite(max_norm)
+    return scaler._iteration.scale_read and math.isfinite(max_norm)
 
 
 def _raise_found_inf(

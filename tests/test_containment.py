@@ -19,6 +19,7 @@ from scaler_support import (  # noqa: F401
 import ampguard.clip
 import ampguard.healing
 import ampguard.scaler.accounting
+import ampguard.scaler.iteration
 import ampguard.scaler.policy
 import ampguard.scheduler_hold
 from ampguard import containment
@@ -28,7 +29,7 @@ SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
 
 # (module, attribute): each is ampguard's own work inside a training step.
 HOOKS = [
-    (ampguard.scaler, "_loss_check"),  # scale(): the loss check
+    (ampguard.scaler.iteration, "loss_check"),  # scale(): the loss check
     (ampguard.healing, "add_verdict"),  # step(): what rides on the one host read
     (ampguard.healing, "note_read"),  # step(): what the host learns from it
     (ampguard.scheduler_hold, "note_step"),

@@ -244,7 +244,7 @@ def test_second_unscale_is_a_noop_and_gradients_are_divided_once():
     twice_scaler.unscale_(twice_opt)
     twice_scaler.unscale_(twice_opt)
     assert torch.equal(once_model.weight.grad, twice_model.weight.grad)
-    assert twice_scaler._unscaled_optimizers == [twice_opt]
+    assert twice_scaler._iteration.unscaled_optimizers == [twice_opt]
     twice_scaler.step(twice_opt)
     twice_scaler.update()
     once_scaler.step(once_opt)

@@ -132,7 +132,7 @@ def test_loss_check_covers_nested_lists_and_tuples():
     w = torch.ones(2, requires_grad=True)
     scaled = scaler.scale((w.sum(), [w.sum() * 2, (w * float("inf")).sum()]))
     assert isinstance(scaled, tuple) and isinstance(scaled[1], list)
-    assert torch.isnan(scaler._loss_check)
+    assert torch.isnan(scaler._iteration.loss_check)
 
 
 # -- clipping with a threshold for scaled gradients -----------------------------------------------

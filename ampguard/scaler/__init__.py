@@ -11,6 +11,8 @@ This class is the torch-facing part: it overrides torch's methods and hands
 each behaviour to the module that owns it.
 
 * :mod:`~ampguard.scaler.settings`: constructor arguments, defaults and environment, resolved once;
+* :mod:`~ampguard.scaler.iteration`: the iteration in progress (the loss check, what step() read, the
+  optimizers already unscaled);
 * :mod:`~ampguard.scaler.policy`: torch's update rule replayed on the host, the floor and cap,
   collapse and stall reports;
 * :mod:`~ampguard.scaler.accounting`: host mode, the counters and the mirror of the scale
@@ -25,7 +27,6 @@ each behaviour to the module that owns it.
 
 from __future__ import annotations
 
-import threading
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable
@@ -42,8 +43,9 @@ from ampguard import containment, summary
 from ampguard.accumulation import rescale_unscaled_gradients
 from ampguard.errors import ScaleCollapseError
 from ampguard.scaler import accounting, checkpoint, crashes, ledger, policy, sharded
+from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.policy import next_scale
-from ampguard.scaler.settings import Settings, active_settings
+from ampguard.scaler.settings import Settings, active_settings, check_device_argument
 from ampguard.scaler.sharded import safe_sharded_scaler_class
 from ampguard.stats import ScalerStats
 
@@ -139,11 +141,7 @@ class SafeGradScaler(TorchGradScaler):
         min_scale: float | None = None,
         max_scale: float | None = None,
     ) -> None:
-        if not isinstance(device, (str, torch.device)):
-            raise TypeError(
-                f"SafeGradScaler's first argument is the device type (e.g. 'cuda'), got {device!r}. "
-                f"Did you mean init_scale={device!r}?"
-            )
+        check_device_argument(device)
         settings = active_settings(init_scale, growth_interval, min_scale, max_scale)
         super().__init__(
             device,
@@ -175,22 +173,11 @@ class SafeGradScaler(TorchGradScaler):
         self._stall_error: ScaleCollapseError | None = None
         self._warned_no_grad: set[int] = set()
         self._warned_fp16 = False
-        self._reset_iteration()
+        self._iteration = Iteration()
         if self._enabled:
             summary.track(self)
         if self._enabled and settings.init_scale != self._mirror_scale:
             self._init_scale = self._mirror_scale
-
-    def _reset_iteration(self) -> None:
-        # loss - loss of every loss scale()d this iteration, summed: 0 while all were finite, NaN otherwise.
-        self._loss_check: torch.Tensor | None = None
-        self._host_found: dict[int, bool] = {}
-        self._unscaled_optimizers: list[Any] = []
-        self._iteration_loss_nonfinite = False
-        # get_scale() read after scale(): clip thresholds may be scaled ones (ampguard.clip).
-        self._scale_read_in_iteration = False
-        # The thread that called scale(): clip_grad_norm_ in a thread looks at that thread's scalers.
-        self._scaling_thread: int | None = None
 
     def scale(self, outputs: Any) -> Any:
         """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
@@ -199,7 +186,7 @@ class SafeGradScaler(TorchGradScaler):
         accumulation), it first multiplies the unscaled gradients back by the
         scale (:mod:`ampguard.accumulation`).
         """
-        if self._enabled and self._unscaled_optimizers:
+        if self._enabled and self._iteration.unscaled_optimizers:
             try:
                 rescale_unscaled_gradients(self)
             except Exception as error:
@@ -208,12 +195,7 @@ class SafeGradScaler(TorchGradScaler):
         if self._enabled:
             scalers_in_iteration.add(self)
             try:
-                self._scaling_thread = threading.get_ident()
-                check = _loss_check(outputs)
-                if check is not None:
-                    self._loss_check = (
-                        check if self._loss_check is None else self._loss_check + check.to(self._loss_check.device)
-                    )
+                self._iteration.note_loss(outputs)
             except Exception as error:
                 containment.report("loss check (scale())", error)
         return scaled
@@ -221,7 +203,7 @@ class SafeGradScaler(TorchGradScaler):
     def get_scale(self) -> float:
         """As torch's ``get_scale()`` (one host read)."""
         if self._enabled and self in scalers_in_iteration:
-            self._scale_read_in_iteration = True
+            self._iteration.scale_read = True
         return super().get_scale()
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -236,7 +218,7 @@ class SafeGradScaler(TorchGradScaler):
             return
         super().unscale_(optimizer)
         if self._enabled:
-            self._unscaled_optimizers.append(optimizer)
+            self._iteration.unscaled_optimizers.append(optimizer)
 
     def _unscale_grads_(
         self,
@@ -327,7 +309,7 @@ class SafeGradScaler(TorchGradScaler):
 
     def _end_iteration(self) -> None:
         scalers_in_iteration.discard(self)
-        self._reset_iteration()
+        self._iteration = Iteration()
         accounting.report_if_due(self)
 
     @property
@@ -370,28 +352,8 @@ class SafeGradScaler(TorchGradScaler):
         super().__setstate__(state)
         if "_settings" not in state:  # pickled by torch's own GradScaler
             checkpoint.adopt_torch_pickle(self, state)
-
-
-def _loss_check(outputs: Any) -> torch.Tensor | None:
-    """``loss - loss`` summed over every tensor of ``outputs`` (nested lists and tuples, as ``scale()`` takes).
-
-    0 while every loss is finite, NaN otherwise; one kernel per loss
-    (``torch.isfinite(...).all()`` is five; no ``detach()`` either, under no_grad).
-    None when there is no tensor, or ``outputs`` is another iterable, which
-    ``scale()`` maps lazily.
-    """
-    if isinstance(outputs, torch.Tensor):
-        with torch.no_grad():
-            check = outputs - outputs
-            return check.sum() if check.dim() else check
-    if not isinstance(outputs, (list, tuple)):
-        return None
-    total: torch.Tensor | None = None
-    for item in outputs:
-        item_check = _loss_check(item)
-        if item_check is not None:
-            total = item_check if total is None else total + item_check.to(total.device)
-    return total
+        else:
+            checkpoint.restore_iteration(self)
 
 
 def __getattr__(name: str) -> Any:

@@ -33,9 +33,9 @@ def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> torch.
     for other in found_infs[1:]:
         total = total + other.to(total.device, non_blocking=True)
     code = total.clamp(max=1.0) if len(found_infs) > 1 or not scaler._host_mirror_exact else total  # 0 or 1
-    if scaler._loss_check is not None:
+    if scaler._iteration.loss_check is not None:
         # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
-        code = code + torch.nan_to_num(scaler._loss_check.to(code.device, non_blocking=True), nan=2.0)
+        code = code + torch.nan_to_num(scaler._iteration.loss_check.to(code.device, non_blocking=True), nan=2.0)
     return healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
 
 
@@ -43,10 +43,10 @@ def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value
     """Everything the host learns from the one read; returns whether the step is skipped."""
     healing.note_read(value)
     found = bool(value & 1)
-    scaler._host_found[id(optimizer)] = found
+    scaler._iteration.host_found[id(optimizer)] = found
     scheduler_hold.note_step(optimizer, found)  # LR schedulers hold on a skipped step
     if value & 2:
-        scaler._iteration_loss_nonfinite = True
+        scaler._iteration.loss_nonfinite = True
     if found:
         diagnose.on_skipped_step(scaler, optimizer, loss_nonfinite=bool(value & 2), step=scaler._steps + 1)
     return found
@@ -57,14 +57,14 @@ def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]
     return (
         scaler._ledger is None
         and scaler._host_mirror_exact
-        and all(key in scaler._host_found for key, s in states.items() if s["found_inf_per_device"])
+        and all(key in scaler._iteration.host_found for key, s in states.items() if s["found_inf_per_device"])
     )
 
 
 def update_in_host_mode(scaler: SafeGradScaler) -> None:
-    found = any(scaler._host_found.values())
-    forward_overflow = found and healing.agreed_forward_overflow(scaler._iteration_loss_nonfinite)
-    skipped_steps = sum(scaler._host_found.values())
+    found = any(scaler._iteration.host_found.values())
+    forward_overflow = found and healing.agreed_forward_overflow(scaler._iteration.loss_nonfinite)
+    skipped_steps = sum(scaler._iteration.host_found.values())
     scale_before = scaler._mirror_scale
     assert scale_before is not None
     scaler._torch_update()
@@ -88,7 +88,7 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     scaler._min_seen = min(scaler._min_seen, bounded)
     scaler._max_seen = max(scaler._max_seen, bounded)
     scaler._skipped += skipped_steps
-    if scaler._iteration_loss_nonfinite:
+    if scaler._iteration.loss_nonfinite:
         scaler._nonfinite_loss += 1
     if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
         logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, scaler._steps)

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ampguard import healing, messages
 from ampguard.log import logger
 from ampguard.scaler import policy
+from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.settings import resolve_settings
 
 if TYPE_CHECKING:
@@ -86,12 +87,29 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
     scaler._next_report = (scaler._steps // every + 1) * every if every else 0
 
 
+# Where the iteration in progress was kept before it became one object (pickles of earlier versions).
+_EARLIER_ITERATION_KEYS = (
+    "_loss_check",
+    "_host_found",
+    "_unscaled_optimizers",
+    "_iteration_loss_nonfinite",
+    "_scale_read_in_iteration",
+    "_scaling_thread",
+)
+
+
 def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
     """The pickled ``__dict__``: the iteration in progress is not part of it."""
-    state.update(
-        _loss_check=None, _unscaled_optimizers=[], _host_found={}, _stall_error=None, _scale_read_in_iteration=False
-    )
+    state.pop("_iteration", None)
+    state["_stall_error"] = None
     return state
+
+
+def restore_iteration(scaler: SafeGradScaler) -> None:
+    """After ``__setstate__``: a fresh iteration (and none of an earlier version's per-iteration attributes)."""
+    for key in _EARLIER_ITERATION_KEYS:
+        scaler.__dict__.pop(key, None)
+    scaler._iteration = Iteration()
 
 
 def adopt_torch_pickle(scaler: SafeGradScaler, state: dict[str, Any]) -> None:

@@ -138,8 +138,8 @@ def update_in_device_mode(
         found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
         stepped = [flag for key, flag in found_per_optimizer.items() if recorded[key]["stage"] is OptState.STEPPED]
         skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
-        check = _check_on(scaler._loss_check, ledger)
-        hold = new_scale is None and scaler._loss_check is not None and healing.holds_in_device_mode()
+        check = _check_on(scaler._iteration.loss_check, ledger)
+        hold = new_scale is None and scaler._iteration.loss_check is not None and healing.holds_in_device_mode()
         ledger.record(skipped, found, check, scale, hold)
         if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
             for s in recorded.values():

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from ampguard.config import FLOAT32_MAX
 from ampguard.log import logger
 
@@ -67,6 +69,15 @@ def resolve_settings(
             f"so 0 <= min_scale <= max_scale <= {FLOAT32_MAX:g} is needed (min_scale=0: no floor)."
         )
     return settings
+
+
+def check_device_argument(device: object) -> None:
+    """The first argument is a device type: ``SafeGradScaler(1024.0)``, in ``torch.cuda.amp.GradScaler``'s order, is an error."""
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(
+            f"SafeGradScaler's first argument is the device type (e.g. 'cuda'), got {device!r}. "
+            f"Did you mean init_scale={device!r}?"
+        )
 
 
 def active_settings(
