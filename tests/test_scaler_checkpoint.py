@@ -169,6 +169,27 @@ def test_pickling_between_iterations_like_torch(optimizer):
     assert a.scaler.stats.as_dict() == b.scaler.stats.as_dict()
 
 
+def test_a_scaler_pickled_with_the_earlier_per_iteration_attributes_unpickles_and_trains_the_same():
+    """Before scaler/iteration.py the iteration in progress was six attributes of the scaler's ``__dict__``."""
+    run = train(safe(**HYPER), steps=25, faults=FAULTS_A)
+    earlier = run.scaler.__getstate__()
+    earlier.update(
+        _loss_check=None,
+        _host_found={},
+        _unscaled_optimizers=[],
+        _iteration_loss_nonfinite=False,
+        _scale_read_in_iteration=False,
+        _scaling_thread=None,
+    )
+    restored = SafeGradScaler.__new__(SafeGradScaler)
+    restored.__setstate__(earlier)
+    assert not {"_loss_check", "_host_found", "_unscaled_optimizers"} & set(vars(restored))
+    a = train(run.scaler, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
+    b = train(restored, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
+    assert same_parameters(a.model, b.model)
+    assert a.scaler.stats.as_dict() == b.scaler.stats.as_dict()
+
+
 def _pickle_refused_mid_iteration(scaler) -> None:
     model, opt = tiny()
     iteration(scaler, model, opt, update=False)
