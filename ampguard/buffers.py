@@ -8,6 +8,12 @@ to the weights. :class:`BufferGuard` keeps a copy of the model's small
 buffers, refreshed at each healthy ``update()`` with one ``torch._foreach_copy_``
 (no host read), and copies it back after an update whose loss was non-finite.
 
+With a fused optimizer (the scaler's device mode) the host does not learn at
+``update()`` whether the loss was finite: the copy is refreshed at each read of
+the device-side counters (a stats line, ``scaler.stats``, a checkpoint) instead,
+and a read that finds a forward overflow since the previous one, and the buffers
+no longer finite, puts back that earlier copy (:meth:`BufferGuard.on_stats_read`).
+
 Which buffers: those of the modules called during the second iteration of
 training (a global forward pre-hook that watches that one iteration and then
 removes itself; the first iteration is left alone so that a process that never
@@ -25,6 +31,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ampguard.log import logger
+from ampguard.syncs import read_to_host
 
 MAX_ELEMENTS = 1 << 16
 MAX_TOTAL = 1 << 24
@@ -33,6 +40,17 @@ RESTORED = (
     "step {step} overflowed in the forward pass, which had already updated buffers such as BatchNorm's running "
     "statistics: ampguard put the {count} small buffers it guards back to their values from before that forward "
     "pass, so evaluation stays finite. Counted in stats.buffers_restored; this message is shown once."
+)
+
+RESTORED_AT_READ = (
+    "a forward overflow since step {snapshot_step} (a fused optimizer: ampguard learns of it when it reads its "
+    "counters, here at step {step}) left inf/NaN in buffers such as BatchNorm's running statistics: ampguard put "
+    "the {count} small buffers it guards back to their values at step {snapshot_step}, so evaluation stays finite. "
+    "Counted in stats.buffers_restored; this message is shown once."
+)
+UNRESTORABLE = (
+    "a forward overflow left inf/NaN in buffers such as BatchNorm's running statistics (found at step {step}), "
+    "and ampguard holds no finite copy of them from before it: they stay as they are. This message is shown once."
 )
 
 
@@ -45,8 +63,10 @@ class BufferGuard:
         self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.buffers: list[torch.Tensor] = []
         self.snapshot: list[torch.Tensor] | None = None
+        self.snapshot_step = 0
         self.restores = 0
         self._reported = False
+        self._reported_unrestorable = False
 
     def close(self) -> None:
         if self._handle is not None:
@@ -61,26 +81,59 @@ class BufferGuard:
         if module._buffers and id(module) not in self._modules:
             self._modules[id(module)] = weakref.ref(module)
 
-    def on_update(self, overflow: bool, step: int) -> None:
-        """Called by every host-mode ``update()``: discover, then snapshot (healthy) or restore (forward overflow)."""
+    @property
+    def discovered(self) -> bool:
+        return self.state == "guarding"
+
+    def advance(self) -> bool:
+        """Discovery: watch the next iteration's module calls, then collect their buffers. True once guarding."""
         if self.state == "new":
             self.state = "discovering"
             self._handle = nn_module.register_module_forward_pre_hook(self._note)
-            return
+            return False
         if self.state == "discovering":
             self.close()
             self.state = "guarding"
             self.buffers = self._collect()
-        if not self.buffers:
+        return True
+
+    def on_update(self, overflow: bool, step: int) -> None:
+        """Called by every host-mode ``update()``: discover, then snapshot (healthy) or restore (forward overflow)."""
+        if not self.advance() or not self.buffers:
             return
         if overflow:
             if self.snapshot is not None:
-                self._restore(step)
+                self._restore(RESTORED.format(step=step, count=len(self.buffers)))
+            return
+        self.take_snapshot(step)
+
+    def take_snapshot(self, step: int) -> None:
+        if not self.buffers:
             return
         if self.snapshot is None:
             self.snapshot = [b.detach().clone() for b in self.buffers]
         else:
             torch._foreach_copy_(self.snapshot, self.buffers)
+        self.snapshot_step = step
+
+    def on_stats_read(self, overflowed: bool, step: int) -> None:
+        """Device mode, at each read of the scaler's device-side counters (a failure found costs one read here).
+
+        ``overflowed``: a forward overflow happened since the previous read. If the
+        buffers are no longer finite they get the copy from that read back (when
+        it is finite itself); otherwise the copy is refreshed.
+        """
+        if not self.discovered or not self.buffers:
+            return
+        if overflowed and not _all_finite(self.buffers):
+            if self.snapshot is not None and _all_finite(self.snapshot):
+                message = RESTORED_AT_READ.format(snapshot_step=self.snapshot_step, step=step, count=len(self.buffers))
+                self._restore(message)
+            elif not self._reported_unrestorable:
+                self._reported_unrestorable = True
+                logger.warning(UNRESTORABLE.format(step=step))
+            return
+        self.take_snapshot(step)
 
     def _collect(self) -> list[torch.Tensor]:
         found: dict[int, torch.Tensor] = {}
@@ -99,11 +152,17 @@ class BufferGuard:
         self._modules = {}
         return list(found.values())
 
-    def _restore(self, step: int) -> None:
+    def _restore(self, message: str) -> None:
         assert self.snapshot is not None
         with torch.no_grad():
             torch._foreach_copy_(self.buffers, self.snapshot)
         self.restores += 1
         if not self._reported:
             self._reported = True
-            logger.warning(RESTORED.format(step=step, count=len(self.buffers)))
+            logger.warning(message)
+
+
+def _all_finite(tensors: list[torch.Tensor]) -> bool:
+    """Whether every floating-point tensor holds finite values only (one host read)."""
+    checks = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
+    return not checks or bool(read_to_host(torch.stack(checks).all()))

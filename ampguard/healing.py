@@ -19,6 +19,14 @@ also
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
 optimizer steps without another forward overflow.
 
+With a fused optimizer (the scaler's device mode) torch reads nothing on the
+host, and neither does ampguard on a healthy step: the host learns of a forward
+overflow when it reads the device-side counters (a stats line, ``scaler.stats``,
+a checkpoint: :func:`after_stats_read`). There the buffers get their copy from
+the previous read back, and the probe is armed; while it watches, each update
+reads the loss check and the probe's verdict (one read per step, after a
+failure only: :func:`end_device_iteration`), as host mode does.
+
 Under torch.distributed (world size > 1), a skipped step's "was the loss
 non-finite" and the probe's verdict are all-reduced (MAX) between ranks, so
 every rank keeps the same scale and makes the same islands. That exchange runs
@@ -61,6 +69,8 @@ class _Healing:
     quiet_steps: int = 0
     exhausted: bool = False
     warned: set[str] = field(default_factory=set)
+    # Forward overflows device mode already saw at an update (the probe watching) since the last stats read.
+    seen_in_device_mode: int = 0
 
 
 _active: _Healing | None = None
@@ -240,6 +250,68 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         _warn_once(
             "end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error
         )
+
+
+# -- device mode (fused optimizers) ------------------------------------------------------------
+
+
+def end_device_iteration(scaler: Any, check: torch.Tensor | None) -> None:
+    """The end of each device-mode update; ``check`` is the iteration's loss check on the device (None: no step).
+
+    Healthy steps cost nothing: no device work, no read. While the probe watches
+    (after a forward overflow), one read per step gives the loss check and the
+    probe's verdict, and the host-mode logic follows.
+    """
+    active = _active
+    if active is None or (not active.probe.armed and active.buffers.discovered and not islands.restoring()):
+        return
+    try:
+        if active.probe.armed and check is not None and _distributed() is None:
+            verdict = active.probe.verdict
+            pair = torch.stack([check.float(), check.new_zeros(()) if verdict is None else verdict.to(check.device)])
+            loss_check, verdict_value = read_to_host(pair)
+            overflow = loss_check != loss_check  # NaN: a loss was non-finite
+            active.verdict = max(active.verdict, int(verdict_value))
+            active.seen_in_device_mode += overflow
+            end_iteration(scaler, overflow)
+            return
+        islands.end_restore_window()
+        if not active.buffers.discovered and active.buffers.advance():
+            active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # checked for finiteness before use
+    except Exception as error:  # never the reason a run dies
+        active.probe.disarm()
+        _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+
+
+def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> None:
+    """Device mode: the host read the counters of ``iterations`` iterations, ``forward_overflows`` of them held.
+
+    Buffers and the probe act on the overflows the host had not seen yet. Not
+    under torch.distributed, where device mode backs off as torch does and no rank
+    can ask the others (this read is not collective).
+    """
+    active = _active
+    if active is None or _distributed() is not None:
+        return
+    unseen, active.seen_in_device_mode = max(forward_overflows - active.seen_in_device_mode, 0), 0
+    step = int(getattr(scaler, "_steps", 0))
+    try:
+        active.buffers.on_stats_read(unseen > 0, step)
+        if unseen and not active.probe.armed and not active.exhausted:
+            active.probe.arm()
+            active.quiet_steps = 0
+            logger.info(
+                "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
+                "learns of it when it reads its counters, every AMPGUARD_STATS_EVERY steps): watching the next "
+                "forward passes to find the module (AMPGUARD_PROBE_STEPS=%d).",
+                unseen,
+                iterations,
+                step,
+                active.probe_steps,
+            )
+    except Exception as error:  # never the reason a run dies
+        active.probe.disarm()
+        _warn_once("read", "ampguard's forward-overflow probe stopped after an error (%r).", error)
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

@@ -52,6 +52,7 @@ class Replay:
     high: float
     skipped: int = 0
     nonfinite_loss: int = 0
+    forward_overflows: int = 0  # non-finite losses held (no back-off): the ones fp32 islands may heal
     stalls: int = 0  # streaks that reached the stall limit
     collapse_scale: float | None = None  # the lowest scale an overflow collapsed at
 
@@ -107,6 +108,7 @@ class DeviceLedger:
             nonfinite = math.isnan(check)
             replay.skipped += int(skipped)
             replay.nonfinite_loss += nonfinite
+            replay.forward_overflows += nonfinite and held
             replay.low, replay.high = min(replay.low, before), max(replay.high, before)
             if not found:
                 replay.consecutive = 0
@@ -129,6 +131,7 @@ def update_in_device_mode(
     ledger = scaler._ledger
     scale = scaler._scale
     recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
+    check: torch.Tensor | None = None
     if recorded:
         found_per_optimizer = {
             key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
@@ -149,6 +152,7 @@ def update_in_device_mode(
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
     scaler._mirror_scale = None
+    healing.end_device_iteration(scaler, check)
     if ledger.full:
         fold_device_ledger(scaler)
 
@@ -189,6 +193,7 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
             replay.low,
             replay.high,
         )
+    healing.after_stats_read(scaler, replay.forward_overflows, len(rows))
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)
