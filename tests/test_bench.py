@@ -84,7 +84,9 @@ IMPORT_FIELDS = {
     "ampguard_ms",
     "ampguard_ms_min",
     "ampguard_ms_max",
+    "ampguard_cpu_ms",
     "ampguard_terminal_ms",
+    "ampguard_terminal_cpu_ms",
 }
 
 

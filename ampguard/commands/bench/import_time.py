@@ -9,19 +9,20 @@ import subprocess
 import sys
 from typing import Any
 
+# Wall-clock time, and the process's CPU time, which other processes on a busy machine do not stretch.
 _IMPORT_PROBE = """
 import json, time
 started = time.perf_counter()
 import torch
-after_torch = time.perf_counter()
+after_torch, cpu_before = time.perf_counter(), time.process_time()
 import ampguard
-done = time.perf_counter()
-print(json.dumps([after_torch - started, done - after_torch]))
+done, cpu_done = time.perf_counter(), time.process_time()
+print(json.dumps([after_torch - started, done - after_torch, cpu_done - cpu_before]))
 """
 
 
-def _import_probe(environment: dict[str, str], terminal: bool) -> tuple[float, float]:
-    """One fresh interpreter: seconds for ``import torch`` and then for ``import ampguard``.
+def _import_probe(environment: dict[str, str], terminal: bool) -> tuple[float, float, float]:
+    """One fresh interpreter: seconds for ``import torch``, then for ``import ampguard`` (wall and CPU time).
 
     ``terminal``: its stderr is a pseudo-terminal, as for a person running a
     script (ampguard's log handler is then rich's).
@@ -40,8 +41,8 @@ def _import_probe(environment: dict[str, str], terminal: bool) -> tuple[float, f
             os.close(leader)
     else:
         completed = subprocess.run(command, env=environment, capture_output=True, check=True, text=True)
-    torch_seconds, ampguard_seconds = json.loads(completed.stdout.strip().splitlines()[-1])
-    return torch_seconds, ampguard_seconds
+    torch_seconds, ampguard_seconds, ampguard_cpu_seconds = json.loads(completed.stdout.strip().splitlines()[-1])
+    return torch_seconds, ampguard_seconds, ampguard_cpu_seconds
 
 
 def time_import(runs: int) -> dict[str, Any]:
@@ -58,9 +59,11 @@ def time_import(runs: int) -> dict[str, Any]:
     return {
         "runs": runs,
         "bytecode_cache": True,
-        "torch_ms": statistics.median(t for t, _ in plain) * 1e3,
-        "ampguard_ms": statistics.median(a for _, a in plain) * 1e3,
-        "ampguard_ms_min": min(a for _, a in plain) * 1e3,
-        "ampguard_ms_max": max(a for _, a in plain) * 1e3,
-        "ampguard_terminal_ms": statistics.median(a for _, a in on_terminal) * 1e3 if on_terminal else None,
+        "torch_ms": statistics.median(t for t, _, _ in plain) * 1e3,
+        "ampguard_ms": statistics.median(a for _, a, _ in plain) * 1e3,
+        "ampguard_ms_min": min(a for _, a, _ in plain) * 1e3,
+        "ampguard_ms_max": max(a for _, a, _ in plain) * 1e3,
+        "ampguard_cpu_ms": statistics.median(c for _, _, c in plain) * 1e3,
+        "ampguard_terminal_ms": statistics.median(a for _, a, _ in on_terminal) * 1e3 if on_terminal else None,
+        "ampguard_terminal_cpu_ms": statistics.median(c for _, _, c in on_terminal) * 1e3 if on_terminal else None,
     }

@@ -124,21 +124,24 @@ def _import_time(result: dict[str, Any]) -> list[str]:
     imported = result["import_time"]
     if not imported:
         return ["Not measured (`--import-runs 0`)."]
-    terminal = imported["ampguard_terminal_ms"]
+    terminal, terminal_cpu = imported["ampguard_terminal_ms"], imported["ampguard_terminal_cpu_ms"]
     return [
-        f"Fresh interpreters, bytecode cache allowed, the median of {imported['runs']} runs each:",
+        f"Fresh interpreters, bytecode cache allowed, the median of {imported['runs']} runs each. CPU time is the "
+        "importing process's own (`time.process_time`), which other work on the machine does not stretch:",
         "",
         *_table(
-            ["", "ms"],
+            ["", "wall ms", "CPU ms"],
             [
-                ["`import torch`", f"{imported['torch_ms']:.0f}"],
+                ["`import torch`", f"{imported['torch_ms']:.0f}", ""],
                 [
                     "`import ampguard` after it, stderr to a pipe",
                     f"{imported['ampguard_ms']:.1f} (min {imported['ampguard_ms_min']:.1f}, max {imported['ampguard_ms_max']:.1f})",
+                    f"{imported['ampguard_cpu_ms']:.1f}",
                 ],
                 [
                     "`import ampguard` after it, stderr on a pseudo-terminal",
                     f"{terminal:.1f}" if terminal is not None else "no pseudo-terminal here",
+                    f"{terminal_cpu:.1f}" if terminal_cpu is not None else "",
                 ],
             ],
         ),
