@@ -34,10 +34,14 @@ def conv_net() -> nn.Module:
     )
 
 
-def run(scaler, steps: int = STEPS, poisoned: int | None = POISONED):
+def sgd(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.01)
+
+
+def run(scaler, steps: int = STEPS, poisoned: int | None = POISONED, make_optimizer=sgd):
     """Train; returns the model and every buffer as it was just before the poisoned step and just after it."""
     model = conv_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    optimizer = make_optimizer(model)
     before = after = None
     for step in range(steps):
         gen = torch.Generator().manual_seed(step)

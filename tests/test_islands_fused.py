@@ -16,7 +16,7 @@ import pytest
 import torch
 from islands_support import EVERY, fresh_islands, make_net, train  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
-from test_buffers import conv_net
+from test_buffers import run
 from test_islands import HYPER, ISLAND, global_hooks, module_hooks
 from torch import nn
 
@@ -103,54 +103,21 @@ def test_a_healthy_fused_run_matches_torch_bit_for_bit_without_any_read(reinstal
     assert not healing._active.probe.armed
 
 
-def _train_conv(steps: int, poisoned: int, after_update=None) -> nn.Module:
-    model = conv_net()
-    optimizer = fused(model)
-    scaler = torch.amp.GradScaler("cpu")
-    for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 3, 8, 8, generator=gen) * (1e5 if step == poisoned else 1.0)
-        y = torch.randint(0, 4, (4,), generator=gen)
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        if after_update is not None:
-            after_update(step, model)
-    return model
-
-
 def test_buffers_left_inf_by_a_forward_overflow_get_the_copy_from_the_previous_read(reinstall, ampguard_log):
     reinstall(AMPGUARD_STATS_EVERY="4")
-    kept: dict[int, dict[str, torch.Tensor]] = {}
-    model = _train_conv(
-        8, poisoned=5, after_update=lambda s, m: kept.update({s: {n: b.clone() for n, b in m.named_buffers()}})
-    )
-    at_read = _buffers_after(4, poisoned=5)
-    poisoned = kept[5]
-    assert not all(torch.isfinite(b.float()).all() for b in poisoned.values())  # the overflow reached them
-    for name, value in model.named_buffers():
+    model, _, poisoned = run(torch.amp.GradScaler("cpu"), steps=8, poisoned=5, make_optimizer=fused)
+    # (second: the buffers ampguard guards are those of the first model trained in the process)
+    at_read, _, _ = run(torch.amp.GradScaler("cpu"), steps=4, make_optimizer=fused)  # as at the read of step 4
+    assert not all(torch.isfinite(b.float()).all() for b in poisoned.values())  # the overflow (step 6) reached them
+    for (name, value), kept in zip(model.named_buffers(), at_read.buffers()):
         assert torch.isfinite(value.float()).all(), name
-        assert torch.equal(value, at_read[name]), name  # as they were at the read of step 4
+        assert torch.equal(value, kept), name  # put back, at the read of step 8, to their values at step 4
     restored = records(ampguard_log, logging.WARNING, "back to their values at step 4")
     assert len(restored) == 1 and "here at step 8" in restored[0].getMessage()
 
 
-def _buffers_after(steps: int, poisoned: int) -> dict[str, torch.Tensor]:
-    snapshot: dict[str, torch.Tensor] = {}
-
-    def keep(step: int, model: nn.Module) -> None:
-        if step == steps - 1:
-            snapshot.update({name: b.clone() for name, b in model.named_buffers()})
-
-    _train_conv(steps, poisoned, keep)
-    return snapshot
-
-
 def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):
-    model = _train_conv(8, poisoned=5)
+    model, _, _ = run(torch.amp.GradScaler("cpu"), steps=8, poisoned=5, make_optimizer=fused)
     assert not all(torch.isfinite(b.float()).all() for b in model.buffers())
 
 
