@@ -15,7 +15,8 @@ and a read that finds a forward overflow since the previous one, and the buffers
 no longer finite, puts back that earlier copy (:meth:`BufferGuard.on_stats_read`).
 
 Which buffers: those of the modules called during the second iteration of
-training (a global forward pre-hook that watches that one iteration and then
+training by the first scaler, or by a later one once the scaler before it was
+freed (a process that trains one model after another) (a global forward pre-hook that watches that one iteration and then
 removes itself; the first iteration is left alone so that a process that never
 trains pays nothing), each of at most ``MAX_ELEMENTS`` elements (running
 statistics are a few numbers per channel; position tables and masks are
@@ -67,6 +68,14 @@ class BufferGuard:
         self.restores = 0
         self._reported = False
         self._reported_unrestorable = False
+
+    def restart(self) -> None:
+        """Guard another model: discovery starts again (the count of restores and the messages shown are kept)."""
+        self.close()
+        self.state = "new"
+        self._modules = {}
+        self.buffers = []
+        self.snapshot = None
 
     def close(self) -> None:
         if self._handle is not None:

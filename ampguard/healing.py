@@ -37,6 +37,7 @@ whose gradients are all-reduced), never on a healthy one.
 from __future__ import annotations
 
 import sys
+import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -71,6 +72,8 @@ class _Healing:
     warned: set[str] = field(default_factory=set)
     # Forward overflows device mode already saw at an update (the probe watching) since the last stats read.
     seen_in_device_mode: int = 0
+    # The scaler whose model's buffers are guarded (a weak reference).
+    buffers_owner: Any = None
 
 
 _active: _Healing | None = None
@@ -207,6 +210,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     active = _active
     if active is None:
         return
+    _follow(active, scaler)
     if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
     step = int(getattr(scaler, "_steps", 0))
@@ -252,6 +256,16 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         )
 
 
+def _follow(active: _Healing, scaler: Any) -> None:
+    """Buffers are guarded for the model of the first scaler, and of a later one once the one before it is freed."""
+    owner = active.buffers_owner() if active.buffers_owner is not None else None
+    if owner is scaler or owner is not None:
+        return
+    if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
+        active.buffers.restart()
+    active.buffers_owner = weakref.ref(scaler)
+
+
 # -- device mode (fused optimizers) ------------------------------------------------------------
 
 
@@ -263,7 +277,10 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None) -> None:
     probe's verdict, and the host-mode logic follows.
     """
     active = _active
-    if active is None or (not active.probe.armed and active.buffers.discovered and not islands.restoring()):
+    if active is None:
+        return
+    _follow(active, scaler)
+    if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return
     try:
         if active.probe.armed and check is not None and _distributed() is None:

@@ -72,6 +72,15 @@ def test_buffers_are_restored_after_a_forward_overflow(ampguard_log):
     assert len(records(ampguard_log, logging.WARNING, "small buffers it guards back")) == 1
 
 
+def test_a_model_trained_after_another_has_its_own_buffers_guarded(ampguard_log):
+    run(torch.amp.GradScaler("cpu"), poisoned=None)  # the first model; its scaler is freed when run() returns
+    scaler = torch.amp.GradScaler("cpu")
+    model, before, after = run(scaler)
+    assert scaler.stats.buffers_restored == 1
+    for name, value in after.items():
+        assert torch.equal(value, before[name]), name
+
+
 def test_torch_leaves_them_poisoned_and_so_does_the_disabled_patch(reinstall):
     _, _, torch_after = run(ampguard.scaler.TorchGradScaler("cpu"))
     assert not all(torch.isfinite(b.float()).all() for b in torch_after.values())
