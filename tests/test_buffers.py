@@ -75,7 +75,7 @@ def test_buffers_are_restored_after_a_forward_overflow(ampguard_log):
 def test_a_model_trained_after_another_has_its_own_buffers_guarded(ampguard_log):
     run(torch.amp.GradScaler("cpu"), poisoned=None)  # the first model; its scaler is freed when run() returns
     scaler = torch.amp.GradScaler("cpu")
-    model, before, after = run(scaler)
+    _, before, after = run(scaler)
     assert scaler.stats.buffers_restored == 1
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
