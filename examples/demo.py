@@ -72,9 +72,9 @@ def main() -> int:
             print("  ".join("-" * width for width in widths))
     print(
         "\ncalibration: torch starts at scale 65536 and burns steps finding a scale; ampguard starts at 1024."
-        "\nstorm:       a burst of batches a million times too loud (inf/NaN even in float32): torch halves its scale"
-        "\n             far below 1, where it stays; ampguard skips them too (no fp16 trick fixes such data: even"
-        "\n             in float32 their gradients are NaN), stops at the floor 1, and grows every 100."
+        "\nstorm:       24 corrupt batches (a NaN loss in any precision): torch halves its scale at each, far below 1,"
+        "\n             where it stays; ampguard skips them too (no fp16 trick fixes bad data) but keeps its scale:"
+        "\n             a non-finite loss says nothing about the loss scale."
         "\nno_grad:     an optimizer whose parameters got no gradient crashes torch's scaler; ampguard steps it as fp32 would."
         "\nhot_block:   one block overflows float16 on every batch: torch skips them all and its scale sinks to ~1e-14;"
         "\n             ampguard keeps the scale, finds the modules (blocks.0.linear1, then .linear2) and runs just"

@@ -15,9 +15,9 @@ Four scenarios, each a short run:
 
 ``calibration``  the loss scale's first steps: how many optimizer steps the
                  scaler burns before it finds a scale that does not overflow;
-``storm``        a burst of batches that overflow float16 in the forward pass
-                 (as bf16-pretrained weights do), then normal data again: does
-                 training recover?
+``storm``        a burst of corrupt batches (inf in their features, as a broken
+                 audio file gives: the loss is NaN in any precision), then
+                 normal data again: does training recover?
 ``no_grad``      the frozen second optimizer gets no gradient.
 ``hot_block``    one feed-forward block's weights are far larger than float16
                  activations allow (as weights trained in bf16 can be): every
@@ -63,7 +63,7 @@ class TinyGPT(nn.Module):
         self.head = nn.Linear(WIDTH, VOCAB)
         self.speaker_adapter = nn.Linear(WIDTH, WIDTH)  # frozen by this recipe: no gradient reaches it
 
-    def forward(self, tokens: torch.Tensor, loudness: float = 1.0) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loudness: torch.Tensor | float = 1.0) -> torch.Tensor:
         hidden = self.embed(tokens) * loudness
         return self.head(self.blocks(hidden))
 
@@ -90,7 +90,7 @@ class Trainer:
         self.accumulation = accumulation
         self.skipped = 0
 
-    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loudness: float) -> float:
+    def train_step(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], loudness: torch.Tensor) -> float:
         total = 0.0
         for tokens, targets in micro_batches:
             with torch.cpu.amp.autocast(dtype=torch.float16):
@@ -128,7 +128,8 @@ def run(scenario: str, steps: int) -> dict[str, object]:
     outcome = "finished"
     try:
         for step in range(steps):
-            loudness = 1e6 if step in storm else 1.0  # fp16 overflows in the forward pass
+            # A corrupt batch (its gain is inf): no precision gives a finite loss.
+            loudness = torch.tensor(math.inf if step in storm else 1.0)
             loss = trainer.train_step([next(data) for _ in range(trainer.accumulation)], loudness)
             if math.isfinite(loss):
                 losses.append(loss)

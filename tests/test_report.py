@@ -143,7 +143,7 @@ def test_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
 
 
 def test_report_on_a_file_the_demo_wrote(tmp_path):
-    """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the collapse and the islands."""
+    """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the skips and the islands."""
     path = tmp_path / "demo.jsonl"
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     subprocess.run(
@@ -161,11 +161,12 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
     )
     [run] = json.loads(result.stdout)
     calibration, storm, no_grad, hot_block = run["scalers"]
-    assert calibration["skipped"] == 0 and storm["skipped"] > 0 and storm["scale_min"] == 1.0
+    assert calibration["skipped"] == 0
+    assert storm["skipped"] == 24 and storm["nonfinite_loss"] == 24 and storm["scale_min"] == storm["scale_max"] == 1024
     assert no_grad["no_grad_steps"] > 0
     assert "blocks.0.linear1" in hot_block["fp32_islands"]
     assert set(hot_block["fp32_islands"]) <= set(run["fp32_islands"])  # (islands are counted per process)
-    assert run["events"]["collapse"] == 1 and run["events"]["island"] >= 1 and run["events"]["no_grad"] == 1
+    assert run["events"]["island"] >= 1 and run["events"]["no_grad"] == 1 and "collapse" not in run["events"]
     text = subprocess.run(
         [sys.executable, "-m", "ampguard", "report", str(path)], env=base, capture_output=True, text=True, check=True
     ).stdout
