@@ -31,7 +31,7 @@ from typing import Any
 
 import pytest
 import torch
-from torchrun_support import environment_without_ampguard, torchrun_command
+from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -173,7 +173,7 @@ def _torchrun(
     entry = ["-m", "ampguard", "run", str(worker)] if under_ampguard_run else [str(worker)]
     command = torchrun_command(*entry, *worker_args, str(out), log_dir=logs)
     env = environment_without_ampguard(AMPGUARD_STATS_EVERY=str(STATS_EVERY), T_STEPS=str(STEPS))
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=180, log_dir=logs)
     stderr = [_rank_log(logs, rank, "stderr") for rank in range(2)]
     if result.returncode != 0:
         pytest.fail(
@@ -376,7 +376,7 @@ def test_ddp_example_under_torchrun(tmp_path: Path, request: pytest.FixtureReque
     command = torchrun_command(
         "-m", "ampguard", "run", str(EXAMPLES / "ddp_train.py"), "--steps", str(steps), "--overflow-step", "10"
     )
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=180)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-6000:]
 

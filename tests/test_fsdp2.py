@@ -10,11 +10,10 @@ ampguard, with a backward overflow on rank 1 at one step.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from torchrun_support import environment_without_ampguard, torchrun_command
+from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -78,9 +77,7 @@ def _run(tmp_path: Path, mode: str) -> dict:
     worker = tmp_path / "fsdp2_worker.py"
     worker.write_text(WORKER)
     env = environment_without_ampguard(AMPGUARD_QUIET="1")
-    done = subprocess.run(
-        torchrun_command(str(worker), mode), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+    done = run_torchrun(torchrun_command(str(worker), mode), cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])

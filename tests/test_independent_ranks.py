@@ -8,11 +8,10 @@ collective called by the skipping rank alone would hang the job.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from torchrun_support import environment_without_ampguard, torchrun_command
+from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
 
 pytestmark = pytest.mark.distributed
 
@@ -46,7 +45,7 @@ def test_independent_ranks_skipping_different_steps_do_not_hang(tmp_path: Path) 
     worker.write_text(WORKER)
     env = environment_without_ampguard(AMPGUARD_QUIET="1")
     command = torchrun_command(str(worker), log_dir=tmp_path / "logs", tee=True)
-    done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    done = run_torchrun(command, cwd=tmp_path, env=env, timeout=240, log_dir=tmp_path / "logs")
     assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
     results = sorted(
         (json.loads(line.split("RESULT ", 1)[1]) for line in done.stdout.splitlines() if "RESULT " in line),

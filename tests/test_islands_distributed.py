@@ -9,12 +9,11 @@ skipped steps only, so both keep the same scale and make the same island.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from torchrun_support import environment_without_ampguard, torchrun_command
+from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
 
 TESTS = Path(__file__).resolve().parent
 STEPS = 30
@@ -62,7 +61,7 @@ def test_overflow_on_one_rank_heals_both_ranks_alike(tmp_path: Path) -> None:
     out.mkdir()
     command = torchrun_command(str(worker), str(out), str(TESTS), str(STEPS))
     env = environment_without_ampguard()
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=300)
     assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     params = [torch.load(out / f"params{rank}.pt") for rank in range(2)]

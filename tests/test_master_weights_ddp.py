@@ -12,11 +12,10 @@ reduction.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
-from torchrun_support import environment_without_ampguard, torchrun_command
+from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
 
 WORKER = r"""
 import json
@@ -88,7 +87,7 @@ def test_float16_ddp_trains_like_float32_and_ranks_agree(tmp_path: Path):
     worker.write_text(WORKER)
     command = torchrun_command(str(worker), str(tmp_path), log_dir=tmp_path / "logs")
     env = environment_without_ampguard(AMPGUARD_QUIET="1")
-    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=240, log_dir=tmp_path / "logs")
     if result.returncode != 0:
         logs = "".join(path.read_text()[-3000:] for path in sorted((tmp_path / "logs").glob("**/stderr.log")))
         pytest.fail(f"torchrun exited {result.returncode}\n{result.stderr[-3000:]}\n{logs}")
