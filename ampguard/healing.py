@@ -36,6 +36,7 @@ whose gradients are all-reduced), never on a healthy one.
 
 from __future__ import annotations
 
+import logging
 import sys
 import weakref
 from dataclasses import dataclass, field
@@ -74,6 +75,8 @@ class _Healing:
     seen_in_device_mode: int = 0
     # The scaler whose model's buffers are guarded (a weak reference).
     buffers_owner: Any = None
+    # The probe's last verdict made no island (only a report): the overflows go on, arming again is not news.
+    unhealed: bool = False
 
 
 _active: _Healing | None = None
@@ -224,7 +227,8 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
             if not probe.armed:
                 if not active.exhausted:
                     probe.arm()
-                    logger.info(
+                    logger.log(
+                        logging.DEBUG if active.unhealed else logging.INFO,
                         "forward overflow at step %d: watching the next forward passes to find the module "
                         "(AMPGUARD_PROBE_STEPS=%d).",
                         step,
@@ -235,7 +239,9 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
             if call is None:
                 _warn_once("unlocated", UNLOCATED.format(step=step))
             else:
+                made = len(islands.names())
                 islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
+                active.unhealed = len(islands.names()) == made
                 probe.disarm()
                 active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
                 return

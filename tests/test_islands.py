@@ -163,6 +163,9 @@ def test_an_overflow_in_the_root_is_reported_not_islanded(ampguard_log):
     run = train(3 * EVERY, model=_RootOverflow())
     assert run.scaler.stats.fp32_islands == ()
     assert len(records(ampguard_log, logging.WARNING, "forward overflow located in _RootOverflow itself")) == 1
+    # The probe looks again at the next overflow (another module may be at fault), without saying so again.
+    assert len(records(ampguard_log, logging.INFO, "watching the next forward passes")) == 1
+    assert len(records(ampguard_log, logging.DEBUG, "watching the next forward passes")) >= 1
 
 
 def test_a_block_with_float16_weights_is_reported_not_islanded(ampguard_log):
