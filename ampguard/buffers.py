@@ -11,16 +11,21 @@ buffers, refreshed at each healthy ``update()`` with one ``torch._foreach_copy_`
 With a fused optimizer (the scaler's device mode) the host does not learn at
 ``update()`` whether the loss was finite: the copy is refreshed at each read of
 the device-side counters (a stats line, ``scaler.stats``, a checkpoint) instead,
-and a read that finds a forward overflow since the previous one, and the buffers
-no longer finite, puts back that earlier copy (:meth:`BufferGuard.on_stats_read`).
+and a read that finds a forward overflow since the previous one, and a buffer
+that was finite in the earlier copy no longer finite, puts back that copy for
+the modules holding such buffers (:meth:`BufferGuard.on_stats_read`).
 
-Which buffers: those of the modules called during the second iteration of
-training by the first scaler, or by a later one once the scaler before it was
-freed (a process that trains one model after another) (a global forward pre-hook that watches that one iteration and then
-removes itself; the first iteration is left alone so that a process that never
-trains pays nothing), each of at most ``MAX_ELEMENTS`` elements (running
-statistics are a few numbers per channel; position tables and masks are
-larger and are not updated by a forward pass).
+Which buffers: those of the modules called between the first and second
+updates of the first scaler (one round of the training loop, every model it
+trains; a later scaler takes over once the one before it was freed, as in a
+process that trains one model after another), found by a global forward
+pre-hook that removes itself after that round (the first iteration is left
+alone so that a process that never trains pays nothing). The copy is refreshed
+and put back at any scaler's update. Each buffer is persistent (in the state dict: running statistics
+are; masks and rotary tables, which no forward pass updates, are usually
+registered with ``persistent=False``) and of at most ``MAX_ELEMENTS`` elements
+(running statistics are a few numbers per channel; position tables and masks
+are larger).
 """
 
 from __future__ import annotations
@@ -49,10 +54,6 @@ RESTORED_AT_READ = (
     "the {count} small buffers it guards back to their values at step {snapshot_step}, so evaluation stays finite. "
     "Counted in stats.buffers_restored; this message is shown once."
 )
-UNRESTORABLE = (
-    "a forward overflow left inf/NaN in buffers such as BatchNorm's running statistics (found at step {step}), "
-    "and ampguard holds no finite copy of them from before it: they stay as they are. This message is shown once."
-)
 
 
 class BufferGuard:
@@ -63,11 +64,11 @@ class BufferGuard:
         self._handle: Any = None
         self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.buffers: list[torch.Tensor] = []
+        self._owners: list[int] = []  # per buffer: which of the modules found holds it
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = 0
         self.restores = 0
         self._reported = False
-        self._reported_unrestorable = False
 
     def restart(self) -> None:
         """Guard another model: discovery starts again (the count of restores and the messages shown are kept)."""
@@ -75,6 +76,7 @@ class BufferGuard:
         self.state = "new"
         self._modules = {}
         self.buffers = []
+        self._owners = []
         self.snapshot = None
 
     def close(self) -> None:
@@ -103,12 +105,15 @@ class BufferGuard:
         if self.state == "discovering":
             self.close()
             self.state = "guarding"
-            self.buffers = self._collect()
+            self.buffers, self._owners = self._collect()
         return True
 
-    def on_update(self, overflow: bool, step: int) -> None:
-        """Called by every host-mode ``update()``: discover, then snapshot (healthy) or restore (forward overflow)."""
-        if not self.advance() or not self.buffers:
+    def on_update(self, overflow: bool, step: int, discover: bool = True) -> None:
+        """Called by every host-mode ``update()``: snapshot (healthy) or restore (forward overflow).
+
+        ``discover``: this update delimits discovery (the owner scaler's); the others wait for it.
+        """
+        if not (self.discovered or (discover and self.advance())) or not self.buffers:
             return
         if overflow:
             if self.snapshot is not None:
@@ -116,11 +121,22 @@ class BufferGuard:
             return
         self.take_snapshot(step)
 
-    def take_snapshot(self, step: int) -> None:
+    def take_snapshot(self, step: int, finite_only: bool = False) -> None:
+        """Copy the buffers (one ``_foreach_copy_``); ``finite_only``: keep the copy's values where they are inf/NaN.
+
+        ``finite_only`` is for device mode's reads, where another scaler's overflow
+        not found yet may have reached the buffers (a few ops per buffer, at reads only).
+        """
         if not self.buffers:
             return
         if self.snapshot is None:
             self.snapshot = [b.detach().clone() for b in self.buffers]
+        elif finite_only:
+            with torch.no_grad():
+                for kept, buffer in zip(self.snapshot, self.buffers):
+                    kept.copy_(
+                        torch.where(torch.isfinite(buffer), buffer, kept) if buffer.is_floating_point() else buffer
+                    )
         else:
             torch._foreach_copy_(self.snapshot, self.buffers)
         self.snapshot_step = step
@@ -128,50 +144,64 @@ class BufferGuard:
     def on_stats_read(self, overflowed: bool, step: int) -> None:
         """Device mode, at each read of the scaler's device-side counters (a failure found costs one read here).
 
-        ``overflowed``: a forward overflow happened since the previous read. If the
-        buffers are no longer finite they get the copy from that read back (when
-        it is finite itself); otherwise the copy is refreshed.
+        ``overflowed``: a forward overflow happened since the previous read. The
+        modules holding a buffer that was finite in the copy from that read and is
+        no longer finite get their buffers back from it (one read, after a failure
+        only; the buffers of other modules, another model's, keep their updates);
+        then the copy is refreshed where the buffers are finite (another scaler's
+        overflow, not found yet, may have reached them). Buffers inf/NaN by design
+        (a ``-inf`` mask) are so in the copy too, and do not count; nor, alike,
+        buffers an overflow reached before the first copy was taken.
         """
         if not self.discovered or not self.buffers:
             return
-        if overflowed and not _all_finite(self.buffers):
-            if self.snapshot is not None and _all_finite(self.snapshot):
-                message = RESTORED_AT_READ.format(snapshot_step=self.snapshot_step, step=step, count=len(self.buffers))
-                self._restore(message)
-            elif not self._reported_unrestorable:
-                self._reported_unrestorable = True
-                logger.warning(UNRESTORABLE.format(step=step))
-            return
-        self.take_snapshot(step)
+        if overflowed and self.snapshot is not None:
+            finite = _finite_each(self.buffers + self.snapshot)
+            now, before = finite[: len(self.buffers)], finite[len(self.buffers) :]
+            poisoned = {owner for owner, is_, was in zip(self._owners, now, before) if was and not is_}
+            if poisoned:  # the modules whose buffers the overflow reached get theirs back, all of them
+                chosen = [i for i, owner in enumerate(self._owners) if owner in poisoned]
+                message = RESTORED_AT_READ.format(snapshot_step=self.snapshot_step, step=step, count=len(chosen))
+                self._restore(message, chosen)
+        self.take_snapshot(step, finite_only=True)
 
-    def _collect(self) -> list[torch.Tensor]:
+    def _collect(self) -> tuple[list[torch.Tensor], list[int]]:
         found: dict[int, torch.Tensor] = {}
+        owners: list[int] = []
         total = 0
-        for ref in self._modules.values():
+        for index, ref in enumerate(self._modules.values()):
             module = ref()
             if module is None:
                 continue
-            for buffer in module._buffers.values():
+            derived = getattr(module, "_non_persistent_buffers_set", ())
+            for name, buffer in module._buffers.items():
                 if buffer is None or id(buffer) in found or buffer.numel() > MAX_ELEMENTS or buffer.is_sparse:
+                    continue
+                if name in derived:  # not state (masks, rotary tables): a forward pass does not update it
                     continue
                 if total + buffer.numel() > MAX_TOTAL:
                     break
                 found[id(buffer)] = buffer
+                owners.append(index)
                 total += buffer.numel()
         self._modules = {}
-        return list(found.values())
+        return list(found.values()), owners
 
-    def _restore(self, message: str) -> None:
+    def _restore(self, message: str, chosen: list[int] | None = None) -> None:
         assert self.snapshot is not None
         with torch.no_grad():
-            torch._foreach_copy_(self.buffers, self.snapshot)
+            if chosen is None:
+                torch._foreach_copy_(self.buffers, self.snapshot)
+            else:
+                torch._foreach_copy_([self.buffers[i] for i in chosen], [self.snapshot[i] for i in chosen])
         self.restores += 1
         if not self._reported:
             self._reported = True
             logger.warning(message)
 
 
-def _all_finite(tensors: list[torch.Tensor]) -> bool:
-    """Whether every floating-point tensor holds finite values only (one host read)."""
+def _finite_each(tensors: list[torch.Tensor]) -> list[bool]:
+    """For each tensor, whether it holds finite values only (integer tensors: True), in one host read."""
     checks = [torch.isfinite(t).all() for t in tensors if t.is_floating_point()]
-    return not checks or bool(read_to_host(torch.stack(checks).all()))
+    values = iter(read_to_host(torch.stack(checks)) if checks else [])
+    return [bool(next(values)) if t.is_floating_point() else True for t in tensors]

@@ -53,6 +53,15 @@ from ampguard.syncs import read_to_host
 if TYPE_CHECKING:
     from ampguard.config import Config
 
+# After this many verdicts in a row that made no island, the probe stops arming.
+FRUITLESS_VERDICTS = 3
+
+GAVE_UP = (
+    "the forward-overflow probe stops looking: its last {count} verdicts made no fp32 island (the overflows come "
+    "from the data, from code outside any module, or from modules it may not change: see the warnings above). "
+    "Forward overflows are still skipped and counted, without lowering the loss scale."
+)
+
 UNLOCATED = (
     "step {step} overflowed in the forward pass while the probe watched, but no module turned finite inputs "
     "into inf/NaN: the batch itself held inf/NaN, the overflow is in code outside any module (a loss computed "
@@ -71,12 +80,13 @@ class _Healing:
     quiet_steps: int = 0
     exhausted: bool = False
     warned: set[str] = field(default_factory=set)
-    # Forward overflows device mode already saw at an update (the probe watching) since the last stats read.
-    seen_in_device_mode: int = 0
-    # The scaler whose model's buffers are guarded (a weak reference).
+    # Per scaler: forward overflows device mode already saw at an update (the probe watching) since its last read.
+    seen_in_device_mode: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
+    # The scaler whose updates delimit buffer discovery (a weak reference).
     buffers_owner: Any = None
     # The probe's last verdict made no island (only a report): the overflows go on, arming again is not news.
     unhealed: bool = False
+    fruitless: int = 0  # verdicts in a row that made no island
 
 
 _active: _Healing | None = None
@@ -213,13 +223,13 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     active = _active
     if active is None:
         return
-    _follow(active, scaler)
+    owner = _follow(active, scaler)
     if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
     step = int(getattr(scaler, "_steps", 0))
     try:
         islands.end_restore_window()
-        active.buffers.on_update(overflow, step)
+        active.buffers.on_update(overflow, step, discover=owner)
         verdict, active.verdict = active.verdict, 0
         probe = active.probe
         if overflow:
@@ -236,15 +246,14 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
                     )
                 return
             call = probe.call(verdict)
+            made = len(islands.names())
             if call is None:
                 _warn_once("unlocated", UNLOCATED.format(step=step))
             else:
-                made = len(islands.names())
                 islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
-                active.unhealed = len(islands.names()) == made
-                probe.disarm()
-                active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
-                return
+            probe.disarm()
+            _after_verdict(active, made_island=len(islands.names()) > made)
+            return
         elif probe.armed:
             active.quiet_steps += 1
             if active.quiet_steps >= active.probe_steps:
@@ -262,21 +271,46 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         )
 
 
-def _follow(active: _Healing, scaler: Any) -> None:
-    """Buffers are guarded for the model of the first scaler, and of a later one once the one before it is freed."""
+def _after_verdict(active: _Healing, made_island: bool) -> None:
+    """After the probe named a module (or found none): stop arming once verdicts keep making no island."""
+    active.unhealed = not made_island
+    active.fruitless = 0 if made_island else active.fruitless + 1
+    if active.fruitless == FRUITLESS_VERDICTS:
+        logger.info(GAVE_UP.format(count=active.fruitless))
+    active.exhausted = (
+        active.fruitless >= FRUITLESS_VERDICTS
+        or "(limit)" in islands.reported
+        or len(islands.reported) >= active.max_islands
+    )
+
+
+def _follow(active: _Healing, scaler: Any) -> bool:
+    """Whether ``scaler`` delimits buffer discovery: the first scaler, or a later one once the one before is freed.
+
+    Discovery watches the module calls between two of its updates (one round of
+    the training loop, every model it trains); the buffers found are then put
+    back after any scaler's forward overflow.
+    """
     owner = active.buffers_owner() if active.buffers_owner is not None else None
-    if owner is scaler or owner is not None:
-        return
+    if owner is not None:
+        return owner is scaler
     if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
         active.buffers.restart()
+        if active.fruitless >= FRUITLESS_VERDICTS:  # the probe gave up on the model before, not on this one
+            active.fruitless = 0
+            active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
     active.buffers_owner = weakref.ref(scaler)
+    return True
 
 
 # -- device mode (fused optimizers) ------------------------------------------------------------
 
 
-def end_device_iteration(scaler: Any, check: torch.Tensor | None) -> None:
+def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool = True) -> None:
     """The end of each device-mode update; ``check`` is the iteration's loss check on the device (None: no step).
+
+    ``held``: a non-finite loss in this iteration is held (no back-off), and so
+    counted as a forward overflow at the next read.
 
     Healthy steps cost nothing: no device work, no read. While the probe watches
     (after a forward overflow), one read per step gives the loss check and the
@@ -285,7 +319,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None) -> None:
     active = _active
     if active is None:
         return
-    _follow(active, scaler)
+    owner = _follow(active, scaler)
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return
     try:
@@ -295,11 +329,12 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None) -> None:
             loss_check, verdict_value = read_to_host(pair)
             overflow = loss_check != loss_check  # NaN: a loss was non-finite
             active.verdict = max(active.verdict, int(verdict_value))
-            active.seen_in_device_mode += overflow
+            if overflow and held:
+                active.seen_in_device_mode[scaler] = active.seen_in_device_mode.get(scaler, 0) + 1
             end_iteration(scaler, overflow)
             return
         islands.end_restore_window()
-        if not active.buffers.discovered and active.buffers.advance():
+        if owner and not active.buffers.discovered and active.buffers.advance():
             active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # checked for finiteness before use
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
@@ -316,14 +351,15 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     active = _active
     if active is None or _distributed() is not None:
         return
-    unseen, active.seen_in_device_mode = max(forward_overflows - active.seen_in_device_mode, 0), 0
+    unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
     step = int(getattr(scaler, "_steps", 0))
     try:
         active.buffers.on_stats_read(unseen > 0, step)
         if unseen and not active.probe.armed and not active.exhausted:
             active.probe.arm()
             active.quiet_steps = 0
-            logger.info(
+            logger.log(
+                logging.DEBUG if active.unhealed else logging.INFO,
                 "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
                 "learns of it when it reads its counters, every AMPGUARD_STATS_EVERY steps): watching the next "
                 "forward passes to find the module (AMPGUARD_PROBE_STEPS=%d).",

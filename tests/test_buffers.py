@@ -11,6 +11,7 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 from torch import nn
 
 import ampguard.scaler
+from ampguard import healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -38,27 +39,72 @@ def sgd(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.SGD(model.parameters(), lr=0.01)
 
 
-def run(scaler, steps: int = STEPS, poisoned: int | None = POISONED, make_optimizer=sgd):
+class Masked(nn.Module):
+    """The logits of class 3 masked out through a buffer that holds -inf by design, as attention masks do."""
+
+    def __init__(self, persistent: bool = True) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.tensor([0.0, 0.0, 0.0, float("-inf")]), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.masked_fill(torch.isinf(self.mask), -30.0)
+
+
+def run(scaler, steps: int = STEPS, poisoned: int | None = POISONED, make_optimizer=sgd, model=None):
     """Train; returns the model and every buffer as it was just before the poisoned step and just after it."""
-    model = conv_net()
+    model = conv_net() if model is None else model
     optimizer = make_optimizer(model)
     before = after = None
     for step in range(steps):
-        gen = torch.Generator().manual_seed(step)
-        x = torch.randn(4, 3, 8, 8, generator=gen)
+        x, y = batch(step, poisoned=step == poisoned)
         if step == poisoned:
-            x = x * 1e5  # beyond float16's 65504 once autocast casts it for the convolution
             before = {name: b.clone() for name, b in model.named_buffers()}
-        y = torch.randint(0, 4, (4,), generator=gen)
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        iteration(model, optimizer, scaler, x, y)
         if step == poisoned:
             after = {name: b.clone() for name, b in model.named_buffers()}
     return model, before, after
+
+
+def batch(step: int, poisoned: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    x = torch.randn(4, 3, 8, 8, generator=gen)
+    if poisoned:
+        x = x * 1e5  # beyond float16's 65504 once autocast casts it for the convolution
+    return x, torch.randint(0, 4, (4,), generator=gen)
+
+
+def iteration(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, x: torch.Tensor, y: torch.Tensor) -> None:
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def two_models(poisoned: str, make_optimizer=sgd) -> dict[str, tuple[nn.Module, dict, dict]]:
+    """Models A and B with scalers of their own, trained in turn (A's iteration, then B's), as a GAN is.
+
+    ``poisoned`` ("A" or "B"): whose batch overflows at step POISONED. Returns per model its buffers
+    just before that step's round and just after it.
+    """
+    models = {name: conv_net() for name in "AB"}
+    optimizers = {name: make_optimizer(model) for name, model in models.items()}
+    scalers = {name: torch.amp.GradScaler("cpu") for name in "AB"}
+    kept: dict[str, tuple[dict, dict]] = {}
+    for step in range(STEPS):
+        if step == POISONED:
+            before = {name: {n: b.clone() for n, b in m.named_buffers()} for name, m in models.items()}
+        for name, model in models.items():
+            iteration(
+                model, optimizers[name], scalers[name], *batch(step, poisoned=step == POISONED and name == poisoned)
+            )
+        if step == POISONED:
+            after = {name: {n: b.clone() for n, b in m.named_buffers()} for name, m in models.items()}
+            kept = {name: (before[name], after[name]) for name in models}
+    for name, scaler in scalers.items():
+        assert scaler.stats.nonfinite_loss == int(name == poisoned)  # the counters read: device mode restores here
+    return {name: (models[name], *kept[name]) for name in models}
 
 
 def test_buffers_are_restored_after_a_forward_overflow(ampguard_log):
@@ -79,6 +125,34 @@ def test_a_model_trained_after_another_has_its_own_buffers_guarded(ampguard_log)
     assert scaler.stats.buffers_restored == 1
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
+
+
+@pytest.mark.parametrize("poisoned", ["A", "B"])
+def test_two_models_with_scalers_of_their_own_each_get_their_buffers_back(poisoned):
+    """Discovery spans the first scaler's round of the loop, both models; any scaler's overflow restores."""
+    for name, (model, before, after) in two_models(poisoned).items():
+        for buffer_name, value in model.named_buffers():
+            assert torch.isfinite(value.float()).all(), (name, buffer_name)
+        if name == poisoned:  # put back to their values from before the overflowing forward pass
+            assert all(torch.equal(after[n], before[n]) for n in before), name
+
+
+def test_a_buffer_holding_inf_by_design_is_left_alone_and_does_not_stop_the_restore():
+    scaler = torch.amp.GradScaler("cpu")
+    model, before, after = run(scaler, model=nn.Sequential(conv_net(), Masked()))
+    assert scaler.stats.buffers_restored == 1
+    for name, value in after.items():
+        assert torch.equal(value, before[name]), name
+    assert torch.isinf(model[1].mask).sum() == 1
+
+
+def test_buffers_left_out_of_the_state_dict_are_not_guarded():
+    """Masks and rotary tables are registered persistent=False: no forward pass updates them."""
+    model = nn.Sequential(conv_net(), Masked(persistent=False))
+    run(torch.amp.GradScaler("cpu"), model=model, poisoned=None)
+    guarded = {id(b) for b in healing._active.buffers.buffers}
+    assert id(model[1].mask) not in guarded
+    assert {id(b) for b in model[0].buffers()} <= guarded
 
 
 def test_torch_leaves_them_poisoned_and_so_does_the_disabled_patch(reinstall):

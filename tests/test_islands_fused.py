@@ -14,9 +14,9 @@ import logging
 
 import pytest
 import torch
-from islands_support import EVERY, fresh_islands, make_net, train  # noqa: F401  (fixture)
+from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
-from test_buffers import run
+from test_buffers import Masked, conv_net, iteration, run, two_models
 from test_islands import HYPER, ISLAND, global_hooks, module_hooks
 from torch import nn
 
@@ -114,6 +114,85 @@ def test_buffers_left_inf_by_a_forward_overflow_get_the_copy_from_the_previous_r
         assert torch.equal(value, kept), name  # put back, at the read of step 8, to their values at step 4
     restored = records(ampguard_log, logging.WARNING, "back to their values at step 4")
     assert len(restored) == 1 and "here at step 8" in restored[0].getMessage()
+
+
+def test_a_buffer_holding_inf_by_design_does_not_stop_the_restore_at_the_read(reinstall):
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    model = nn.Sequential(conv_net(), Masked())
+    scaler = torch.amp.GradScaler("cpu")
+    run(scaler, steps=8, poisoned=5, make_optimizer=fused, model=model)
+    assert scaler.stats.buffers_restored == 1
+    assert all(torch.isfinite(b.float()).all() for b in model[0].buffers())
+    assert torch.isinf(model[1].mask).sum() == 1
+
+
+@pytest.mark.parametrize("poisoned", ["A", "B"])
+def test_two_models_with_scalers_of_their_own_each_get_their_buffers_back_at_the_read(reinstall, poisoned):
+    """Only the modules whose buffers the overflow reached are put back: the other model keeps its updates."""
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    models = two_models(poisoned, make_optimizer=fused)
+    for name, (model, _, _) in models.items():
+        for buffer_name, value in model.named_buffers():
+            assert torch.isfinite(value.float()).all(), (name, buffer_name)
+    reference = two_models("none", make_optimizer=fused)  # no overflow: every buffer as it ends healthy
+    other = "B" if poisoned == "A" else "A"
+    for ours, theirs in zip(models[other][0].buffers(), reference[other][0].buffers()):
+        assert torch.equal(ours, theirs)
+
+
+def test_an_overflow_seen_at_an_update_with_a_new_scale_does_not_hide_a_later_one(reinstall):
+    """update(new_scale) does not hold a non-finite loss: the read must not count it against a held one."""
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    model = conv_net()
+    optimizer = fused(model)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(12):
+        x, y = batch_of_conv(step)
+        if step in (4, 8):
+            x = x * 1e5  # the first arms the probe at the read of step 8... the second is seen while it watches
+        if step == 9:
+            x[0, 0, 0, 0] = float("nan")  # a corrupt batch, not seen by any update: found at the read of step 12
+        iteration_with_scale(model, optimizer, scaler, x, y, new_scale=1024.0 if step == 8 else None)
+    assert all(torch.isfinite(b.float()).all() for b in model.buffers())
+
+
+def test_overflows_no_module_causes_stop_the_probe_after_three_verdicts(reinstall, ampguard_log):
+    """A corrupt batch every 30 steps: each verdict finds no module; then the probe stops, and so do its reads."""
+    reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY), AMPGUARD_PROBE_STEPS="50")
+    model = make_net()
+    optimizer = fused(model)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    reads = []
+    for step in range(300):
+        x, y = batch(step, healthy=True)
+        if step % 30 == 29:
+            x = x.clone()
+            x[0, 0, 0] = float("inf")
+        before = syncs._reads_by_ampguard
+        iteration(model, optimizer, scaler, x, y)
+        reads.append(syncs._reads_by_ampguard - before)
+    gave_up = records(ampguard_log, logging.INFO, "probe stops looking: its last 3 verdicts made no fp32 island")
+    assert len(gave_up) == 1 and not healing._active.probe.armed and global_hooks() == 0
+    read_at = [step for step, n in enumerate(reads, start=1) if n and step % READ_EVERY]  # besides stats lines
+    # Armed at the reads of steps 40, 100 and 160 (the overflows of steps 30, 90, 150), a verdict at the next
+    # overflow (60, 120, 180), each a read per step in between; then it stopped: nothing read after step 180.
+    assert read_at == [*range(41, 60), *range(101, 120), *range(161, 180)]
+    assert scaler.stats.nonfinite_loss == 10 and scaler.stats.fp32_islands == ()
+    assert len(records(ampguard_log, logging.INFO, "watching the next forward passes")) == 1  # the rest at DEBUG
+
+
+def batch_of_conv(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(step)
+    return torch.randn(4, 3, 8, 8, generator=gen), torch.randint(0, 4, (4,), generator=gen)
+
+
+def iteration_with_scale(model, optimizer, scaler, x, y, new_scale) -> None:
+    optimizer.zero_grad()
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update(new_scale)
 
 
 def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):

@@ -132,6 +132,7 @@ def update_in_device_mode(
     scale = scaler._scale
     recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
     check: torch.Tensor | None = None
+    hold = False
     if recorded:
         found_per_optimizer = {
             key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
@@ -152,7 +153,7 @@ def update_in_device_mode(
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
     scaler._mirror_scale = None
-    healing.end_device_iteration(scaler, check)
+    healing.end_device_iteration(scaler, check, held=hold)
     if ledger.full:
         fold_device_ledger(scaler)
 
