@@ -87,6 +87,8 @@ class _Healing:
     # The probe's last verdict made no island (only a report): the overflows go on, arming again is not news.
     unhealed: bool = False
     fruitless: int = 0  # verdicts in a row that made no island
+    # Armed by a read in the middle of an iteration (after its forward pass): its update has nothing to judge.
+    unwatched: bool = False
 
 
 _active: _Healing | None = None
@@ -323,6 +325,10 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool = T
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return
     try:
+        if active.probe.armed and check is not None and active.unwatched:
+            active.unwatched = False
+            active.probe.reset()
+            return
         if active.probe.armed and check is not None and _distributed() is None:
             verdict = active.probe.verdict
             pair = torch.stack([check.float(), check.new_zeros(()) if verdict is None else verdict.to(check.device)])
@@ -358,6 +364,7 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
         if unseen and not active.probe.armed and not active.exhausted:
             active.probe.arm()
             active.quiet_steps = 0
+            active.unwatched = scaler._iteration.loss_check is not None  # read after scale(): forward is over
             logger.log(
                 logging.DEBUG if active.unhealed else logging.INFO,
                 "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
@@ -371,6 +378,12 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
         _warn_once("read", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+
+
+def iteration_ended() -> None:
+    """A read made after an update's healing (the ledger's forced read): the next forward pass is watched whole."""
+    if _active is not None:
+        _active.unwatched = False
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

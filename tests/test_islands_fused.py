@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+from typing import Any
 
 import pytest
 import torch
@@ -179,6 +180,42 @@ def test_overflows_no_module_causes_stop_the_probe_after_three_verdicts(reinstal
     assert read_at == [*range(41, 60), *range(101, 120), *range(161, 180)]
     assert scaler.stats.nonfinite_loss == 10 and scaler.stats.fp32_islands == ()
     assert len(records(ampguard_log, logging.INFO, "watching the next forward passes")) == 1  # the rest at DEBUG
+
+
+def _train_reading_stats(overflow_at: set[int], steps: int, read_mid_iteration: bool) -> tuple[nn.Module, Any]:
+    model = make_net()
+    optimizer = fused(model)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    for step in range(steps):
+        x, y = batch(step, healthy=True)
+        if step in overflow_at:
+            x = x * 8.0  # the hot block overflows float16 (islands_support's bad batch)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        if read_mid_iteration:
+            assert scaler.stats.steps == step  # a user logging the counters after backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return model, scaler  # (islands are named while their module lives)
+
+
+def test_a_read_in_the_middle_of_an_iteration_arms_the_probe_for_the_next_forward_pass(reinstall, ampguard_log):
+    """The read after step 10's backward finds step 10's overflow; step 11's was before the probe armed."""
+    reinstall(AMPGUARD_STATS_EVERY="0")
+    _model, scaler = _train_reading_stats({9, 10, 25}, steps=40, read_mid_iteration=True)
+    assert scaler.stats.fp32_islands == ("blocks.1.attn",)
+    assert not records(ampguard_log, logging.WARNING, "no module turned finite inputs into inf/NaN")
+
+
+def test_the_ledger_s_forced_read_arms_the_probe_for_the_next_forward_pass(reinstall, monkeypatch, ampguard_log):
+    """The read forced after MAX_ROWS iterations comes at the end of an update: the next forward is watched."""
+    reinstall(AMPGUARD_STATS_EVERY="0")
+    monkeypatch.setattr(ampguard.scaler.ledger.DeviceLedger, "MAX_ROWS", 5)
+    _model, scaler = _train_reading_stats({2, 5}, steps=8, read_mid_iteration=False)  # read at the 5th update
+    assert scaler.stats.fp32_islands == ("blocks.1.attn",)  # named at step 6's overflow
+    assert not records(ampguard_log, logging.WARNING, "no module turned finite inputs into inf/NaN")
 
 
 def batch_of_conv(step: int) -> tuple[torch.Tensor, torch.Tensor]:
