@@ -21,11 +21,11 @@ trains; a later scaler takes over once the one before it was freed, as in a
 process that trains one model after another), found by a global forward
 pre-hook that removes itself after that round (the first iteration is left
 alone so that a process that never trains pays nothing). The copy is refreshed
-and put back at any scaler's update. Each buffer is persistent (in the state dict: running statistics
-are; masks and rotary tables, which no forward pass updates, are usually
-registered with ``persistent=False``) and of at most ``MAX_ELEMENTS`` elements
-(running statistics are a few numbers per channel; position tables and masks
-are larger).
+and put back at any scaler's update. Each buffer is persistent (in the state
+dict: running statistics are; masks and rotary tables, which no forward pass
+updates, are usually registered with ``persistent=False``) and of at most
+``MAX_ELEMENTS`` elements (running statistics are a few numbers per channel;
+position tables and masks are larger).
 """
 
 from __future__ import annotations

@@ -84,9 +84,8 @@ class _Healing:
     seen_in_device_mode: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
     # The scaler whose updates delimit buffer discovery (a weak reference).
     buffers_owner: Any = None
-    # The probe's last verdict made no island (only a report): the overflows go on, arming again is not news.
-    unhealed: bool = False
-    fruitless: int = 0  # verdicts in a row that made no island
+    # Verdicts in a row that made no island (only a report): the overflows go on, arming again is not news.
+    fruitless: int = 0
     # Armed by a read in the middle of an iteration (after its forward pass): its update has nothing to judge.
     unwatched: bool = False
 
@@ -240,7 +239,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
                 if not active.exhausted:
                     probe.arm()
                     logger.log(
-                        logging.DEBUG if active.unhealed else logging.INFO,
+                        logging.DEBUG if active.fruitless else logging.INFO,
                         "forward overflow at step %d: watching the next forward passes to find the module "
                         "(AMPGUARD_PROBE_STEPS=%d).",
                         step,
@@ -275,15 +274,16 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
 
 def _after_verdict(active: _Healing, made_island: bool) -> None:
     """After the probe named a module (or found none): stop arming once verdicts keep making no island."""
-    active.unhealed = not made_island
     active.fruitless = 0 if made_island else active.fruitless + 1
     if active.fruitless == FRUITLESS_VERDICTS:
         logger.info(GAVE_UP.format(count=active.fruitless))
-    active.exhausted = (
-        active.fruitless >= FRUITLESS_VERDICTS
-        or "(limit)" in islands.reported
-        or len(islands.reported) >= active.max_islands
-    )
+    _update_exhausted(active)
+
+
+def _update_exhausted(active: _Healing) -> None:
+    """The probe arms no more: it gave up on this model, or the islands' limit was reached."""
+    limit = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
+    active.exhausted = limit or active.fruitless >= FRUITLESS_VERDICTS
 
 
 def _follow(active: _Healing, scaler: Any) -> bool:
@@ -300,7 +300,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         active.buffers.restart()
         if active.fruitless >= FRUITLESS_VERDICTS:  # the probe gave up on the model before, not on this one
             active.fruitless = 0
-            active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
+            _update_exhausted(active)
     active.buffers_owner = weakref.ref(scaler)
     return True
 
@@ -366,7 +366,7 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
             active.quiet_steps = 0
             active.unwatched = scaler._iteration.loss_check is not None  # read after scale(): forward is over
             logger.log(
-                logging.DEBUG if active.unhealed else logging.INFO,
+                logging.DEBUG if active.fruitless else logging.INFO,
                 "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
                 "learns of it when it reads its counters, every AMPGUARD_STATS_EVERY steps): watching the next "
                 "forward passes to find the module (AMPGUARD_PROBE_STEPS=%d).",
