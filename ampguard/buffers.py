@@ -12,8 +12,8 @@ With a fused optimizer (the scaler's device mode) the host does not learn at
 ``update()`` whether the loss was finite: the copy is refreshed at each read of
 the device-side counters (a stats line, ``scaler.stats``, a checkpoint) instead,
 and a read that finds a forward overflow since the previous one, and a buffer
-that was finite in the earlier copy no longer finite, puts back that copy for
-the modules holding such buffers (:meth:`BufferGuard.on_stats_read`).
+that was finite in the earlier copy no longer finite, puts back that copy
+(:meth:`BufferGuard.on_stats_read`).
 
 Which buffers: those of the modules called between the first and second
 updates of the first scaler (one round of the training loop, every model it
@@ -64,7 +64,6 @@ class BufferGuard:
         self._handle: Any = None
         self._modules: dict[int, weakref.ref[torch.nn.Module]] = {}
         self.buffers: list[torch.Tensor] = []
-        self._owners: list[int] = []  # per buffer: which of the modules found holds it
         self.snapshot: list[torch.Tensor] | None = None
         self.snapshot_step = 0
         self.restores = 0
@@ -76,7 +75,6 @@ class BufferGuard:
         self.state = "new"
         self._modules = {}
         self.buffers = []
-        self._owners = []
         self.snapshot = None
 
     def close(self) -> None:
@@ -105,7 +103,7 @@ class BufferGuard:
         if self.state == "discovering":
             self.close()
             self.state = "guarding"
-            self.buffers, self._owners = self._collect()
+            self.buffers = self._collect()
         return True
 
     def on_update(self, overflow: bool, step: int, discover: bool = True) -> None:
@@ -144,12 +142,11 @@ class BufferGuard:
     def on_stats_read(self, overflowed: bool, step: int) -> None:
         """Device mode, at each read of the scaler's device-side counters (a failure found costs one read here).
 
-        ``overflowed``: a forward overflow happened since the previous read. The
-        modules holding a buffer that was finite in the copy from that read and is
-        no longer finite get their buffers back from it (one read, after a failure
-        only; the buffers of other modules, another model's, keep their updates);
-        then the copy is refreshed where the buffers are finite (another scaler's
-        overflow, not found yet, may have reached them). Buffers inf/NaN by design
+        ``overflowed``: a forward overflow happened since the previous read. If a
+        buffer that was finite in the copy from that read is no longer finite, all
+        the buffers get the copy back (one read, after a failure only); then the
+        copy is refreshed where the buffers are finite (another scaler's overflow,
+        not found yet, may have reached them). Buffers inf/NaN by design
         (a ``-inf`` mask) are so in the copy too, and do not count; nor, alike,
         buffers an overflow reached before the first copy was taken.
         """
@@ -158,18 +155,15 @@ class BufferGuard:
         if overflowed and self.snapshot is not None:
             finite = _finite_each(self.buffers + self.snapshot)
             now, before = finite[: len(self.buffers)], finite[len(self.buffers) :]
-            poisoned = {owner for owner, is_, was in zip(self._owners, now, before) if was and not is_}
-            if poisoned:  # the modules whose buffers the overflow reached get theirs back, all of them
-                chosen = [i for i, owner in enumerate(self._owners) if owner in poisoned]
-                message = RESTORED_AT_READ.format(snapshot_step=self.snapshot_step, step=step, count=len(chosen))
-                self._restore(message, chosen)
+            if any(was and not is_ for is_, was in zip(now, before)):
+                message = RESTORED_AT_READ.format(snapshot_step=self.snapshot_step, step=step, count=len(self.buffers))
+                self._restore(message)  # all of them: an overflowing batch leaves finite statistics skewed too
         self.take_snapshot(step, finite_only=True)
 
-    def _collect(self) -> tuple[list[torch.Tensor], list[int]]:
+    def _collect(self) -> list[torch.Tensor]:
         found: dict[int, torch.Tensor] = {}
-        owners: list[int] = []
         total = 0
-        for index, ref in enumerate(self._modules.values()):
+        for ref in self._modules.values():
             module = ref()
             if module is None:
                 continue
@@ -182,18 +176,14 @@ class BufferGuard:
                 if total + buffer.numel() > MAX_TOTAL:
                     break
                 found[id(buffer)] = buffer
-                owners.append(index)
                 total += buffer.numel()
         self._modules = {}
-        return list(found.values()), owners
+        return list(found.values())
 
-    def _restore(self, message: str, chosen: list[int] | None = None) -> None:
+    def _restore(self, message: str) -> None:
         assert self.snapshot is not None
         with torch.no_grad():
-            if chosen is None:
-                torch._foreach_copy_(self.buffers, self.snapshot)
-            else:
-                torch._foreach_copy_([self.buffers[i] for i in chosen], [self.snapshot[i] for i in chosen])
+            torch._foreach_copy_(self.buffers, self.snapshot)
         self.restores += 1
         if not self._reported:
             self._reported = True

@@ -53,13 +53,15 @@ from ampguard.syncs import read_to_host
 if TYPE_CHECKING:
     from ampguard.config import Config
 
-# After this many verdicts in a row that made no island, the probe stops arming.
+# After this many verdicts in a row that made no island, the probe backs off: it lets 2, then 4, 8, ...
+# forward overflows pass before it arms again.
 FRUITLESS_VERDICTS = 3
 
-GAVE_UP = (
-    "the forward-overflow probe stops looking: its last {count} verdicts made no fp32 island (the overflows come "
-    "from the data, from code outside any module, or from modules it may not change: see the warnings above). "
-    "Forward overflows are still skipped and counted, without lowering the loss scale."
+BACKING_OFF = (
+    "the forward-overflow probe looks less often: its last {count} verdicts made no fp32 island (the overflows "
+    "come from the data, from code outside any module, or from modules it may not change: see the warnings "
+    "above). It now lets {skip} forward overflows pass before it looks again, twice as many after each such "
+    "verdict. They are still skipped and counted, without lowering the loss scale."
 )
 
 UNLOCATED = (
@@ -86,8 +88,10 @@ class _Healing:
     buffers_owner: Any = None
     # Verdicts in a row that made no island (only a report): the overflows go on, arming again is not news.
     fruitless: int = 0
-    # Armed by a read in the middle of an iteration (after its forward pass): its update has nothing to judge.
-    unwatched: bool = False
+    skip_arming: int = 0  # forward overflows (device mode: reads that found some) to let pass before arming
+    # Armed since the last update: if the probe recorded no module call, it did not see that iteration's forward
+    # pass (armed by a read after it, in device mode) and has nothing to judge.
+    armed_since_update: bool = False
 
 
 _active: _Healing | None = None
@@ -232,12 +236,13 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         islands.end_restore_window()
         active.buffers.on_update(overflow, step, discover=owner)
         verdict, active.verdict = active.verdict, 0
+        fresh, active.armed_since_update = active.armed_since_update, False
         probe = active.probe
         if overflow:
             active.quiet_steps = 0
             if not probe.armed:
-                if not active.exhausted:
-                    probe.arm()
+                if _may_arm(active):
+                    _arm(active)
                     logger.log(
                         logging.DEBUG if active.fruitless else logging.INFO,
                         "forward overflow at step %d: watching the next forward passes to find the module "
@@ -246,19 +251,23 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
                         active.probe_steps,
                     )
                 return
+            if fresh and not probe.calls:  # armed after this iteration's forward pass: it saw nothing to judge
+                probe.reset()
+                return
             call = probe.call(verdict)
-            made = len(islands.names())
-            if call is None:
+            if call is None:  # no module to blame: the probe keeps watching (unless it backs off)
                 _warn_once("unlocated", UNLOCATED.format(step=step))
+                _after_verdict(active, made_island=False)
             else:
                 islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
-            probe.disarm()
-            _after_verdict(active, made_island=len(islands.names()) > made)
-            return
+                probe.disarm()
+                _after_verdict(active, made_island=islands.holds(call[0]))
+                return
         elif probe.armed:
             active.quiet_steps += 1
             if active.quiet_steps >= active.probe_steps:
                 probe.disarm()
+                active.fruitless = active.skip_arming = 0  # the overflows stopped: the next one is news
                 logger.info(
                     "forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps
                 )
@@ -272,18 +281,33 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         )
 
 
+def _may_arm(active: _Healing) -> bool:
+    """Whether the probe may arm at this forward overflow (no island limit reached, no back-off pending)."""
+    if active.exhausted:
+        return False
+    if active.skip_arming:
+        active.skip_arming -= 1
+        return False
+    return True
+
+
+def _arm(active: _Healing) -> None:
+    active.probe.arm()
+    active.quiet_steps = 0
+    active.armed_since_update = True
+
+
 def _after_verdict(active: _Healing, made_island: bool) -> None:
-    """After the probe named a module (or found none): stop arming once verdicts keep making no island."""
+    """After the probe named a module (or found none): back off while verdicts keep making no island."""
     active.fruitless = 0 if made_island else active.fruitless + 1
-    if active.fruitless == FRUITLESS_VERDICTS:
-        logger.info(GAVE_UP.format(count=active.fruitless))
-    _update_exhausted(active)
-
-
-def _update_exhausted(active: _Healing) -> None:
-    """The probe arms no more: it gave up on this model, or the islands' limit was reached."""
-    limit = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
-    active.exhausted = limit or active.fruitless >= FRUITLESS_VERDICTS
+    if active.fruitless >= FRUITLESS_VERDICTS:
+        active.probe.disarm()
+        active.skip_arming = 2 ** (active.fruitless - FRUITLESS_VERDICTS + 1)
+        logger.log(
+            logging.INFO if active.fruitless == FRUITLESS_VERDICTS else logging.DEBUG,
+            BACKING_OFF.format(count=active.fruitless, skip=active.skip_arming),
+        )
+    active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
 
 
 def _follow(active: _Healing, scaler: Any) -> bool:
@@ -298,9 +322,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         return owner is scaler
     if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
         active.buffers.restart()
-        if active.fruitless >= FRUITLESS_VERDICTS:  # the probe gave up on the model before, not on this one
-            active.fruitless = 0
-            _update_exhausted(active)
+        active.fruitless = active.skip_arming = 0  # the probe backed off for the model before, not this one
     active.buffers_owner = weakref.ref(scaler)
     return True
 
@@ -325,10 +347,6 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool = T
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return
     try:
-        if active.probe.armed and check is not None and active.unwatched:
-            active.unwatched = False
-            active.probe.reset()
-            return
         if active.probe.armed and check is not None and _distributed() is None:
             verdict = active.probe.verdict
             pair = torch.stack([check.float(), check.new_zeros(()) if verdict is None else verdict.to(check.device)])
@@ -361,10 +379,8 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     step = int(getattr(scaler, "_steps", 0))
     try:
         active.buffers.on_stats_read(unseen > 0, step)
-        if unseen and not active.probe.armed and not active.exhausted:
-            active.probe.arm()
-            active.quiet_steps = 0
-            active.unwatched = scaler._iteration.loss_check is not None  # read after scale(): forward is over
+        if unseen and not active.probe.armed and _may_arm(active):
+            _arm(active)
             logger.log(
                 logging.DEBUG if active.fruitless else logging.INFO,
                 "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
@@ -378,12 +394,6 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
         _warn_once("read", "ampguard's forward-overflow probe stopped after an error (%r).", error)
-
-
-def iteration_ended() -> None:
-    """A read made after an update's healing (the ledger's forced read): the next forward pass is watched whole."""
-    if _active is not None:
-        _active.unwatched = False
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

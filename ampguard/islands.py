@@ -127,6 +127,11 @@ def names() -> tuple[str, ...]:
     return tuple(name for name, island in islands.items() if island.module() is not None)
 
 
+def holds(module: torch.nn.Module) -> bool:
+    """Whether ``module`` is an island."""
+    return any(island.module() is module for island in islands.values())
+
+
 def make(module: torch.nn.Module, name: str) -> Island:
     """Run ``module`` in float32 from its next call on (idempotent per name)."""
     existing = islands.get(name)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from islands_support import CLASSES, DIM, EVERY, fresh_islands, make_net, train  # noqa: F401
+from islands_support import CLASSES, DIM, EVERY, batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 import ampguard
@@ -166,6 +166,54 @@ def test_an_overflow_in_the_root_is_reported_not_islanded(ampguard_log):
     # The probe looks again at the next overflow (another module may be at fault), without saying so again.
     assert len(records(ampguard_log, logging.INFO, "watching the next forward passes")) == 1
     assert len(records(ampguard_log, logging.DEBUG, "watching the next forward passes")) >= 1
+
+
+def _corrupt_then_hot(steps: int, corrupt: set[int], hot: set[int], model=None):
+    model = make_net() if model is None else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    nonfinite = []
+    for step in range(steps):
+        x, y = batch(step, healthy=True)
+        if step in corrupt:
+            x = x.clone()
+            x[0, 0, 0] = float("nan")  # the batch itself holds NaN: no module to blame
+        if step in hot:
+            x = x * 8.0  # blocks.1.attn overflows float16
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+        if not torch.isfinite(loss):
+            nonfinite.append(step)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return model, scaler, nonfinite
+
+
+def test_after_a_verdict_that_finds_no_module_the_probe_keeps_watching(ampguard_log):
+    """Corrupt batches at 5 and 6, the block at 9: named at 9 itself, without arming again first."""
+    _model, scaler, nonfinite = _corrupt_then_hot(40, corrupt={5, 6}, hot={9, 19, 29})
+    assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [5, 6, 9]
+
+
+def test_a_module_overflowing_after_corrupt_batches_is_still_healed(reinstall):
+    """Three pairs of corrupt batches: three verdicts without a module, so the probe backs off; the block that
+    overflows from step 400 on is named all the same (each quiet spell between the pairs disarms the probe)."""
+    reinstall(AMPGUARD_PROBE_STEPS="20")
+    _model, scaler, nonfinite = _corrupt_then_hot(600, corrupt={5, 6, 100, 101, 200, 201}, hot=set(range(400, 600, 10)))
+    assert scaler.stats.fp32_islands == ("blocks.1.attn",)
+    assert nonfinite[:6] == [5, 6, 100, 101, 200, 201] and nonfinite[6:] == [400, 410]
+
+
+def test_models_trained_one_after_another_each_get_their_islands():
+    """An island replacing another model's of the same name is an island made, not a verdict without one."""
+    ensemble = []
+    for _ in range(4):
+        model, scaler, nonfinite = _corrupt_then_hot(40, corrupt=set(), hot={9, 19, 29})
+        ensemble.append(model)  # kept alive: the islands of the models before stay theirs
+        assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [9, 19]
+        assert healing._active.fruitless == 0
 
 
 def test_a_block_with_float16_weights_is_reported_not_islanded(ampguard_log):

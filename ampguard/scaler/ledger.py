@@ -156,7 +156,6 @@ def update_in_device_mode(
     healing.end_device_iteration(scaler, check, held=hold)
     if ledger.full:
         fold_device_ledger(scaler)
-        healing.iteration_ended()  # a probe this read armed watches the next forward pass from its start
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
