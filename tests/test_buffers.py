@@ -73,13 +73,15 @@ def batch(step: int, poisoned: bool = False) -> tuple[torch.Tensor, torch.Tensor
     return x, torch.randint(0, 4, (4,), generator=gen)
 
 
-def iteration(model: nn.Module, optimizer: torch.optim.Optimizer, scaler, x: torch.Tensor, y: torch.Tensor) -> None:
+def iteration(
+    model: nn.Module, optimizer: torch.optim.Optimizer, scaler, x: torch.Tensor, y: torch.Tensor, new_scale=None
+) -> None:
     optimizer.zero_grad()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = nn.functional.cross_entropy(model(x), y)
     scaler.scale(loss).backward()
     scaler.step(optimizer)
-    scaler.update()
+    scaler.update(new_scale)
 
 
 def two_models(poisoned: str, make_optimizer=sgd) -> dict[str, tuple[nn.Module, dict, dict]]:
