@@ -106,7 +106,7 @@ class BufferGuard:
             self.buffers = self._collect()
         return True
 
-    def on_update(self, overflow: bool, step: int, discover: bool = True) -> None:
+    def on_update(self, overflow: bool, step: int, discover: bool) -> None:
         """Called by every host-mode ``update()``: snapshot (healthy) or restore (forward overflow).
 
         ``discover``: this update delimits discovery (the owner scaler's); the others wait for it.

@@ -330,7 +330,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
 # -- device mode (fused optimizers) ------------------------------------------------------------
 
 
-def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool = True) -> None:
+def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool) -> None:
     """The end of each device-mode update; ``check`` is the iteration's loss check on the device (None: no step).
 
     ``held``: a non-finite loss in this iteration is held (no back-off), and so
@@ -359,7 +359,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool = T
             return
         islands.end_restore_window()
         if owner and not active.buffers.discovered and active.buffers.advance():
-            active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # checked for finiteness before use
+            active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # compared with the buffers at the read
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
         _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
