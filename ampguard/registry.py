@@ -25,7 +25,7 @@ from ampguard.patches.base import Patch, torch_release
 PATCHES: tuple[str, ...] = (
     "ampguard.patches.autocast:AutocastPatch",
     "ampguard.patches.grad_scaler:GradScalerPatch",
-    "ampguard.patches.clip_grad:ClipGradPatch",
+    "ampguard.clip_grad.patch:ClipGradPatch",
     "ampguard.patches.bf16_check:Bf16CheckPatch",
     "ampguard.patches.fp32_islands:Fp32IslandsPatch",
     "ampguard.patches.anomaly:AnomalyPatch",

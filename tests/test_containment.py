@@ -16,7 +16,7 @@ from scaler_support import (  # noqa: F401
     train,
 )
 
-import ampguard.clip
+import ampguard.clip_grad.norm
 import ampguard.healing
 import ampguard.scaler.accounting
 import ampguard.scaler.iteration
@@ -36,7 +36,7 @@ HOOKS = [
     (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
     (ampguard.healing, "end_iteration"),
     (ampguard.scaler.accounting, "log_stats"),  # the stats line
-    (ampguard.clip, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
+    (ampguard.clip_grad.norm, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
 ]
 
 
@@ -93,9 +93,9 @@ def test_intended_errors_pass_through_the_clip(monkeypatch):
 
 @pytest.mark.parametrize("as_generator", [False, True], ids=["list", "generator"])
 def test_a_failing_clip_grad_value_falls_back_to_torchs(as_generator, monkeypatch, ampguard_log):
-    import ampguard.clip_api
+    import ampguard.clip_grad.api
 
-    monkeypatch.setattr(ampguard.clip_api, "_clamp_", _raise)
+    monkeypatch.setattr(ampguard.clip_grad.api, "_clamp_", _raise)
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 3)
     scaler = safe()

@@ -27,7 +27,7 @@ class Iteration:
         self.unscaled_optimizers: list[Any] = []
         # That host read also said the loss itself was inf/NaN (a forward overflow).
         self.loss_nonfinite = False
-        # get_scale() read after scale(): clip thresholds may be scaled ones (ampguard.clip).
+        # get_scale() read after scale(): clip thresholds may be scaled ones (ampguard.clip_grad.norm).
         self.scale_read = False
         # The thread that called scale(): clip_grad_norm_ in a thread looks at that thread's scalers.
         self.scaling_thread: int | None = None

@@ -6,8 +6,8 @@ Wraps, with wrapt (signature, docstring and return value kept),
 ``clip_grad_value_``, torch >= 2.6's ``get_total_norm`` and ``clip_grads_with_norm_``
 (``_get_total_norm`` / ``_clip_grads_with_norm_`` in ``torch.nn.utils.clip_grad``,
 which torch's own ``clip_grad_norm_`` calls), and every name bound to them before
-ampguard was imported. The behaviour is :mod:`ampguard.clip`'s and
-:mod:`ampguard.clip_api`'s; docs/clipping.md describes it.
+ampguard was imported. The behaviour is :mod:`ampguard.clip_grad.norm`'s and
+:mod:`ampguard.clip_grad.api`'s; docs/clipping.md describes it.
 
 When the grad_scaler patch is applied (it is applied before this one), every
 GradScaler is a SafeGradScaler, so "no SafeGradScaler scaled a loss" means "no
@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 import wrapt
 
-from ampguard import clip, clip_api, torch_privates
+from ampguard import torch_privates
+from ampguard.clip_grad import api, norm, scalers, state, wrapping
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
@@ -53,26 +54,26 @@ class ClipGradPatch(Patch):
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
         self.bindings.rebind_names_of(
-            original, clip.safe_function_wrapper(original, clip.clip_grad_norm_wrapper, idle=clip.idle)
+            original, wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, idle=state.idle)
         )
-        for name, wrapper, idle in clip_api.WRAPPED:
+        for name, wrapper, idle in api.WRAPPED:
             function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6
             if callable(function) and not isinstance(function, wrapt.FunctionWrapper):
-                self.bindings.rebind_names_of(function, clip.safe_function_wrapper(function, wrapper, idle=idle))
+                self.bindings.rebind_names_of(function, wrapping.safe_function_wrapper(function, wrapper, idle=idle))
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
-            deprecation = clip.record_deprecation(deprecated)
+            deprecation = wrapping.record_deprecation(deprecated)
             self.bindings.rebind_names_of(
-                deprecated, clip.safe_function_wrapper(deprecated, clip.deprecated_clip_grad_norm_wrapper)
+                deprecated, wrapping.safe_function_wrapper(deprecated, norm.deprecated_clip_grad_norm_wrapper)
             )
         guard = _grad_scaler_patch_applied()
         if guard:
             scale = vars(TorchGradScaler).get("scale")
             if scale is not None:
-                self.bindings.set_attribute(TorchGradScaler, "scale", clip.scale_wrapper(scale))
-        clip.activate(original, guard=guard, deprecation=deprecation, stats_every=config.stats_every)
+                self.bindings.set_attribute(TorchGradScaler, "scale", scalers.scale_wrapper(scale))
+        state.activate(original, guard=guard, deprecation=deprecation, stats_every=config.stats_every)
 
     def revert(self) -> None:
-        clip.deactivate()
+        state.deactivate()
         super().revert()

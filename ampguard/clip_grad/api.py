@@ -1,4 +1,4 @@
-"""The rest of torch's clipping API under ampguard: what :mod:`ampguard.clip` does for ``clip_grad_norm_``.
+"""The rest of torch's clipping API under ampguard: what :mod:`ampguard.clip_grad.norm` does for ``clip_grad_norm_``.
 
 ``torch.nn.utils.clip_grad_value_``, and (torch >= 2.6) ``get_total_norm`` and
 ``clip_grads_with_norm_``, the two halves ``clip_grad_norm_`` is made of,
@@ -41,17 +41,23 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ampguard import clip, master
+from ampguard import master
+from ampguard.clip_grad import kernels
+from ampguard.clip_grad.norm import scaled_total_norm
+from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
+from ampguard.clip_grad.state import guard_active, state
+from ampguard.clip_grad.state import idle as clip_grad_norm_idle
+from ampguard.clip_grad.wrapping import contained
 from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 
 
 def idle() -> bool:
     """No SafeGradScaler scaled a loss in this iteration (or the clip patch is off): torch's function, untouched."""
-    return not clip.state.active or not scalers_in_iteration
+    return not state.active or not scalers_in_iteration
 
 
 def _plain(tensors: Iterable[Tensor]) -> bool:
-    return all(type(t) in clip._PLAIN_TENSOR_TYPES for t in tensors)
+    return all(type(t) in kernels.PLAIN_TENSOR_TYPES for t in tensors)
 
 
 # -- clip_grad_value_ -----------------------------------------------------------------
@@ -61,7 +67,7 @@ def _bind_value(parameters: Any, clip_value: float, foreach: bool | None = None)
     return parameters, clip_value, foreach
 
 
-@clip.contained("safe clip_grad_value_")
+@contained("safe clip_grad_value_")
 def clip_grad_value_wrapper(
     wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -72,19 +78,19 @@ def clip_grad_value_wrapper(
         parameters, clip_value, foreach = _bind_value(*args, **kwargs)
     except TypeError:  # torch's own error
         return wrapped(*args, **kwargs)
-    params, for_torch = clip._materialize(parameters)
+    params, for_torch = kernels.materialize(parameters)
     pairs = master.gradient_pairs(params)
-    scalers = clip.scalers_in_play()
+    scalers = scalers_in_play()
     if not pairs or not scalers or not _plain(g for _, g in pairs):
         return wrapped(for_torch, clip_value, foreach)
     clip_value = float(clip_value)
-    unscaled = set().union(*(ids for _, _, ids in clip.unscaled_optimizers(scalers)))
+    unscaled = set().union(*(ids for _, _, ids in unscaled_optimizers(scalers)))
     still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled}
-    scale = clip.single_scale(scalers) if still_scaled else None
+    scale = single_scale(scalers) if still_scaled else None
     if scale is None:
         still_scaled = set()
     with torch.no_grad():
-        for group in clip._groups([g for _, g in pairs], foreach):
+        for group in kernels.groups([g for _, g in pairs], foreach):
             _clamp_(group, [g for g in group.grads if id(g) not in still_scaled], clip_value)
             scaled = [g for g in group.grads if id(g) in still_scaled]
             if scaled:
@@ -94,7 +100,7 @@ def clip_grad_value_wrapper(
     return None
 
 
-def _clamp_(group: clip._Group, grads: list[Tensor], bound: float | Tensor) -> None:
+def _clamp_(group: kernels.Group, grads: list[Tensor], bound: float | Tensor) -> None:
     """torch's clamp of ``grads`` into [-bound, bound], foreach or per tensor as ``group`` says."""
     if not grads:
         return
@@ -119,29 +125,29 @@ def _bind_total(
     return tensors, norm_type, error_if_nonfinite, foreach
 
 
-@clip.contained("safe get_total_norm")
+@contained("safe get_total_norm")
 def get_total_norm_wrapper(
     wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.get_total_norm`` (torch >= 2.6)."""
-    if instance is not None or clip.idle():
+    if instance is not None or clip_grad_norm_idle():
         return wrapped(*args, **kwargs)
     try:
         tensors, norm_type, error_if_nonfinite, foreach = _bind_total(*args, **kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
-    given, for_torch = clip._materialize(tensors)
-    scalers = clip.scalers_in_play()
-    if not given or not _plain(given) or not (scalers or clip.guard_active()):
+    given, for_torch = kernels.materialize(tensors)
+    scalers = scalers_in_play()
+    if not given or not _plain(given) or not (scalers or guard_active()):
         return wrapped(for_torch, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
     with torch.no_grad():
         held = _gradients_held(given, scalers)
-        scale = clip.single_scale(scalers) if held.still_scaled is None or held.still_scaled else None
-        groups = clip._groups(held.grads, foreach)
-        total, _ = clip.scaled_total_norm(groups, held.still_scaled, scale, norm_type)
+        scale = single_scale(scalers) if held.still_scaled is None or held.still_scaled else None
+        groups = kernels.groups(held.grads, foreach)
+        total, _ = scaled_total_norm(groups, held.still_scaled, scale, norm_type)
         if error_if_nonfinite:
-            clip._raise_if_nonfinite(total, norm_type)
+            kernels.raise_if_nonfinite(total, norm_type)
     return total
 
 
@@ -155,7 +161,7 @@ def _gradients_held(tensors: Sequence[Tensor], scalers: list[SafeGradScaler]) ->
     if not scalers:
         return _Held(list(tensors), set())
     holder: dict[int, Tensor] = {}
-    for _, optimizer, _ in clip.unscaled_optimizers(scalers):
+    for _, optimizer, _ in unscaled_optimizers(scalers):
         for param, grad in master.gradients(optimizer):
             if grad is None:
                 continue
@@ -176,7 +182,7 @@ def _bind_with_norm(
     return parameters, max_norm, total_norm, foreach
 
 
-@clip.contained("safe clip_grads_with_norm_")
+@contained("safe clip_grads_with_norm_")
 def clip_grads_with_norm_wrapper(
     wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
@@ -187,25 +193,25 @@ def clip_grads_with_norm_wrapper(
         parameters, max_norm, total_norm, foreach = _bind_with_norm(*args, **kwargs)
     except TypeError:
         return wrapped(*args, **kwargs)
-    params, for_torch = clip._materialize(parameters)
+    params, for_torch = kernels.materialize(parameters)
     pairs = master.gradient_pairs(params)
-    scalers = clip.scalers_in_play()
+    scalers = scalers_in_play()
     if not pairs or not scalers or not isinstance(total_norm, Tensor) or not _plain(g for _, g in pairs):
         return wrapped(for_torch, max_norm, total_norm, foreach)
     with torch.no_grad():
-        groups = clip._groups([g for _, g in pairs], foreach)
-        nan_if_nonfinite = total_norm - total_norm  # see clip._clip_with_scaler
-        coefficient = clip._clip_coefficient(float(max_norm), total_norm) + nan_if_nonfinite
-        clip._multiply_(groups, coefficient)
-        unscaled_by = clip.unscaled_optimizers(scalers)
+        groups = kernels.groups([g for _, g in pairs], foreach)
+        nan_if_nonfinite = total_norm - total_norm  # see norm._clip_with_scaler
+        coefficient = kernels.clip_coefficient(float(max_norm), total_norm) + nan_if_nonfinite
+        kernels.multiply_(groups, coefficient)
+        unscaled_by = unscaled_optimizers(scalers)
         if unscaled_by:
-            clip._raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, nan_if_nonfinite)
+            raise_found_inf(unscaled_by, {id(p) for p, _ in pairs}, nan_if_nonfinite)
     return None
 
 
 # (name in torch.nn.utils.clip_grad, wrapper, idle): the clip_grad patch wraps those this torch has.
 WRAPPED: list[tuple[str, Callable[..., Any], Callable[[], bool]]] = [
     ("clip_grad_value_", clip_grad_value_wrapper, idle),
-    ("_get_total_norm", get_total_norm_wrapper, clip.idle),  # torch.nn.utils.get_total_norm
+    ("_get_total_norm", get_total_norm_wrapper, clip_grad_norm_idle),  # torch.nn.utils.get_total_norm
     ("_clip_grads_with_norm_", clip_grads_with_norm_wrapper, idle),  # torch.nn.utils.clip_grads_with_norm_
 ]

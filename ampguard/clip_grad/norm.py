@@ -1,0 +1,309 @@
+"""``clip_grad_norm_`` under ampguard: the safe clip and the wrappers torch's names are bound to.
+
+The documented AMP recipe is scale -> backward -> unscale_ -> clip -> step.
+Under ampguard the clip is right whatever the caller did:
+
+* **Still-scaled gradients** (``unscale_`` forgotten, Lightning manual
+  optimisation, a library that clips before stepping): when a
+  :class:`~ampguard.SafeGradScaler` scaled a loss this iteration and the
+  parameters are not owned by an optimizer it already unscaled, the total norm
+  is computed from the scaled gradients and divided by the scale on the device.
+  The clip coefficient is multiplied into the still-scaled gradients, and the
+  scaler's later ``unscale_`` divides them by the scale: the optimizer sees what
+  the recipe gives, the returned norm is the unscaled one, and nothing is ever
+  unscaled twice. Parameters already unscaled (accelerate, HF Trainer,
+  Lightning automatic optimisation, the coqui trainer) are clipped as they are;
+  a call may mix both kinds.
+* **A threshold for scaled gradients.** The idiom from before ``unscale_``
+  existed, ``clip_grad_norm_(params, max_norm * scaler.get_scale())`` on
+  still-scaled gradients, gives torch's result (gradients and returned norm):
+  when the caller read ``get_scale()`` after ``scale()`` in this iteration,
+  ``max_norm`` is taken as a threshold for the scaled gradients. The one
+  ambiguity: code that reads ``get_scale()`` that way for another reason
+  (logging) and then clips still-scaled gradients with an unscaled threshold
+  gets torch's behaviour too (docs/clipping.md).
+* **Norms in float32** for float16 and bfloat16 gradients: torch computes them
+  in the gradients' dtype, so a float16 norm above 65504 becomes inf, the
+  coefficient 0 and every gradient a finite zero that no scaler notices.
+* **Non-finite norms.** With a scaler in play the coefficient becomes NaN, so
+  every optimizer whose gradients were clipped skips its step (the scaler
+  records inf for still-scaled gradients at ``unscale_``; for optimizers it
+  already unscaled, the found-inf flag is raised on the device). No host read.
+  With no GradScaler in play (bf16 / fp32 training) the norm is read on the
+  host once; when it is inf/NaN the step is skipped by setting the clipped
+  parameters' ``.grad`` to None, so the optimizer changes no parameter and no
+  state. ``error_if_nonfinite=True`` raises as torch does.
+
+The computation is torch's (same operations, the gradients grouped by device
+and dtype once instead of twice) except for the float32 norms, the division by
+the scale and the NaN coefficient: with float32 gradients, no scaler and finite
+norms the result is bit-identical to torch's. docs/clipping.md has the details
+and the measured cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+import wrapt
+from torch import Tensor
+
+from ampguard import containment, master, summary
+from ampguard.clip_grad import kernels
+from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
+from ampguard.clip_grad.state import guard_active, idle, original_clip_grad_norm_, state
+from ampguard.clip_grad.wrapping import caller_stacklevel, contained
+from ampguard.log import is_rank_zero, logger
+from ampguard.scaler import SafeGradScaler
+from ampguard.stats import process_counters
+
+SKIPPED_STEP = (
+    "clip_grad_norm_: the total gradient norm is {norm} and no GradScaler is in play (bf16/fp32 training): "
+    "this optimizer step is skipped (the gradients of the {count} clipped parameters are set to None, "
+    "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far "
+    "(ampguard.stats.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
+    "too high, an fp16 overflow in a model run without a GradScaler."
+)
+
+
+@contained("safe clip_grad_norm_")
+def clip_grad_norm_wrapper(
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
+    if instance is not None or idle():
+        return wrapped(*args, **kwargs)
+    try:
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
+    except TypeError:  # torch raises its own error, or knows an argument this torch added
+        return wrapped(*args, **kwargs)
+    return safe_clip_grad_norm_(
+        parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
+    )
+
+
+def deprecated_clip_grad_norm_wrapper(
+    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    """wrapt wrapper of the deprecated ``torch.nn.utils.clip_grad_norm``.
+
+    torch's function warns, then calls ``clip_grad_norm_``. Calling it from
+    here would attribute its warning to this file, so the wrapper issues
+    torch's warning (as recorded by :func:`record_deprecation`) at the caller
+    and calls the safe ``clip_grad_norm_`` itself.
+    """
+    deprecation = state.deprecation
+    if not state.active or instance is not None or deprecation is None:
+        return wrapped(*args, **kwargs)
+    try:
+        _bind(*args, **kwargs)
+    except TypeError:
+        return wrapped(*args, **kwargs)  # torch's own error, from torch's own function
+    warnings.warn(deprecation[1], deprecation[0], stacklevel=caller_stacklevel())
+    safe = torch.nn.utils.clip_grad.clip_grad_norm_
+    if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since
+        safe = state.original or safe
+        return clip_grad_norm_wrapper(safe, None, args, kwargs)
+    result: Tensor = safe(*args, **kwargs)
+    return result
+
+
+def _bind(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+) -> tuple[Tensor | Iterable[Tensor], float, float, bool, bool | None]:
+    return parameters, max_norm, norm_type, error_if_nonfinite, foreach
+
+
+def safe_clip_grad_norm_(
+    parameters: Tensor | Iterable[Tensor],
+    max_norm: float,
+    norm_type: float = 2.0,
+    error_if_nonfinite: bool = False,
+    foreach: bool | None = None,
+    *,
+    torch_clip_grad_norm_: Callable[..., Tensor] | None = None,
+) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` made safe (see the module docstring).
+
+    Arguments and return value are torch's; the returned norm is that of the
+    unscaled gradients, in float32 when they are float16/bfloat16.
+    ``torch_clip_grad_norm_`` is torch's original function, used where
+    ampguard has nothing to add (no gradient at all, tensor subclasses such as
+    DTensor, a GradScaler ampguard does not know).
+    """
+    torch_clip = torch_clip_grad_norm_ or original_clip_grad_norm_()
+    params, for_torch = kernels.materialize(parameters)
+    pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
+    if not pairs or any(type(g) not in kernels.PLAIN_TENSOR_TYPES for _, g in pairs):
+        return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+    scalers = scalers_in_play()
+    if not scalers and not guard_active():
+        return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
+    max_norm = float(max_norm)
+    norm_type = float(norm_type)
+    with torch.no_grad():
+        if scalers:
+            return _clip_with_scaler(pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip_without_scaler(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
+
+
+def _clip_with_scaler(
+    pairs: list[tuple[Tensor, Tensor]],
+    scalers: list[SafeGradScaler],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """A SafeGradScaler scaled a loss this iteration: zero host reads (beyond torch's own)."""
+    unscaled_by = unscaled_optimizers(scalers)
+    unscaled_params: set[int] = set().union(*(ids for _, _, ids in unscaled_by))
+    grads = [g for _, g in pairs]
+    # None: every gradient is still scaled (unscale_ forgotten, the common case).
+    still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled_params} if unscaled_params else None
+    scale = single_scale(scalers) if still_scaled is None or still_scaled else None
+    groups = kernels.groups(grads, foreach)
+    total, scaled_vector = scaled_total_norm(groups, still_scaled, scale, norm_type)
+    scale_known = scale is not None and norm_type != 0.0
+    first_device = grads[0].device
+    threshold: float | Tensor = max_norm
+    if scale_known and _scaled_threshold(scalers[0], max_norm):
+        if still_scaled is None:
+            # Every gradient still scaled: torch's own total and coefficient, bit for bit.
+            total = torch.linalg.vector_norm(scaled_vector, norm_type)
+        else:
+            assert scale is not None  # (scale_known)
+            threshold = max_norm / scale.to(first_device)
+    if error_if_nonfinite:
+        kernels.raise_if_nonfinite(total, norm_type)
+    clipped = {id(p) for p, _ in pairs}
+    if _checked_by_one_optimizer(unscaled_by, clipped):
+        # The recipe's case: every clipped gradient was checked by one optimizer's unscale_, so a
+        # non-finite norm means a non-finite gradient that optimizer already skips for: torch's kernels.
+        kernels.multiply_(groups, kernels.clip_coefficient(threshold, total))
+        return total
+    # total - total is 0 for a finite norm and NaN for an inf/NaN one (2 kernels here, against 5 for
+    # isfinite + div): added to the coefficient it leaves it unchanged or makes it NaN, and every
+    # clipped step is skipped.
+    nan_if_nonfinite = total - total
+    coefficient = kernels.clip_coefficient(threshold, total) + nan_if_nonfinite
+    kernels.multiply_(groups, coefficient)
+    if unscaled_by:
+        raise_found_inf(unscaled_by, clipped, nan_if_nonfinite)
+    return total
+
+
+def _checked_by_one_optimizer(unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]], clipped: set[int]) -> bool:
+    """Whether every clipped parameter belongs to one optimizer already unscaled (its found_inf recorded).
+
+    Its norms are float32, so the total is inf/NaN only when a gradient is: the
+    optimizer skips its step whatever the clip does. Across optimizers a
+    non-finite norm would zero the healthy one's gradients: the guard is needed.
+    """
+    holders = [ids for _, _, ids in unscaled_by if not ids.isdisjoint(clipped)]
+    return len(holders) == 1 and clipped <= holders[0]
+
+
+def scaled_total_norm(
+    groups: list[kernels.Group], still_scaled: set[int] | None, scale: Tensor | None, norm_type: float
+) -> tuple[Tensor, Tensor | None]:
+    """The total norm of the unscaled gradients, and the vector of the still-scaled ones' norms (None if none).
+
+    ``still_scaled``: ids of the gradients that still carry ``scale`` (None: all
+    of them); ``scale`` None: unknown, their norms are taken as they are.
+    """
+    unscaled_norms: list[Tensor] = []
+    scaled_norms: list[Tensor] = []
+    for group in groups:
+        if still_scaled is None:
+            scaled_norms.extend(kernels.norms(group, group.grads, norm_type))
+            continue
+        scaled = [g for g in group.grads if id(g) in still_scaled]
+        unscaled = [g for g in group.grads if id(g) not in still_scaled]
+        if unscaled:
+            unscaled_norms.extend(kernels.norms(group, unscaled, norm_type))
+        if scaled:
+            scaled_norms.extend(kernels.norms(group, scaled, norm_type))
+    first_device = groups[0].grads[0].device
+    vectors = []
+    if unscaled_norms:
+        vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
+    # The "0-norm" counts non-zeros: scale-free.
+    scale_known = scale is not None and norm_type != 0.0
+    scaled_vector: Tensor | None = None
+    if scaled_norms:
+        vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
+        if scale_known:
+            assert scale is not None
+            vector = vector / scale.to(first_device)
+        vectors.append(vector)
+    total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
+    return total, scaled_vector
+
+
+def _scaled_threshold(scaler: SafeGradScaler, max_norm: float) -> bool:
+    """Whether ``max_norm`` is a threshold for the still-scaled gradients (see the module docstring).
+
+    It is when the caller read ``scaler.get_scale()`` after ``scale()`` in this
+    iteration: the idiom from before ``unscale_`` existed,
+    ``clip_grad_norm_(params, max_norm * scaler.get_scale())``, still in torch's
+    own tests. ``max_norm=inf`` means the same either way.
+    """
+    return scaler._iteration.scale_read and math.isfinite(max_norm)
+
+
+def _clip_without_scaler(
+    pairs: list[tuple[Tensor, Tensor]],
+    max_norm: float,
+    norm_type: float,
+    error_if_nonfinite: bool,
+    foreach: bool | None,
+) -> Tensor:
+    """No loss was scaled (bf16 / fp32 training): a non-finite norm skips the step. One host read."""
+    grads = [g for _, g in pairs]
+    groups = kernels.groups(grads, foreach)
+    norms = [norm for group in groups for norm in kernels.norms(group, group.grads, norm_type)]
+    first_device = grads[0].device
+    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    if error_if_nonfinite:
+        kernels.raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
+        kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))
+        return total
+    # Queue the multiplication before reading, so that on a GPU it overlaps the read.
+    kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))
+    norm = float(total)
+    if not math.isfinite(norm):
+        _skip_step(pairs, norm)
+    state.guarded_calls += 1
+    if state.stats_every and state.guarded_calls % state.stats_every == 0:
+        _log_guard_stats()
+    return total
+
+
+def _log_guard_stats() -> None:
+    if is_rank_zero() and logger.isEnabledFor(logging.INFO):
+        logger.info("stats clip_calls=%d clip_skipped=%d", state.guarded_calls, process_counters.clip_skipped)
+
+
+def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
+    for param, _ in pairs:
+        param.grad = None
+    process_counters.clip_skipped += 1
+    summary.arm()
+    limiter = state.skip_log
+    suppressed_before = limiter.suppressed
+    if limiter.ready():
+        suppressed = f"; {suppressed_before} similar message(s) suppressed" if suppressed_before else ""
+        limiter.suppressed = 0
+        logger.warning(
+            SKIPPED_STEP.format(norm=norm, count=len(pairs), total=process_counters.clip_skipped, suppressed=suppressed)
+        )

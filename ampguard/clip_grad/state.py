@@ -1,0 +1,78 @@
+"""What the clip_grad patch set up, read on every call: on or off, torch's function, the no-scaler guard."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ampguard.log import RateLimiter
+from ampguard.scaler import scalers_in_iteration
+
+SKIP_LOG_INTERVAL = 60.0  # seconds between two "step skipped" warnings
+
+
+class _State:
+    """What the clip patch set up: read on every call, so plain attributes."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.original: Callable[..., Tensor] | None = None  # torch's clip_grad_norm_
+        self.deprecation: tuple[type[Warning], str] | None = None  # what torch's clip_grad_norm warns
+        # The no-scaler guard: on only when the grad_scaler patch is applied, so
+        # that every GradScaler is a SafeGradScaler and "none in
+        # scalers_in_iteration" means "no loss was scaled".
+        self.guard = False
+        self.foreign_scaler = False
+        self.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
+        self.warned_ambiguous = False
+        # bf16/fp32 training has no scaler, hence no scaler stats line: the
+        # guard logs its own every `stats_every` calls (AMPGUARD_STATS_EVERY).
+        self.stats_every = 0
+        self.guarded_calls = 0
+
+
+state = _State()
+
+
+def activate(
+    original: Callable[..., Tensor],
+    *,
+    guard: bool,
+    deprecation: tuple[type[Warning], str] | None = None,
+    stats_every: int = 0,
+) -> None:
+    """Turn the safe clip on (called by the clip_grad patch with torch's ``clip_grad_norm_``)."""
+    state.active = True
+    state.stats_every = stats_every
+    state.guarded_calls = 0
+    state.original = original
+    state.deprecation = deprecation
+    state.guard = guard
+    state.foreign_scaler = False
+    state.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
+    state.warned_ambiguous = False
+
+
+def deactivate() -> None:
+    """Turn it off: wrappers still held somewhere call torch's function unchanged."""
+    state.active = False
+    state.guard = False
+
+
+def guard_active() -> bool:
+    """Whether a non-finite norm with no scaler in play skips the step right now."""
+    return state.active and state.guard and not state.foreign_scaler
+
+
+def idle() -> bool:
+    """Nothing for the safe clip to do: no SafeGradScaler scaled a loss and the no-scaler guard is off.
+
+    O(1): then ``clip_grad_norm_`` is torch's function, untouched.
+    """
+    return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
+
+
+def original_clip_grad_norm_() -> Callable[..., Tensor]:
+    return state.original if state.original is not None else torch.nn.utils.clip_grad.clip_grad_norm_
