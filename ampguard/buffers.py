@@ -36,8 +36,10 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard.log import logger
+from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
+
+logger = event_logger("buffers")
 
 MAX_ELEMENTS = 1 << 16
 MAX_TOTAL = 1 << 24

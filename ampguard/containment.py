@@ -20,7 +20,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from ampguard.errors import AmpguardError
-from ampguard.log import logger
+from ampguard.log import event_logger
+
+logger = event_logger("contained")
 
 E = TypeVar("E", bound=BaseException)
 T = TypeVar("T")

@@ -31,8 +31,10 @@ from typing import Any
 import torch
 
 from ampguard import master, messages
-from ampguard.log import ANY_RANK, logger
+from ampguard.log import ANY_RANK, event_logger
 from ampguard.syncs import read_to_host
+
+logger = event_logger("skip")
 
 NAMES_SHOWN = 5
 

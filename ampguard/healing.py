@@ -46,9 +46,11 @@ import torch
 
 from ampguard import islands
 from ampguard.buffers import BufferGuard
-from ampguard.log import logger
+from ampguard.log import event_logger
 from ampguard.probe import Probe
 from ampguard.syncs import read_to_host
+
+logger = event_logger("island")
 
 if TYPE_CHECKING:
     from ampguard.config import Config

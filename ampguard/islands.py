@@ -30,8 +30,10 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ampguard import messages
-from ampguard.log import logger
+from ampguard.log import event_logger
 from ampguard.probe import is_compiled, qualified_name, unwrap
+
+logger = event_logger("island")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 

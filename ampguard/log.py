@@ -19,7 +19,8 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
+from typing import Any
 
 logger = logging.getLogger("ampguard")
 
@@ -56,6 +57,30 @@ def process_rank() -> int:
 
 def is_rank_zero() -> bool:
     return process_rank() == 0
+
+
+# The kind of event a record is (``extra={EVENT_KEY: "island"}``): the stats file's "event" field
+# (docs/stats-file.md). Records without one are plain "message" events.
+EVENT_KEY = "ampguard_event"
+
+
+def event(kind: str) -> dict[str, str]:
+    """``extra=`` for a record that is an event of ``kind`` (for a module whose records are of several kinds)."""
+    return {EVENT_KEY: kind}
+
+
+class EventLogger(logging.LoggerAdapter):  # type: ignore[type-arg]  # generic only from Python 3.11
+    """Logger ``ampguard`` for a module whose records are all one kind of event (:func:`event_logger`)."""
+
+    def process(self, msg: object, kwargs: MutableMapping[str, Any]) -> tuple[object, MutableMapping[str, Any]]:
+        assert self.extra is not None
+        kwargs["extra"] = {**self.extra, **(kwargs.get("extra") or {})}
+        return msg, kwargs
+
+
+def event_logger(kind: str) -> EventLogger:
+    """Logger ``ampguard`` whose records carry the event kind ``kind`` (a call's own ``extra`` may override it)."""
+    return EventLogger(logger, event(kind))
 
 
 # ``logger.info(..., extra=ANY_RANK)``: a fact only this rank knows (its own loss was inf/NaN), which

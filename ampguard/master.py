@@ -53,7 +53,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampguard.log import logger
+from ampguard.log import event_logger
+
+logger = event_logger("masters")
 
 STATE_KEY = "ampguard_master_weights"
 _ATTRIBUTE = "_ampguard_master_weights"

@@ -19,7 +19,7 @@ from ampguard import config as config_module
 from ampguard import stats_file, torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
-from ampguard.log import ensure_default_handler, is_rank_zero, logger
+from ampguard.log import ensure_default_handler, event, is_rank_zero, logger
 from ampguard.patches.base import Patch, torch_release
 
 PATCHES: tuple[str, ...] = (
@@ -204,4 +204,4 @@ def _show_banner(config: config_module.Config, statuses: dict[str, PatchStatus])
     )
     if off:
         message += "; off: " + ", ".join(off)
-    logger.log(logging.INFO, message)
+    logger.log(logging.INFO, message, extra=event("start"))

@@ -4,8 +4,9 @@ A :class:`StatsFileHandler` on logger ``ampguard`` turns each record into one
 JSON object on one line, appended to the file and flushed at once, so a run that
 crashes loses nothing it logged. Only rank 0 writes. Stats lines carry their
 numbers (``extra={STATS_KEY: ScalerStats}`` from :func:`ampguard.stats.log_stats`);
-every other INFO/WARNING/CRITICAL record becomes an event of the kind named by
-where it comes from (:func:`event_kind`). The file is opened on the first record
+every other INFO/WARNING/CRITICAL record becomes an event of the kind it was
+logged as (``extra=ampguard.log.event(kind)``, :func:`event_kind`), never of the
+file it came from, so moving code does not change the format. The file is opened on the first record
 after the install banner, whose text becomes the run's ``start`` record, so a
 process that logs nothing (``ampguard report`` itself) writes nothing.
 The format is documented in docs/stats-file.md.
@@ -18,39 +19,19 @@ import logging
 import os
 from typing import IO, Any
 
-from ampguard import messages
-from ampguard.log import is_rank_zero, logger
+from ampguard.log import EVENT_KEY, is_rank_zero, logger
 from ampguard.stats import ScalerStats, process_counters
 
 FORMAT_VERSION = 1
 STATS_KEY = "ampguard_stats"
 INTERVAL_KEY = "ampguard_skipped_in_interval"
 
-# Event kinds by the ampguard module that logged the record; the scaler's two kinds by their text.
-_KINDS_BY_MODULE = {
-    "diagnose": "skip",
-    "islands": "island",
-    "healing": "island",
-    "buffers": "buffers",
-    "master": "masters",
-    "summary": "summary",
-    "containment": "contained",
-}
-_COLLAPSE_START = messages.SCALE_COLLAPSE.split("{")[0]  # "the loss scale collapsed: step "
-_STALL_PART = messages.STALL.split("}")[1].split("{")[0]  # " consecutive optimizer steps were skipped ..."
-_NO_GRAD_PART = messages.NO_GRADIENTS.split("}")[1]  # " got no gradient for any of its parameters ..."
 
-
-def event_kind(record: logging.LogRecord, message: str) -> str:
-    """skip, collapse, stall, no_grad, island, buffers, masters, summary, contained, or message for the rest."""
-    if record.name == "ampguard" and "ampguard/scaler/" in record.pathname.replace("\\", "/"):  # the scaler's package
-        if message.startswith(_COLLAPSE_START):
-            return "collapse"
-        if _STALL_PART in message:
-            return "stall"
-        if _NO_GRAD_PART in message:
-            return "no_grad"
-    return _KINDS_BY_MODULE.get(record.module, "message")
+def event_kind(record: logging.LogRecord) -> str:
+    """The kind the record was logged as (``extra=event(kind)``): skip, collapse, stall, no_grad, island,
+    buffers, masters, summary, contained; "message" for the rest."""
+    kind = getattr(record, EVENT_KEY, None)
+    return kind if isinstance(kind, str) else "message"
 
 
 def record_as_dict(record: logging.LogRecord) -> dict[str, Any]:
@@ -66,7 +47,7 @@ def record_as_dict(record: logging.LogRecord) -> dict[str, Any]:
         }
     message = record.getMessage()
     return {
-        "event": event_kind(record, message),
+        "event": event_kind(record),
         "level": record.levelname,
         "time": round(record.created, 3),
         "message": message,
@@ -74,7 +55,7 @@ def record_as_dict(record: logging.LogRecord) -> dict[str, Any]:
 
 
 def _is_banner(record: logging.LogRecord) -> bool:
-    return record.module == "registry" and record.funcName == "_show_banner"
+    return getattr(record, EVENT_KEY, None) == "start"
 
 
 class StatsFileHandler(logging.Handler):

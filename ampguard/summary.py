@@ -14,8 +14,10 @@ import atexit
 import weakref
 from typing import Any
 
-from ampguard.log import is_rank_zero, logger
+from ampguard.log import event_logger, is_rank_zero
 from ampguard.stats import process_counters
+
+logger = event_logger("summary")
 
 _scalers: weakref.WeakSet[Any] = weakref.WeakSet()
 # Lines for scalers collected before exit (a training function that returned): see remember().
@@ -76,7 +78,7 @@ def summary_line() -> str | None:
 
 
 def log_summary() -> None:
-    if not is_rank_zero() or any(getattr(getattr(h, "stream", None), "closed", False) for h in logger.handlers):
+    if not is_rank_zero() or any(getattr(getattr(h, "stream", None), "closed", False) for h in logger.logger.handlers):
         return  # (a test runner may have closed the stream the handler was given)
     try:
         line = summary_line()

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import ampguard
-from ampguard.log import logger
+from ampguard.log import event, event_logger, logger
 from ampguard.stats import process_counters
 from ampguard.stats_file import StatsFileHandler
 
@@ -155,3 +155,21 @@ def test_a_path_that_cannot_be_written_is_a_config_error(tmp_path, monkeypatch, 
     with pytest.raises(ampguard.ConfigError, match="AMPGUARD_STATS_FILE") as error:
         ampguard.config.load({"AMPGUARD_STATS_FILE": value})
     assert why in str(error.value)
+
+
+def test_event_kinds_are_what_the_record_says_not_where_it_was_logged(tmp_path):
+    """The kind travels with the record (extra=event(kind)): a file renamed or code moved keeps the format."""
+    handler = StatsFileHandler(str(tmp_path / "events.jsonl"))
+    logger.addHandler(handler)
+    try:
+        logger.warning("the banner stands for the start", extra=event("start"))
+        logger.warning("an island from the test file", extra=event("island"))
+        event_logger("masters").warning("through a module's event logger")
+        event_logger("masters").warning("a call's own kind wins", extra=event("skip"))
+        logger.warning("no kind at all")
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+    events = [(e["event"], e.get("message")) for e in read(tmp_path / "events.jsonl")]
+    assert [kind for kind, _ in events[1:]] == ["island", "masters", "skip", "message"]
+    assert events[0][0] == "start" and events[0][1] == "the banner stands for the start"

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ampguard import master, messages
-from ampguard.log import logger
+from ampguard.log import event, logger
 
 try:
     from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
@@ -120,4 +120,4 @@ def note_no_gradients(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) 
     scaler._no_grad_steps += 1
     if id(optimizer) not in scaler._warned_no_grad:
         scaler._warned_no_grad.add(id(optimizer))
-        logger.warning(messages.NO_GRADIENTS.format(optimizer=optimizer_label(optimizer)))
+        logger.warning(messages.NO_GRADIENTS.format(optimizer=optimizer_label(optimizer)), extra=event("no_grad"))

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from ampguard import diagnose, messages
 from ampguard.errors import ScaleCollapseError
-from ampguard.log import logger
+from ampguard.log import event, logger
 
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
@@ -59,7 +59,7 @@ def report_collapse(scaler: SafeGradScaler, scale: float) -> None:
     floor = f" (the floor, AMPGUARD_MIN_SCALE={scaler._min_scale:g})" if at_floor else ""
     note = diagnose.parameters_note(scaler)  # inf/NaN parameters: the usual causes do not apply
     template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
-    logger.critical(template.format(step=scaler._steps, scale=scale, floor=floor, note=note))
+    logger.critical(template.format(step=scaler._steps, scale=scale, floor=floor, note=note), extra=event("collapse"))
 
 
 def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
@@ -79,4 +79,4 @@ def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
     if raising:
         scaler._stall_error = ScaleCollapseError(message)
     else:
-        logger.critical(message)
+        logger.critical(message, extra=event("stall"))
