@@ -13,8 +13,7 @@ its patches to torch (``ampguard patches`` lists them). The public API is small:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from ampguard._version import __version__ as __version__
 from ampguard.diagnose import watch
 from ampguard.errors import ConfigError, ScaleCollapseError
 from ampguard.registry import PatchStatus, install, status, uninstall

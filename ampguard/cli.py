@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from ampguard import __version__
+    from ampguard._version import __version__
 
     parser = argparse.ArgumentParser(prog="ampguard", description="Safe fp16 mixed-precision training for PyTorch.")
     parser.add_argument("--version", action="version", version=f"ampguard {__version__}")

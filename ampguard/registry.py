@@ -195,7 +195,7 @@ def _show_banner(config: config_module.Config, statuses: dict[str, PatchStatus])
     if config.quiet or _registry.banner_shown or not is_rank_zero():
         return
     _registry.banner_shown = True
-    from ampguard import __version__
+    from ampguard._version import __version__
 
     applied = [name for name, s in statuses.items() if s.state == "applied"]
     off = [f"{name} ({s.state})" for name, s in statuses.items() if s.state != "applied"]

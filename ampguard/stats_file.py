@@ -95,7 +95,7 @@ class StatsFileHandler(logging.Handler):
         self._stream.flush()
 
     def _start_record(self, created: float) -> dict[str, Any]:
-        from ampguard import __version__
+        from ampguard._version import __version__
 
         return {
             "event": "start",
