@@ -43,6 +43,7 @@ and the measured cost.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import warnings
@@ -168,23 +169,42 @@ def _clip_with_scaler(
     unscaled_by = unscaled_optimizers(scalers)
     unscaled_params: set[int] = set().union(*(ids for _, _, ids in unscaled_by))
     grads = [g for _, g in pairs]
-    # None: every gradient is still scaled (unscale_ forgotten, the common case).
+    # None: every gradient of this call is still scaled (unscale_ forgotten, or another optimizer's were unscaled).
     still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled_params} if unscaled_params else None
+    if still_scaled is not None and len(still_scaled) == len(grads):
+        still_scaled = None
     scale = single_scale(scalers) if still_scaled is None or still_scaled else None
     groups = kernels.groups(grads, foreach)
-    total, scaled_vector = scaled_total_norm(groups, still_scaled, scale, norm_type)
-    scale_known = scale is not None and norm_type != 0.0
-    first_device = grads[0].device
+    scale_known = scale is not None and norm_type != 0.0  # the "0-norm" counts non-zeros: scale-free
+    threshold_is_scaled = scale_known and _scaled_threshold(scalers[0])
+    if threshold_is_scaled and still_scaled is None:
+        # clip_grad_norm_(params, max_norm * scaler.get_scale()) on still-scaled gradients: torch's own numbers.
+        total = _total_norm(groups, norm_type)
+        if error_if_nonfinite:
+            kernels.raise_if_nonfinite(total, norm_type)
+        kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total) + (total - total))
+        return total
     threshold: float | Tensor = max_norm
-    if scale_known and _scaled_threshold(scalers[0], max_norm):
-        if still_scaled is None:
-            # Every gradient still scaled: torch's own total and coefficient, bit for bit.
-            total = torch.linalg.vector_norm(scaled_vector, norm_type)
-        else:
-            assert scale is not None  # (scale_known)
-            threshold = max_norm / scale.to(first_device)
+    rescale: list[kernels.Group] = []
+    kept: list[kernels.Group] = groups
+    if scale_known:
+        assert scale is not None
+        # The recipe's numbers: the still-scaled gradients are unscaled in place (by the inverse unscale_
+        # uses), clipped, and scaled back. With a power-of-two scale both multiplications are exact, so the
+        # total is the recipe's and unscale_ later leaves the recipe's gradients, bit for bit.
+        rescale, kept = _split(groups, still_scaled)
+        kernels.multiply_(rescale, scale.double().reciprocal().float())
+        if threshold_is_scaled:
+            threshold = max_norm / scale.to(grads[0].device)
+    total = _total_norm(groups, norm_type)
     if error_if_nonfinite:
-        kernels.raise_if_nonfinite(total, norm_type)
+        try:
+            kernels.raise_if_nonfinite(total, norm_type)
+        except RuntimeError:
+            if rescale:  # the gradients as torch leaves them when it raises: untouched
+                assert scale is not None
+                kernels.multiply_(rescale, scale)
+            raise
     clipped = {id(p) for p, _ in pairs}
     if _checked_by_one_optimizer(unscaled_by, clipped):
         # The recipe's case: every clipped gradient was checked by one optimizer's unscale_, so a
@@ -196,10 +216,38 @@ def _clip_with_scaler(
     # clipped step is skipped.
     nan_if_nonfinite = total - total
     coefficient = kernels.clip_coefficient(threshold, total) + nan_if_nonfinite
-    kernels.multiply_(groups, coefficient)
+    kernels.multiply_(kept, coefficient)
+    if rescale:
+        assert scale is not None
+        kernels.multiply_(rescale, coefficient * scale.to(coefficient.device))
     if unscaled_by:
         raise_found_inf(unscaled_by, clipped, nan_if_nonfinite)
     return total
+
+
+def _total_norm(groups: list[kernels.Group], norm_type: float) -> Tensor:
+    """torch's total: the per-tensor norms, group by group, stacked on the first device."""
+    norms = [norm for group in groups for norm in kernels.norms(group, group.grads, norm_type)]
+    first_device = groups[0].grads[0].device
+    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    return total
+
+
+def _split(
+    groups: list[kernels.Group], still_scaled: set[int] | None
+) -> tuple[list[kernels.Group], list[kernels.Group]]:
+    """The groups narrowed to the gradients in ``still_scaled`` (None: all of them), and to the others."""
+    if still_scaled is None:
+        return groups, []
+    scaled, unscaled = [], []
+    for group in groups:
+        inside = [g for g in group.grads if id(g) in still_scaled]
+        outside = [g for g in group.grads if id(g) not in still_scaled]
+        if inside:
+            scaled.append(dataclasses.replace(group, grads=inside))
+        if outside:
+            unscaled.append(dataclasses.replace(group, grads=outside))
+    return scaled, unscaled
 
 
 def _checked_by_one_optimizer(unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]], clipped: set[int]) -> bool:
@@ -250,15 +298,16 @@ def scaled_total_norm(
     return total, scaled_vector
 
 
-def _scaled_threshold(scaler: SafeGradScaler, max_norm: float) -> bool:
+def _scaled_threshold(scaler: SafeGradScaler) -> bool:
     """Whether ``max_norm`` is a threshold for the still-scaled gradients (see the module docstring).
 
     It is when the caller read ``scaler.get_scale()`` after ``scale()`` in this
     iteration: the idiom from before ``unscale_`` existed,
     ``clip_grad_norm_(params, max_norm * scaler.get_scale())``, still in torch's
-    own tests. ``max_norm=inf`` means the same either way.
+    own tests. ``inf * scaler.get_scale()`` is such a threshold too: the norm
+    returned is then torch's, that of the scaled gradients.
     """
-    return scaler._iteration.scale_read and math.isfinite(max_norm)
+    return scaler._iteration.scale_read
 
 
 def _clip_without_scaler(
