@@ -3,7 +3,9 @@
 Each variable is a :class:`Setting`: its name, default, the words used to
 describe what it accepts, and a parser. :func:`load` reads them all at install
 time into a frozen :class:`Config`. A value that does not parse raises
-:class:`~ampguard.errors.ConfigError`; there is never a silent fallback.
+:class:`~ampguard.errors.ConfigError` (one for all the bad variables); there is
+never a silent fallback. A name that is not ampguard's but looks meant for it
+(any case) is a WARNING with a suggestion, and is otherwise ignored.
 ``docs/configuration.md`` documents the same table, and a test keeps the two in
 step.
 """
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ampguard.errors import ConfigError
+from ampguard.log import logger
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -61,11 +64,23 @@ def _number_parser(
 _SCALE_RANGE = "a finite number from 1 to 3.4028234663852886e38 (the largest float32: the scale is a float32 tensor)"
 
 
-def _choice_parser(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+# What people write to switch something off.
+_OFF_WORDS = (*_FALSE, "disable", "disabled", "none")
+
+
+def _choice_parser(choices: tuple[str, ...], *, patch: str = "") -> Callable[[str, str], str]:
+    """One of ``choices``; when the variable chooses a ``patch``'s mode, "off" points to AMPGUARD_DISABLE."""
+
     def parse(variable: str, raw: str) -> str:
         value = raw.strip().lower()
         if value not in choices:
-            raise ConfigError(variable, raw, " or ".join(repr(c) for c in choices), _suggest(value, choices))
+            hint = _suggest(value, choices)
+            if value in _OFF_WORDS:
+                if "off" in choices:
+                    hint = "Did you mean 'off'?"
+                elif patch:
+                    hint = f"To switch the {patch} patch off, set AMPGUARD_DISABLE={patch}."
+            raise ConfigError(variable, raw, " or ".join(repr(c) for c in choices), hint)
         return value
 
     return parse
@@ -121,13 +136,23 @@ _MEANINGS: dict[str, tuple[str, ...]] = {
 }
 
 
+def _canonical_name(name: str) -> str:
+    """``name`` as ampguard spells its variables: upper case, one underscore after the prefix."""
+    rest = name.upper().replace("-", "_")[len("AMPGUARD") :].strip("_")
+    return f"AMPGUARD_{rest}" if rest else "AMPGUARD"
+
+
 def _suggest_variable(name: str) -> str:
-    """Known variables close to ``name`` by meaning (``AMPGUARD_PATCHES`` -> DISABLE / ENABLE), else by spelling."""
-    words = name.upper().removeprefix("AMPGUARD_").split("_")
-    by_meaning = [v for word in words for v in _MEANINGS.get(word, ()) if v in SETTINGS_BY_VARIABLE]
+    """Known variables close to ``name``: the same in ampguard's spelling (``ampguard_quiet``, ``AMPGUARDQUIET``),
+    else by meaning (``AMPGUARD_PATCHES`` -> DISABLE / ENABLE), else by spelling."""
+    canonical = _canonical_name(name)
+    if canonical in SETTINGS_BY_VARIABLE:
+        return f"Did you mean {canonical}?"
+    suffix = canonical.removeprefix("AMPGUARD_")
+    by_meaning = [v for word in suffix.split("_") for v in _MEANINGS.get(word, ()) if v in SETTINGS_BY_VARIABLE]
     if not by_meaning:  # spelling, of the part after the prefix that every variable shares
         suffixes = {v.removeprefix("AMPGUARD_"): v for v in SETTINGS_BY_VARIABLE if v != "AMPGUARD"}
-        close = difflib.get_close_matches(name.upper().removeprefix("AMPGUARD_"), list(suffixes), n=1, cutoff=0.6)
+        close = difflib.get_close_matches(suffix, list(suffixes), n=1, cutoff=0.6)
         by_meaning = [suffixes[c] for c in close]
     close = list(dict.fromkeys(by_meaning))
     return "Did you mean " + " or ".join(close) + "?" if close else ""
@@ -284,7 +309,7 @@ SETTINGS: tuple[Setting, ...] = (
         "A module found to overflow float16 in the forward pass: run it in float32 from then on, "
         "or only name it (see docs/islands.md).",
         "AMPGUARD_FP32_ISLANDS=report",
-        _choice_parser(("auto", "report")),
+        _choice_parser(("auto", "report"), patch="fp32_islands"),
     ),
     Setting(
         "AMPGUARD_MAX_ISLANDS",
@@ -381,38 +406,70 @@ def _parse_names(variable: str, raw: str, known: Iterable[str]) -> frozenset[str
     return names
 
 
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """Names in ``environ`` that look meant for ampguard but are not its variables.
+
+    Any name that starts with "ampguard" in any case: a lower-case or mistyped
+    name (``ampguard_init_scale``, ``AMPGUARDINIT_SCALE``) is then never
+    silently ignored.
+    """
+    return sorted(k for k in environ if k.upper().startswith("AMPGUARD") and k not in SETTINGS_BY_VARIABLE)
+
+
+def unknown_variable_message(name: str) -> str:
+    """What the warning about ``name`` says (not its value, which may be anything, a token included)."""
+    message = f"{name} is not an ampguard variable; ampguard ignores it."
+    suggestion = _suggest_variable(name)
+    if suggestion:
+        return f"{message} {suggestion}"
+    return f"{message} `ampguard doctor` lists the known ones (docs/configuration.md describes them)."
+
+
+_warned_unknown: set[str] = set()  # once per name and process, however often the environment is read
+
+
+def _warn_unknown(environ: Mapping[str, str]) -> None:
+    for name in unknown_variables(environ):
+        if name not in _warned_unknown:
+            _warned_unknown.add(name)
+            logger.warning(unknown_variable_message(name))
+
+
 def load(
     environ: Mapping[str, str] | None = None,
     *,
     patch_names: Iterable[str] = (),
 ) -> Config:
-    """Read every ``AMPGUARD_*`` variable; raise ConfigError on the first bad one."""
+    """Read every ``AMPGUARD_*`` variable; raise one ConfigError naming every bad one.
+
+    A name that is not ampguard's (see :func:`unknown_variables`) is logged as
+    a WARNING, once per process, and otherwise ignored.
+    """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    problems: list[ConfigError] = []
     for setting in SETTINGS:
         raw = environ.get(setting.variable)
         if raw is None or raw.strip() == "":
             continue
-        if setting.parse is None:
-            values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
-        else:
-            values[setting.attribute] = setting.parse(setting.variable, raw)
-    unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in SETTINGS_BY_VARIABLE)
-    if unknown:
-        name = unknown[0]
-        known = ", ".join(SETTINGS_BY_VARIABLE)
-        raise ConfigError(
-            name,
-            environ[name],
-            f"one of the known variables: {known}",
-            _suggest_variable(name),
-            message=f"{name} is not an ampguard variable (it is set to {environ[name]!r}). The known ones are: {known}.",
-        )
+        try:
+            if setting.parse is None:
+                values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
+            else:
+                values[setting.attribute] = setting.parse(setting.variable, raw)
+        except ConfigError as problem:
+            problems.append(problem)
+    _warn_unknown(environ)
     config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
-    if config.min_scale > config.max_scale:
-        raise ConfigError(
-            "AMPGUARD_MIN_SCALE",
-            environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
-            f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
+    bounds_read = not any(p.variable in ("AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE") for p in problems)
+    if bounds_read and config.min_scale > config.max_scale:
+        problems.append(
+            ConfigError(
+                "AMPGUARD_MIN_SCALE",
+                environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
+                f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
+            )
         )
+    if problems:
+        raise ConfigError.of_all(problems)
     return config
