@@ -65,4 +65,5 @@ def _install_on_import() -> ConfigError | None:
 _config_error = _install_on_import()
 if _config_error is not None:
     # Raised here, without install's frames: the traceback is the user's import line, this line and the message.
-    raise _config_error.with_traceback(None) from None  # a bad AMPGUARD_* variable: the message says which
+    raise _config_error.with_traceback(None) from None
+del _config_error
