@@ -19,8 +19,8 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ampguard import variable_names
 from ampguard.errors import ConfigError
-from ampguard.log import logger
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
@@ -103,59 +103,6 @@ def _parse_writable_path(variable: str, raw: str) -> str:
 def _suggest(value: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
     return f"Did you mean {close[0]!r}?" if close else ""
-
-
-# Words people use for what a variable does, for suggestions by meaning as well as by spelling.
-_MEANINGS: dict[str, tuple[str, ...]] = {
-    "PATCH": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
-    "PATCHES": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
-    "OFF": ("AMPGUARD_DISABLE",),
-    "SKIP": ("AMPGUARD_DISABLE",),
-    "EXCLUDE": ("AMPGUARD_DISABLE",),
-    "ON": ("AMPGUARD_ENABLE",),
-    "INCLUDE": ("AMPGUARD_ENABLE",),
-    "OPT": ("AMPGUARD_ENABLE",),
-    "SCALE": ("AMPGUARD_INIT_SCALE", "AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE"),
-    "FLOOR": ("AMPGUARD_MIN_SCALE",),
-    "CAP": ("AMPGUARD_MAX_SCALE",),
-    "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
-    "SILENT": ("AMPGUARD_QUIET",),
-    "BANNER": ("AMPGUARD_QUIET",),
-    "VERBOSE": ("AMPGUARD_QUIET",),
-    "STALL": ("AMPGUARD_ON_STALL", "AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
-    "STATS": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
-    "LOG": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
-    "JSON": ("AMPGUARD_STATS_FILE",),
-    "JSONL": ("AMPGUARD_STATS_FILE",),
-    "FP16": ("AMPGUARD_FP16_GRADS",),
-    "BF16": ("AMPGUARD_BF16_FALLBACK",),
-    "MASTER": ("AMPGUARD_MASTER_WEIGHTS",),
-    "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
-    "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"),
-    "PROBE": ("AMPGUARD_PROBE_STEPS",),
-}
-
-
-def _canonical_name(name: str) -> str:
-    """``name`` as ampguard spells its variables: upper case, one underscore after the prefix."""
-    rest = name.upper().replace("-", "_")[len("AMPGUARD") :].strip("_")
-    return f"AMPGUARD_{rest}" if rest else "AMPGUARD"
-
-
-def _suggest_variable(name: str) -> str:
-    """Known variables close to ``name``: the same in ampguard's spelling (``ampguard_quiet``, ``AMPGUARDQUIET``),
-    else by meaning (``AMPGUARD_PATCHES`` -> DISABLE / ENABLE), else by spelling."""
-    canonical = _canonical_name(name)
-    if canonical in SETTINGS_BY_VARIABLE:
-        return f"Did you mean {canonical}?"
-    suffix = canonical.removeprefix("AMPGUARD_")
-    by_meaning = [v for word in suffix.split("_") for v in _MEANINGS.get(word, ()) if v in SETTINGS_BY_VARIABLE]
-    if not by_meaning:  # spelling, of the part after the prefix that every variable shares
-        suffixes = {v.removeprefix("AMPGUARD_"): v for v in SETTINGS_BY_VARIABLE if v != "AMPGUARD"}
-        close = difflib.get_close_matches(suffix, list(suffixes), n=1, cutoff=0.6)
-        by_meaning = [suffixes[c] for c in close]
-    close = list(dict.fromkeys(by_meaning))
-    return "Did you mean " + " or ".join(close) + "?" if close else ""
 
 
 @dataclass(frozen=True)
@@ -406,35 +353,6 @@ def _parse_names(variable: str, raw: str, known: Iterable[str]) -> frozenset[str
     return names
 
 
-def unknown_variables(environ: Mapping[str, str]) -> list[str]:
-    """Names in ``environ`` that look meant for ampguard but are not its variables.
-
-    Any name that starts with "ampguard" in any case: a lower-case or mistyped
-    name (``ampguard_init_scale``, ``AMPGUARDINIT_SCALE``) is then never
-    silently ignored.
-    """
-    return sorted(k for k in environ if k.upper().startswith("AMPGUARD") and k not in SETTINGS_BY_VARIABLE)
-
-
-def unknown_variable_message(name: str) -> str:
-    """What the warning about ``name`` says (not its value, which may be anything, a token included)."""
-    message = f"{name} is not an ampguard variable; ampguard ignores it."
-    suggestion = _suggest_variable(name)
-    if suggestion:
-        return f"{message} {suggestion}"
-    return f"{message} `ampguard doctor` lists the known ones (docs/configuration.md describes them)."
-
-
-_warned_unknown: set[str] = set()  # once per name and process, however often the environment is read
-
-
-def _warn_unknown(environ: Mapping[str, str]) -> None:
-    for name in unknown_variables(environ):
-        if name not in _warned_unknown:
-            _warned_unknown.add(name)
-            logger.warning(unknown_variable_message(name))
-
-
 def load(
     environ: Mapping[str, str] | None = None,
     *,
@@ -442,8 +360,8 @@ def load(
 ) -> Config:
     """Read every ``AMPGUARD_*`` variable; raise one ConfigError naming every bad one.
 
-    A name that is not ampguard's (see :func:`unknown_variables`) is logged as
-    a WARNING, once per process, and otherwise ignored.
+    A name that is not ampguard's (see :mod:`ampguard.variable_names`) is
+    logged as a WARNING, once per process, and otherwise ignored.
     """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -459,7 +377,7 @@ def load(
                 values[setting.attribute] = setting.parse(setting.variable, raw)
         except ConfigError as problem:
             problems.append(problem)
-    _warn_unknown(environ)
+    variable_names.warn_unknown(environ, SETTINGS_BY_VARIABLE)
     config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
     bounds_read = not any(p.variable in ("AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE") for p in problems)
     if bounds_read and config.min_scale > config.max_scale:

@@ -13,7 +13,7 @@ import platform
 import sys
 from typing import Any
 
-from ampguard import machine
+from ampguard import machine, variable_names
 from ampguard.console import print_table
 
 JSON_SCHEMA_VERSION = 1
@@ -59,7 +59,8 @@ def collect() -> dict[str, Any]:
         "config_error": None if error is None else str(error),
         "config_problems": [] if error is None else [str(problem) for problem in error.problems],
         "config_warnings": [
-            config_module.unknown_variable_message(name) for name in config_module.unknown_variables(os.environ)
+            variable_names.warning(name, config_module.SETTINGS_BY_VARIABLE)
+            for name in variable_names.unknown(os.environ, config_module.SETTINGS_BY_VARIABLE)
         ],
         "environment": {
             setting.variable: os.environ[setting.variable]
