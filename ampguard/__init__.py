@@ -43,20 +43,26 @@ def _invoked_as_the_command() -> bool:
     return "-m" in orig_argv and orig_argv[orig_argv.index("-m") + 1 : orig_argv.index("-m") + 2] == ["ampguard"]
 
 
-def _install_on_import() -> None:
+def _install_on_import() -> ConfigError | None:
+    """Install; a bad variable's ConfigError is returned, for the import to raise (the command reports it)."""
     from ampguard.log import during_import
 
     try:
         with during_import():
             install()
-    except ConfigError:
+    except ConfigError as error:
         if _invoked_as_the_command():
-            return  # --help, --version and doctor still work; the rest stop with one line
-        raise
+            return None  # --help, --version, doctor and report still work; the rest stop with one line
+        return error
     except Exception as error:  # ampguard must never be the reason a training run dies
         from ampguard.log import logger
 
         logger.warning("ampguard could not install (%s: %s); torch is left as it was.", type(error).__name__, error)
+    return None
 
 
-_install_on_import()
+_config_error = _install_on_import()
+if _config_error is not None:
+    # Raised here, without install's frames: the traceback is the user's import line, this line and the message.
+    raise _config_error.with_traceback(None) from None
+del _config_error

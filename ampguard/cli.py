@@ -39,8 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# What works with a bad AMPGUARD_* variable: the doctor reports it as a finding.
-WORKS_WITHOUT_CONFIG = ("doctor",)
+# What works with a bad AMPGUARD_* variable: the doctor reports it as a finding; report needs no configuration.
+WORKS_WITHOUT_CONFIG = ("doctor", "report")
 
 
 def config_error() -> ConfigError | None:

@@ -3,7 +3,9 @@
 Each variable is a :class:`Setting`: its name, default, the words used to
 describe what it accepts, and a parser. :func:`load` reads them all at install
 time into a frozen :class:`Config`. A value that does not parse raises
-:class:`~ampguard.errors.ConfigError`; there is never a silent fallback.
+:class:`~ampguard.errors.ConfigError` (one for all the bad variables); there is
+never a silent fallback. A name that is not ampguard's but looks meant for it
+(any case) is a WARNING with a suggestion, and is otherwise ignored.
 ``docs/configuration.md`` documents the same table, and a test keeps the two in
 step.
 """
@@ -17,6 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ampguard import variable_names
 from ampguard.errors import ConfigError
 
 _TRUE = ("1", "true", "yes", "on")
@@ -61,11 +64,23 @@ def _number_parser(
 _SCALE_RANGE = "a finite number from 1 to 3.4028234663852886e38 (the largest float32: the scale is a float32 tensor)"
 
 
-def _choice_parser(choices: tuple[str, ...]) -> Callable[[str, str], str]:
+# What people write to switch something off.
+_OFF_WORDS = (*_FALSE, "disable", "disabled", "none")
+
+
+def _choice_parser(choices: tuple[str, ...], *, patch: str = "") -> Callable[[str, str], str]:
+    """One of ``choices``; when the variable chooses a ``patch``'s mode, "off" points to AMPGUARD_DISABLE."""
+
     def parse(variable: str, raw: str) -> str:
         value = raw.strip().lower()
         if value not in choices:
-            raise ConfigError(variable, raw, " or ".join(repr(c) for c in choices), _suggest(value, choices))
+            hint = _suggest(value, choices)
+            if value in _OFF_WORDS:
+                if "off" in choices:
+                    hint = "Did you mean 'off'?"
+                elif patch:
+                    hint = f"To switch the {patch} patch off, set AMPGUARD_DISABLE={patch}."
+            raise ConfigError(variable, raw, " or ".join(repr(c) for c in choices), hint)
         return value
 
     return parse
@@ -88,49 +103,6 @@ def _parse_writable_path(variable: str, raw: str) -> str:
 def _suggest(value: str, known: Iterable[str]) -> str:
     close = difflib.get_close_matches(value, list(known), n=1, cutoff=0.6)
     return f"Did you mean {close[0]!r}?" if close else ""
-
-
-# Words people use for what a variable does, for suggestions by meaning as well as by spelling.
-_MEANINGS: dict[str, tuple[str, ...]] = {
-    "PATCH": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
-    "PATCHES": ("AMPGUARD_DISABLE", "AMPGUARD_ENABLE"),
-    "OFF": ("AMPGUARD_DISABLE",),
-    "SKIP": ("AMPGUARD_DISABLE",),
-    "EXCLUDE": ("AMPGUARD_DISABLE",),
-    "ON": ("AMPGUARD_ENABLE",),
-    "INCLUDE": ("AMPGUARD_ENABLE",),
-    "OPT": ("AMPGUARD_ENABLE",),
-    "SCALE": ("AMPGUARD_INIT_SCALE", "AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE"),
-    "FLOOR": ("AMPGUARD_MIN_SCALE",),
-    "CAP": ("AMPGUARD_MAX_SCALE",),
-    "GROWTH": ("AMPGUARD_GROWTH_INTERVAL",),
-    "SILENT": ("AMPGUARD_QUIET",),
-    "BANNER": ("AMPGUARD_QUIET",),
-    "VERBOSE": ("AMPGUARD_QUIET",),
-    "STALL": ("AMPGUARD_ON_STALL", "AMPGUARD_MAX_CONSECUTIVE_SKIPS"),
-    "STATS": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
-    "LOG": ("AMPGUARD_STATS_EVERY", "AMPGUARD_STATS_FILE"),
-    "JSON": ("AMPGUARD_STATS_FILE",),
-    "JSONL": ("AMPGUARD_STATS_FILE",),
-    "FP16": ("AMPGUARD_FP16_GRADS",),
-    "BF16": ("AMPGUARD_BF16_FALLBACK",),
-    "MASTER": ("AMPGUARD_MASTER_WEIGHTS",),
-    "ISLAND": ("AMPGUARD_FP32_ISLANDS",),
-    "ISLANDS": ("AMPGUARD_FP32_ISLANDS", "AMPGUARD_MAX_ISLANDS"),
-    "PROBE": ("AMPGUARD_PROBE_STEPS",),
-}
-
-
-def _suggest_variable(name: str) -> str:
-    """Known variables close to ``name`` by meaning (``AMPGUARD_PATCHES`` -> DISABLE / ENABLE), else by spelling."""
-    words = name.upper().removeprefix("AMPGUARD_").split("_")
-    by_meaning = [v for word in words for v in _MEANINGS.get(word, ()) if v in SETTINGS_BY_VARIABLE]
-    if not by_meaning:  # spelling, of the part after the prefix that every variable shares
-        suffixes = {v.removeprefix("AMPGUARD_"): v for v in SETTINGS_BY_VARIABLE if v != "AMPGUARD"}
-        close = difflib.get_close_matches(name.upper().removeprefix("AMPGUARD_"), list(suffixes), n=1, cutoff=0.6)
-        by_meaning = [suffixes[c] for c in close]
-    close = list(dict.fromkeys(by_meaning))
-    return "Did you mean " + " or ".join(close) + "?" if close else ""
 
 
 @dataclass(frozen=True)
@@ -284,7 +256,7 @@ SETTINGS: tuple[Setting, ...] = (
         "A module found to overflow float16 in the forward pass: run it in float32 from then on, "
         "or only name it (see docs/islands.md).",
         "AMPGUARD_FP32_ISLANDS=report",
-        _choice_parser(("auto", "report")),
+        _choice_parser(("auto", "report"), patch="fp32_islands"),
     ),
     Setting(
         "AMPGUARD_MAX_ISLANDS",
@@ -386,33 +358,36 @@ def load(
     *,
     patch_names: Iterable[str] = (),
 ) -> Config:
-    """Read every ``AMPGUARD_*`` variable; raise ConfigError on the first bad one."""
+    """Read every ``AMPGUARD_*`` variable; raise one ConfigError naming every bad one.
+
+    A name that is not ampguard's (see :mod:`ampguard.variable_names`) is
+    logged as a WARNING, once per process, and otherwise ignored.
+    """
     environ = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    problems: list[ConfigError] = []
     for setting in SETTINGS:
         raw = environ.get(setting.variable)
         if raw is None or raw.strip() == "":
             continue
-        if setting.parse is None:
-            values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
-        else:
-            values[setting.attribute] = setting.parse(setting.variable, raw)
-    unknown = sorted(k for k in environ if k.startswith("AMPGUARD_") and k not in SETTINGS_BY_VARIABLE)
-    if unknown:
-        name = unknown[0]
-        known = ", ".join(SETTINGS_BY_VARIABLE)
-        raise ConfigError(
-            name,
-            environ[name],
-            f"one of the known variables: {known}",
-            _suggest_variable(name),
-            message=f"{name} is not an ampguard variable (it is set to {environ[name]!r}). The known ones are: {known}.",
-        )
+        try:
+            if setting.parse is None:
+                values[setting.attribute] = _parse_names(setting.variable, raw, patch_names)
+            else:
+                values[setting.attribute] = setting.parse(setting.variable, raw)
+        except ConfigError as problem:
+            problems.append(problem)
+    variable_names.warn_unknown(environ, SETTINGS_BY_VARIABLE)
     config = Config(**{setting.attribute: setting.default for setting in SETTINGS} | values)
-    if config.min_scale > config.max_scale:
-        raise ConfigError(
-            "AMPGUARD_MIN_SCALE",
-            environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
-            f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
+    bounds_read = not any(p.variable in ("AMPGUARD_MIN_SCALE", "AMPGUARD_MAX_SCALE") for p in problems)
+    if bounds_read and config.min_scale > config.max_scale:
+        problems.append(
+            ConfigError(
+                "AMPGUARD_MIN_SCALE",
+                environ.get("AMPGUARD_MIN_SCALE", default_text(SETTINGS_BY_VARIABLE["AMPGUARD_MIN_SCALE"])),
+                f"a floor no higher than the cap, AMPGUARD_MAX_SCALE={config.max_scale:.10g}, or 0 for no floor",
+            )
         )
+    if problems:
+        raise ConfigError.of_all(problems)
     return config

@@ -114,8 +114,8 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
     with _registry.lock:
         if _registry.installed:
             return status()
+        ensure_default_handler()  # first: reading the environment may warn (an unknown AMPGUARD_* name)
         config = config_module.load(environ, patch_names=_registry.names())
-        ensure_default_handler()
         stats_file.attach(config.stats_file)  # after the default handler, which ampguard adds only to a bare logger
         statuses: dict[str, PatchStatus] = {}
         for patch in _registry.patches:

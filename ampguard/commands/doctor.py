@@ -13,7 +13,7 @@ import platform
 import sys
 from typing import Any
 
-from ampguard import machine
+from ampguard import machine, variable_names
 from ampguard.console import print_table
 
 JSON_SCHEMA_VERSION = 1
@@ -35,10 +35,10 @@ def collect() -> dict[str, Any]:
     report = machine.cuda_report()
     try:
         config = active_config()
-        problem = None
-    except ConfigError as error:  # a finding: the rest of the report still helps
+        error: ConfigError | None = None
+    except ConfigError as bad:  # a finding: the rest of the report still helps
         config = config_module.load({}, patch_names=[])
-        problem = str(error)
+        error = bad
     return {
         "schema_version": JSON_SCHEMA_VERSION,
         "ampguard_version": ampguard.__version__,
@@ -56,7 +56,12 @@ def collect() -> dict[str, Any]:
         "gpus": [gpu.as_dict() for gpu in report.gpus],
         "patches": [entry.as_dict() for entry in ampguard.status()],
         "config": config.as_dict(),
-        "config_error": problem,
+        "config_error": None if error is None else str(error),
+        "config_problems": [] if error is None else [str(problem) for problem in error.problems],
+        "config_warnings": [
+            variable_names.warning(name, config_module.SETTINGS_BY_VARIABLE)
+            for name in variable_names.unknown(os.environ, config_module.SETTINGS_BY_VARIABLE)
+        ],
         "environment": {
             setting.variable: os.environ[setting.variable]
             for setting in config_module.SETTINGS
@@ -91,8 +96,8 @@ def render(data: dict[str, Any]) -> None:
         rows.append(["CUDA problem", torch_info["cuda_error"]])
     if torch_info["is_bf16_supported"] is not None:
         rows.append(["torch.cuda.is_bf16_supported()", torch_info["is_bf16_supported"]])
-    if data.get("config_error"):
-        rows.append(["configuration problem", data["config_error"]])
+    rows.extend(["configuration problem", problem] for problem in data["config_problems"])
+    rows.extend(["configuration warning", warning] for warning in data["config_warnings"])
     print_table("ampguard doctor", ["item", "value"], rows, out)
     out.write("\n")
 
