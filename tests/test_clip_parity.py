@@ -136,3 +136,18 @@ def test_a_forgotten_unscale_gives_the_recipes_bits_for_every_p_norm(norm_type):
     with stock():
         want = _recipe(values, 0.5, norm_type)
     _assert_same(_run(_forgotten_unscale(0.5, norm_type), values), want)
+
+
+@pytest.mark.parametrize("init_scale", [0.1, 1e38, 3.0])
+def test_before_the_first_scale_the_scale_is_the_python_float_torch_gives(init_scale, reinstall):
+    """get_scale(), state_dict()["scale"] and a pickled copy, before scale(): init_scale itself, not rounded."""
+    import pickle
+
+    def read(scaler):
+        return scaler.get_scale(), scaler.state_dict()["scale"], pickle.loads(pickle.dumps(scaler)).get_scale()
+
+    with stock():
+        want = read(torch.amp.GradScaler("cpu", init_scale=init_scale))
+    reinstall(AMPGUARD_MIN_SCALE="0", AMPGUARD_MAX_SCALE="3.4028234663852886e38")
+    got = read(torch.amp.GradScaler("cpu", init_scale=init_scale))
+    assert got == want == (init_scale,) * 3

@@ -164,7 +164,8 @@ class SafeGradScaler(TorchGradScaler):
         self._consecutive = 0
         self._skipped_at_last_report = 0
         self._next_report = settings.stats_every or 0
-        self._mirror_scale: float | None = policy.f32(policy.bounded(self, settings.init_scale))
+        bounded = policy.bounded(self, settings.init_scale)
+        self._mirror_scale: float | None = policy.f32(bounded)  # what the float32 scale tensor will hold
         self._mirror_tracker = 0
         self._min_seen = self._max_seen = self._mirror_scale
         self._ledger: ledger.DeviceLedger | None = None
@@ -176,8 +177,8 @@ class SafeGradScaler(TorchGradScaler):
         self._iteration = Iteration()
         if self._enabled:
             summary.track(self)
-        if self._enabled and settings.init_scale != self._mirror_scale:
-            self._init_scale = self._mirror_scale
+        if self._enabled and settings.init_scale != bounded:
+            self._init_scale = bounded  # a Python float until scale() makes the tensor, as torch's
 
     def scale(self, outputs: Any) -> Any:
         """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
