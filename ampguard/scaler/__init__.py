@@ -95,7 +95,9 @@ class SafeGradScaler(TorchGradScaler):
     * the scale stays within ``[min_scale, max_scale]`` (default ``[1, 2**24]``);
     * counts steps, skipped steps, no-gradient steps and non-finite losses
       (:attr:`stats`) without any host-device synchronisation beyond torch's own,
-      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps;
+      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps; says whether
+      the last step was skipped (:attr:`last_step_skipped`: a forward overflow
+      is skipped without lowering the scale);
     * logs CRITICAL when the scale collapses or steps stall, or raises
       :class:`~ampguard.ScaleCollapseError` with ``AMPGUARD_ON_STALL=raise``;
     * does not crash where torch's does: an optimizer without gradients,
