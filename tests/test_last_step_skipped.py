@@ -136,3 +136,15 @@ def test_before_any_step_without_gradients_and_disabled_it_is_false():
     disabled = safe(enabled=False)
     iteration(disabled, model, optimizer, fault=True)
     assert disabled.last_step_skipped is False  # torch steps everything when disabled
+
+
+def test_a_pickled_scaler_keeps_the_answer_but_not_the_optimizer_ids():
+    import pickle
+
+    model, optimizer = _model_and_optimizer(_sgd)
+    scaler = safe(**SETTINGS)
+    iteration(scaler, model, optimizer, fault=True)
+    assert scaler._last_stepped == {id(optimizer)}
+    copy = pickle.loads(pickle.dumps(scaler))
+    assert copy.last_step_skipped is True
+    assert copy._last_stepped == frozenset()  # ids are this process's: accelerate's flag does not use them
