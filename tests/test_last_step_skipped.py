@@ -14,6 +14,7 @@ import torch
 from scaler_support import DeviceSkipSGD, iteration, one_thread, safe, stock  # noqa: F401 (a fixture)
 
 from ampguard import syncs
+from ampguard.scaler import accounting
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -148,3 +149,21 @@ def test_a_pickled_scaler_keeps_the_answer_but_not_the_optimizer_ids():
     copy = pickle.loads(pickle.dumps(scaler))
     assert copy.last_step_skipped is True
     assert copy._last_stepped == frozenset()  # ids are this process's: accelerate's flag does not use them
+
+
+@pytest.mark.parametrize("optimizer_class", [_sgd, DeviceSkipSGD], ids=["host_mode", "device_mode"])
+def test_two_optimizers_one_skipped_the_flag_is_true_and_accelerate_s_per_optimizer_answer_claims_neither(
+    optimizer_class,
+):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    weight_optimizer = optimizer_class([model.weight], lr=0.05)
+    bias_optimizer = optimizer_class([model.bias], lr=0.05)
+    scaler = safe(**SETTINGS)
+    iteration(scaler, model, weight_optimizer, bias_optimizer, fault=True)  # the weight's gradient is inf
+    assert scaler.last_step_skipped is True and scaler.stats.skipped == 1
+    # accelerate steps and updates one optimizer at a time; an iteration of two cannot say which skipped
+    assert not accounting.known_skip(scaler, weight_optimizer) and not accounting.known_skip(scaler, bias_optimizer)
+    iteration(scaler, model, weight_optimizer, fault=True)
+    assert scaler.last_step_skipped and accounting.known_skip(scaler, weight_optimizer)
+    assert not accounting.known_skip(scaler, bias_optimizer)
