@@ -332,39 +332,44 @@ def _follow(active: _Healing, scaler: Any) -> bool:
 # -- device mode (fused optimizers) ------------------------------------------------------------
 
 
-def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool) -> None:
+def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None) -> bool | None:
     """The end of each device-mode update; ``check`` is the iteration's loss check on the device (None: no step).
 
     ``held``: a non-finite loss in this iteration is held (no back-off), and so
-    counted as a forward overflow at the next read.
+    counted as a forward overflow at the next read. ``row``: the iteration's
+    ledger row on the device, how many optimizer steps it skipped first (a copy:
+    the hold zeroes found_inf).
 
     Healthy steps cost nothing: no device work, no read. While the probe watches
-    (after a forward overflow), one read per step gives the loss check and the
-    probe's verdict, and the host-mode logic follows.
+    (after a forward overflow), one read per step gives the loss check, the
+    probe's verdict and whether a step was skipped (returned; None: not read),
+    and the host-mode logic follows.
     """
     active = _active
     if active is None:
-        return
+        return None
     owner = _follow(active, scaler)
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
-        return
+        return None
     try:
-        if active.probe.armed and check is not None and _distributed() is None:
+        if active.probe.armed and check is not None and row is not None and _distributed() is None:
             verdict = active.probe.verdict
-            pair = torch.stack([check.float(), check.new_zeros(()) if verdict is None else verdict.to(check.device)])
-            loss_check, verdict_value = read_to_host(pair)
+            zero = check.new_zeros(())
+            values = [check.float(), zero if verdict is None else verdict.to(check.device), row[0].to(check.device)]
+            loss_check, verdict_value, skipped_value = read_to_host(torch.stack(values))
             overflow = loss_check != loss_check  # NaN: a loss was non-finite
             active.verdict = max(active.verdict, int(verdict_value))
             if overflow and held:
                 active.seen_in_device_mode[scaler] = active.seen_in_device_mode.get(scaler, 0) + 1
             end_iteration(scaler, overflow)
-            return
+            return bool(skipped_value > 0)
         islands.end_restore_window()
         if owner and not active.buffers.discovered and active.buffers.advance():
             active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # compared with the buffers at the read
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
         _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+    return None
 
 
 def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> None:

@@ -28,7 +28,9 @@ and accelerate hold the scheduler on a skipped step; this module makes every
   scheduler is not called at all on that step and holds once, not twice.
 * **Fused optimizers** (``Adam(fused=True)``) skip on the device: torch's
   GradScaler hands them the found-inf flag and the host never learns of the
-  skip without a synchronisation. Their schedulers advance as under torch.
+  skip without a synchronisation. Their schedulers advance as under torch
+  (accelerate's hold on the skips ampguard already knows:
+  :mod:`ampguard.integrations.accelerate`).
 
 A scheduler whose first ``step()`` ampguard sees after some steps were
 attempted (``SequentialLR`` and ``ChainedScheduler``, whose constructors make

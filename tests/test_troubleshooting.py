@@ -61,6 +61,7 @@ def test_every_entry_of_issue_6_has_a_reproduction():
         "bf16-pre-ampere",
         "bf16-unscale-cuda",
         "labels-vs-label-ids",
+        "skip-by-scale",
     }
     for name, code in reproductions().items():
         compile(code, name, "exec")  # the GPU-only ones at least parse
@@ -276,3 +277,18 @@ def test_labels_vs_label_ids_is_not_an_amp_problem(torch_kind, request):
     assert len(namespace["printed"]) == 1
     assert "got an unexpected keyword argument 'labels'" in namespace["printed"][0]
     assert torch.isfinite(namespace["loss"])
+
+
+# -- skip detection by a scale drop -------------------------------------------------------------------
+
+
+def test_skip_by_scale_symptom_counts_every_skip_on_stock_torch(stock_torch):
+    assert run("skip-by-scale")["printed"] == ["2"]
+
+
+def test_skip_by_scale_misses_forward_overflows_under_ampguard_and_last_step_skipped_sees_them():
+    namespace = run("skip-by-scale")
+    assert namespace["printed"] == ["0"]
+    assert namespace["scaler"].stats.skipped == namespace["scaler"].stats.nonfinite_loss == 2
+    fixed = run("skip-by-scale", {"scaler.get_scale() < scale_before": "scaler.last_step_skipped"})
+    assert fixed["printed"] == ["2"]

@@ -34,6 +34,7 @@ if TYPE_CHECKING:
 INTEGRATIONS: dict[str, str] = {
     "trainer.trainer": "ampguard.integrations.coqui",  # coqui-tts-trainer (and coqui's older `trainer`)
     "transformers.trainer": "ampguard.integrations.hf",
+    "accelerate.optimizer": "ampguard.integrations.accelerate",  # its skip flag (not a log)
     "lightning.pytorch.trainer.trainer": "ampguard.integrations.lightning",
     "pytorch_lightning.trainer.trainer": "ampguard.integrations.lightning",
 }

@@ -95,7 +95,9 @@ class SafeGradScaler(TorchGradScaler):
     * the scale stays within ``[min_scale, max_scale]`` (default ``[1, 2**24]``);
     * counts steps, skipped steps, no-gradient steps and non-finite losses
       (:attr:`stats`) without any host-device synchronisation beyond torch's own,
-      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps;
+      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps; says whether
+      the last step was skipped (:attr:`last_step_skipped`: a forward overflow
+      is skipped without lowering the scale);
     * logs CRITICAL when the scale collapses or steps stall, or raises
       :class:`~ampguard.ScaleCollapseError` with ``AMPGUARD_ON_STALL=raise``;
     * does not crash where torch's does: an optimizer without gradients,
@@ -128,6 +130,10 @@ class SafeGradScaler(TorchGradScaler):
     # subclass whose update() differs (ShardedGradScaler) sets this False and
     # always keeps its bookkeeping on the device.
     _host_mirror_exact = True
+    # The last completed iteration: the optimizers stepped, and whether a step of theirs was skipped (None: the
+    # verdict is still on the device). Class defaults for scalers pickled before these existed.
+    _last_stepped: frozenset[int] = frozenset()
+    _last_skipped: bool | None = False
 
     def __init__(
         self,
@@ -286,6 +292,7 @@ class SafeGradScaler(TorchGradScaler):
         try:
             if new_scale is None and not recorded:
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
+                self._last_stepped, self._last_skipped = frozenset(), False
             elif new_scale is None and accounting.host_saw_everything(self, states):
                 accounting.update_in_host_mode(self)
             else:
@@ -312,6 +319,16 @@ class SafeGradScaler(TorchGradScaler):
         scalers_in_iteration.discard(self)
         self._iteration = Iteration()
         accounting.report_if_due(self)
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the iteration ended by the last ``update()`` skipped an optimizer step (inf/NaN gradients).
+
+        True for every skip, a forward overflow's included, which keeps the scale:
+        ``get_scale() < scale_before`` misses those. Free after a non-fused step;
+        after a fused one it reads the device once, as :attr:`stats` does.
+        """
+        return accounting.last_step_skipped(self)
 
     @property
     def stats(self) -> ScalerStats:

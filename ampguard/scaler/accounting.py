@@ -88,6 +88,7 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     scaler._min_seen = min(scaler._min_seen, bounded)
     scaler._max_seen = max(scaler._max_seen, bounded)
     scaler._skipped += skipped_steps
+    scaler._last_stepped, scaler._last_skipped = frozenset(scaler._iteration.host_found), skipped_steps > 0
     if scaler._iteration.loss_nonfinite:
         scaler._nonfinite_loss += 1
     if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
@@ -112,6 +113,18 @@ def resync_mirror(scaler: SafeGradScaler) -> None:
     scaler._mirror_scale = float(scaler._scale.clamp(min=scaler._min_scale or None, max=scaler._max_scale).item())
     scaler._scale.fill_(scaler._mirror_scale)
     scaler._mirror_tracker = int(scaler._growth_tracker.item())
+
+
+def last_step_skipped(scaler: SafeGradScaler) -> bool:
+    """``scaler.last_step_skipped``: reads the device only when the verdict is still there (device mode)."""
+    if scaler._last_skipped is None:
+        ledger.fold_device_ledger(scaler)
+    return bool(scaler._last_skipped)
+
+
+def known_skip(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the host already knows that ``optimizer``, the one stepped in the last iteration, skipped (no read)."""
+    return scaler._last_skipped is True and scaler._last_stepped == {id(optimizer)}
 
 
 def snapshot(scaler: SafeGradScaler) -> ScalerStats:

@@ -99,8 +99,10 @@ _EARLIER_ITERATION_KEYS = (
 
 
 def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
-    """The pickled ``__dict__``: the iteration in progress is not part of it."""
+    """The pickled ``__dict__``: the iteration in progress is not part of it, nor the ids of the optimizers
+    the last one stepped (another process's objects may have them)."""
     state.pop("_iteration", None)
+    state.pop("_last_stepped", None)
     state["_stall_error"] = None
     return state
 

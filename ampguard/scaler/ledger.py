@@ -84,13 +84,16 @@ class DeviceLedger:
 
     def record(
         self, skipped: torch.Tensor, found: torch.Tensor, check: torch.Tensor, scale: torch.Tensor, held: bool
-    ) -> None:
+    ) -> torch.Tensor:
+        """Writes the row; returns it (a view, unchanged until the next read)."""
         if not self._free_rows:
             ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, device=self.device)
             self._rings.append(ring)
             self._free_rows = list(reversed(ring.unbind(0)))
-        torch.stack([skipped, found, check, scale], out=self._free_rows.pop())
+        row = self._free_rows.pop()
+        torch.stack([skipped, found, check, scale], out=row)
         self._held.append(held)
+        return row
 
     def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> tuple[list[list[float]], float, int]:
         """The rows, the scale and the growth tracker now: one host read."""
@@ -132,7 +135,9 @@ def update_in_device_mode(
     scale = scaler._scale
     recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
     check: torch.Tensor | None = None
+    row: torch.Tensor | None = None
     hold = False
+    scaler._last_stepped, scaler._last_skipped = frozenset(), False
     if recorded:
         found_per_optimizer = {
             key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
@@ -140,11 +145,14 @@ def update_in_device_mode(
         }
         flags = list(found_per_optimizer.values())
         found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-        stepped = [flag for key, flag in found_per_optimizer.items() if recorded[key]["stage"] is OptState.STEPPED]
+        stepped_keys = [key for key in recorded if recorded[key]["stage"] is OptState.STEPPED]
+        stepped = [found_per_optimizer[key] for key in stepped_keys]
         skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
+        if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)
+            scaler._last_stepped, scaler._last_skipped = frozenset(stepped_keys), None
         check = _check_on(scaler._iteration.loss_check, ledger)
         hold = new_scale is None and scaler._iteration.loss_check is not None and healing.holds_in_device_mode()
-        ledger.record(skipped, found, check, scale, hold)
+        row = ledger.record(skipped, found, check, scale, hold)
         if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
             for s in recorded.values():
                 for found_inf in s["found_inf_per_device"].values():
@@ -153,7 +161,9 @@ def update_in_device_mode(
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
     scaler._mirror_scale = None
-    healing.end_device_iteration(scaler, check, held=hold)
+    known = healing.end_device_iteration(scaler, check, held=hold, row=row)
+    if known is not None and scaler._last_skipped is None:
+        scaler._last_skipped = known
     if ledger.full:
         fold_device_ledger(scaler)
 
@@ -180,6 +190,8 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
     rows, scale, tracker = ledger.read(scaler._scale, scaler._growth_tracker)
     scaler._ledger = None
     replay = ledger.replay(scaler, rows, scale)
+    if scaler._last_skipped is None and rows:  # the last row is the last iteration's
+        scaler._last_skipped = rows[-1][0] > 0
     scaler._skipped += replay.skipped
     scaler._nonfinite_loss += replay.nonfinite_loss
     scaler._consecutive = replay.consecutive

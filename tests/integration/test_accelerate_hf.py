@@ -34,7 +34,10 @@ from integration_support import (
     stock_torch,
     torch_grad_scaler,
 )
+from scaler_support import needs_fused_adam
 from torch import nn
+
+from ampguard import syncs
 
 require("accelerate")
 from accelerate import Accelerator  # noqa: E402
@@ -151,6 +154,67 @@ def test_accelerate_loop_skips_counts_and_holds_the_scheduler_as_with_torch_s_sc
         torch.testing.assert_close(ours, theirs)
 
     ci_line("accelerate", stats.skipped, stats.steps)
+
+
+def _forward_overflow_flags(optimizer_class, forward_overflow_at, *, scaler_class=None):
+    """``optimizer_step_was_skipped`` after each step of an accelerate loop whose loss is inf at the given steps."""
+    torch.manual_seed(0)
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    hand_cpu_scaler(accelerator, scaler_class)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1))
+    model, optimizer, loader = accelerator.prepare(model, optimizer_class(model.parameters()), _data())
+    flags = []
+    for step, (x, y) in enumerate(loader):
+        loss = nn.functional.mse_loss(model(x), y) * (float("inf") if step in forward_overflow_at else 1.0)
+        accelerator.backward(loss)
+        optimizer.step()
+        flags.append(accelerator.optimizer_step_was_skipped)
+        optimizer.zero_grad()
+    return accelerator, flags
+
+
+def _fused_adamw(params):
+    return torch.optim.AdamW(params, lr=1e-3, fused=True)
+
+
+@needs_fused_adam
+def test_optimizer_step_was_skipped_on_forward_overflows_also_with_a_fused_optimizer(reinstall):
+    overflows = {1, 3, 5, 6}
+    # A plain optimizer: accelerate sees its step not called, on a forward overflow too (the scale is kept).
+    accelerator, flags = _forward_overflow_flags(lambda params: torch.optim.SGD(params, lr=0.05), overflows)
+    assert flags == [step in overflows for step in range(STEPS)]
+    assert accelerator.scaler.stats.skipped == 4 and accelerator.scaler.get_scale() == 1024.0
+
+    # A fused one is always called (the skip happens in its kernel): under torch's scaler accelerate
+    # reports no skip at all.
+    with stock_torch():
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+        _, stock_flags = _forward_overflow_flags(_fused_adamw, overflows, scaler_class=torch_same_settings())
+    assert stock_flags == [False] * STEPS
+
+    # ampguard reports each skip its host knows, without reading the device for it: the counters' read at
+    # step 4 finds the forward overflows of steps 2 and 4 (step 2's is past: not reported) and arms the
+    # probe, whose one read per step carries the verdict of steps 6 and 7.
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
+    before = syncs._reads_by_ampguard
+    accelerator, flags = _forward_overflow_flags(_fused_adamw, overflows)
+    reads = syncs._reads_by_ampguard - before
+    assert flags == [False, False, False, True, False, True, True, False]
+    assert accelerator.scaler.stats.skipped == 4
+    # the counters' reads at steps 4 and 8, the probe's at steps 5 to 8: none for the skip flag
+    assert reads == 2 + 4
+
+
+def test_uninstall_gives_accelerate_its_step_was_skipped_back():
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.integrations.accelerate"
+    with stock_torch():
+        assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "accelerate.optimizer"
+    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.integrations.accelerate"
 
 
 def test_accelerate_save_state_load_state_round_trips_the_scaler(tmp_path):

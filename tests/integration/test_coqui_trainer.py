@@ -16,6 +16,7 @@ with its own ``GradScaler()`` line.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import textwrap
 import warnings
@@ -182,6 +183,39 @@ def test_without_a_floor_coqui_sees_every_skip(tmp_path, reinstall):
     reinstall(AMPGUARD_MIN_SCALE="0")
     coqui, stock = _storm_against_torch(tmp_path)
     assert coqui.scheduler[0].last_epoch == stock.scheduler[0].last_epoch
+
+
+def _fit_with_forward_overflows(tmp_path, at, **config):
+    """``Trainer.fit()`` for one epoch whose loss is inf on the given forward passes (of the model's ``net``)."""
+    coqui = coqui_tiny.build_trainer(tmp_path, **config)
+    calls = itertools.count()
+    handle = coqui.model.net.register_forward_hook(
+        lambda module, inputs, output: output * float("inf") if next(calls) in at else None
+    )
+    coqui.fit()
+    handle.remove()
+    return coqui
+
+
+@pytest.mark.parametrize("hold", ["scheduler_hold on", "scheduler_hold off"])
+def test_forward_overflows_keep_the_scale_so_coqui_s_gate_misses_them_and_scheduler_hold_holds(
+    tmp_path, reinstall, hold
+):
+    # coqui steps its scheduler when scale_prev <= scaler.get_scale(): torch halves the scale on a forward
+    # overflow, ampguard keeps it (no loss scale helps), so only the scheduler_hold patch holds the schedule.
+    if hold == "scheduler_hold off":
+        reinstall(AMPGUARD_DISABLE="scheduler_hold")
+    coqui = _fit_with_forward_overflows(tmp_path / "ampguard", at={2, 6})
+    stats = coqui.scaler.stats
+    assert (stats.steps, stats.skipped, stats.nonfinite_loss, stats.scale) == (STEPS, 2, 2, 1024.0)
+    with stock_torch():
+        stock = _fit_with_forward_overflows(tmp_path / "stock", at={2, 6})
+    assert stock.scaler.get_scale() == 2.0**16 / 4 and stock.scheduler[0].last_epoch == STEPS - 2
+    if hold == "scheduler_hold on":
+        assert coqui.scheduler[0].last_epoch == stock.scheduler[0].last_epoch
+        assert coqui.scheduler[0].get_last_lr() == stock.scheduler[0].get_last_lr()
+    else:
+        assert coqui.scheduler[0].last_epoch == STEPS
 
 
 IMPORT_AFTER_TRAINER = textwrap.dedent(
