@@ -32,6 +32,7 @@ import torch
 
 from ampguard import master, messages
 from ampguard.log import ANY_RANK, event_logger
+from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
 
 logger = event_logger("skip")
@@ -205,7 +206,8 @@ def _listed(found: NonFinite) -> str:
 
 def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unreported: int, every: int) -> None:
     found, weights = nonfinite_gradients_and_weights(optimizer)
-    scale = getattr(scaler, "_mirror_scale", None)
+    counters = counters_of(scaler)
+    scale = counters.mirror_scale if counters is not None else None
     at_scale = f" at loss scale {scale:g}" if isinstance(scale, float) else ""
     label = master.label(optimizer)
     state = _states.get(scaler)

@@ -48,6 +48,7 @@ from ampguard import islands
 from ampguard.buffers import BufferGuard
 from ampguard.log import event_logger
 from ampguard.probe import Probe
+from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
 
 logger = event_logger("island")
@@ -97,6 +98,11 @@ class _Healing:
 
 
 _active: _Healing | None = None
+
+
+def _steps_of(scaler: Any) -> int:
+    counters = counters_of(scaler)
+    return counters.steps if counters is not None else 0
 
 
 def activate(config: Config) -> None:
@@ -233,7 +239,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     owner = _follow(active, scaler)
     if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
-    step = int(getattr(scaler, "_steps", 0))
+    step = _steps_of(scaler)
     try:
         islands.end_restore_window()
         active.buffers.on_update(overflow, step, discover=owner)
@@ -365,7 +371,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
             return bool(skipped_value > 0)
         islands.end_restore_window()
         if owner and not active.buffers.discovered and active.buffers.advance():
-            active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # compared with the buffers at the read
+            active.buffers.take_snapshot(_steps_of(scaler))  # compared with the buffers at the read
     except Exception as error:  # never the reason a run dies
         active.probe.disarm()
         _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
@@ -383,7 +389,7 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     if active is None or _distributed() is not None:
         return
     unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
-    step = int(getattr(scaler, "_steps", 0))
+    step = _steps_of(scaler)
     try:
         active.buffers.on_stats_read(unseen > 0, step)
         if unseen and not active.probe.armed and _may_arm(active):

@@ -43,7 +43,12 @@ def remember(scaler: Any) -> None:
     """A scaler about to be collected (``SafeGradScaler.__del__``): keep its line, from host counters only."""
     if scaler in _scalers:
         line = _line(
-            scaler, scaler._steps, scaler._skipped, scaler._nonfinite_loss, scaler._no_grad_steps, scaler._mirror_scale
+            scaler,
+            scaler._counters.steps,
+            scaler._counters.skipped,
+            scaler._counters.nonfinite_loss,
+            scaler._counters.no_grad_steps,
+            scaler._counters.mirror_scale,
         )
         if line is not None:
             _gone.append(line)

@@ -144,7 +144,7 @@ def train(
                 assert torch.isfinite(p).all(), f"parameter became non-finite at step {step}"
             device_scale = scaler._scale.item()
             run.scales.append(device_scale)
-            mirror = getattr(scaler, "_mirror_scale", device_scale)
+            mirror = scaler._counters.mirror_scale if hasattr(scaler, "_counters") else device_scale
             if mirror != device_scale:
                 run.mirror_mismatches.append((step, mirror, device_scale))
     return run

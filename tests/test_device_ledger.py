@@ -66,7 +66,7 @@ def _numbers(stats):
 def test_rows_replay_to_the_host_modes_counts_and_scale_range():
     host, host_scales, _ = _run(_host_sgd, PLAN)
     device, device_scales, _ = _run(DeviceSkipSGD, PLAN)
-    assert device._ledger is not None  # nothing read yet
+    assert device._counters.ledger is not None  # nothing read yet
     assert _numbers(device.stats) == _numbers(host.stats)
     # A forward overflow keeps the scale in both modes; only the backward ones halve it.
     assert min(device_scales) == min(host_scales) and device_scales[2] == device_scales[1]

@@ -145,10 +145,10 @@ def test_a_pickled_scaler_keeps_the_answer_but_not_the_optimizer_ids():
     model, optimizer = _model_and_optimizer(_sgd)
     scaler = safe(**SETTINGS)
     iteration(scaler, model, optimizer, fault=True)
-    assert scaler._last_stepped == {id(optimizer)}
+    assert scaler._counters.last_stepped == {id(optimizer)}
     copy = pickle.loads(pickle.dumps(scaler))
     assert copy.last_step_skipped is True
-    assert copy._last_stepped == frozenset()  # ids are this process's: accelerate's flag does not use them
+    assert copy._counters.last_stepped == frozenset()  # ids are this process's: accelerate's flag does not use them
 
 
 @pytest.mark.parametrize("optimizer_class", [_sgd, DeviceSkipSGD], ids=["host_mode", "device_mode"])

@@ -96,7 +96,7 @@ def test_scale_never_grows_past_the_cap():
     for _ in range(5):
         iteration(scaler, model, opt)
         seen.append(scaler._scale.item())
-        assert scaler._mirror_scale == seen[-1]
+        assert scaler._counters.mirror_scale == seen[-1]
     assert seen == [2.0**23, 2.0**24, 2.0**24, 2.0**24, 2.0**24]
     assert scaler.stats.max_scale_seen == 2.0**24
     assert safe(init_scale=2.0**30).get_scale() == 2.0**24
@@ -117,7 +117,7 @@ def test_scale_never_falls_below_the_floor(ampguard_log):
     scaler = safe(init_scale=8.0)
     for _ in range(10):
         iteration(scaler, model, opt, fault=True)
-        assert scaler._scale.item() == scaler._mirror_scale >= 1.0
+        assert scaler._scale.item() == scaler._counters.mirror_scale >= 1.0
     stats = scaler.stats
     assert (stats.scale, stats.min_scale_seen, stats.skipped, stats.consecutive_skipped) == (1.0, 1.0, 10, 10)
 
@@ -135,7 +135,7 @@ def test_floor_from_environment_and_zero_means_no_floor(reinstall):
     for _ in range(8):
         iteration(scaler, model, opt, fault=True)
         iteration(torch_scaler, model, opt, fault=True)
-    assert scaler._scale.item() == scaler._mirror_scale == torch_scaler.get_scale() == 4.0 / 2**8
+    assert scaler._scale.item() == scaler._counters.mirror_scale == torch_scaler.get_scale() == 4.0 / 2**8
     assert safe(min_scale=0.0, init_scale=0.5).get_scale() == 0.5  # argument, no env
 
 
@@ -347,7 +347,7 @@ def test_counts_with_two_optimizers_and_nonfinite_losses():
     for fault, factor in plan:
         for s in (scaler, torch_scaler):
             iteration(s, model, first, second, fault=fault, loss_factor=factor)
-            assert scaler._mirror_scale == scaler._scale.item()
+            assert scaler._counters.mirror_scale == scaler._scale.item()
     stats = scaler.stats
     # steps and skipped count optimizer steps; nonfinite_loss counts iterations
     assert (stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps) == (12, 6, 2, 0)
@@ -429,7 +429,7 @@ def test_update_with_new_scale_goes_through_device_mode_within_floor_and_cap():
     scaler = safe()
     iteration(scaler, model, opt, update=False)
     scaler.update(300.0)
-    assert scaler._mirror_scale is None and scaler._scale.item() == 300.0
+    assert scaler._counters.mirror_scale is None and scaler._scale.item() == 300.0
     assert scaler.stats.scale == 300.0  # folded
     iteration(scaler, model, opt, update=False)
     scaler.update(torch.tensor(0.25))
@@ -440,7 +440,7 @@ def test_update_with_new_scale_goes_through_device_mode_within_floor_and_cap():
     assert (stats.scale, stats.min_scale_seen, stats.max_scale_seen, stats.steps) == (2.0**24, 1.0, 2.0**24, 3)
     # back in host mode: the mirror follows the device again
     iteration(scaler, model, opt, fault=True)
-    assert scaler._mirror_scale == scaler._scale.item() == 2.0**23
+    assert scaler._counters.mirror_scale == scaler._scale.item() == 2.0**23
 
 
 def test_mixed_fused_and_plain_optimizers_counted_exactly_after_folding():

@@ -81,7 +81,7 @@ def test_stock_checkpoint_loads_into_safegradscaler_with_torchs_meaning():
     scaler = safe()
     scaler.load_state_dict(state)
     assert scaler.get_scale() == scaler.stats.scale == 32768.0
-    assert (scaler.get_growth_interval(), scaler._mirror_tracker) == (2000, 25)
+    assert (scaler.get_growth_interval(), scaler._counters.mirror_tracker) == (2000, 25)
     model = copy.deepcopy(torch_run.model)
     continued_torch = train(torch_run.scaler, steps=30, faults={7}, model=copy.deepcopy(torch_run.model), seed=2)
     continued_safe = train(scaler, steps=30, faults={7}, model=model, seed=2, check_every_step=True)
@@ -110,7 +110,7 @@ def test_loading_a_torch_checkpoint_keeps_the_counters_held():
 
 def test_loading_a_torch_checkpoint_keeps_device_mode_counters():
     run = train(safe(), optimizer="device_skip", steps=12, faults={3, 4})
-    assert run.scaler._ledger is not None
+    assert run.scaler._counters.ledger is not None
     run.scaler.load_state_dict(stock().state_dict())
     assert (run.scaler.stats.steps, run.scaler.stats.skipped) == (12, 2)
 
@@ -221,7 +221,7 @@ def test_torch_scaler_pickled_before_install_unpickles_as_a_working_safegradscal
     ampguard.install()
     restored = pickle.loads(blob)
     assert type(restored) is torch.amp.GradScaler and isinstance(restored, SafeGradScaler)
-    assert (restored.get_scale(), restored.get_growth_interval(), restored._mirror_tracker) == (256.0, 3, 1)
+    assert (restored.get_scale(), restored.get_growth_interval(), restored._counters.mirror_tracker) == (256.0, 3, 1)
     for _ in range(2):
         iteration(restored, model, opt)
     iteration(restored, model, opt, fault=True)

@@ -81,7 +81,7 @@ def test_iteration_without_any_gradient_leaves_the_scale(ampguard_log):
     for _ in range(3):
         iteration(scaler, model, idle)  # step and update both: no "No inf checks ... prior to update."
     assert len(calls) == 3 and scaler._scale.item() == scaler.stats.scale == 1024.0
-    assert scaler.stats.no_grad_steps == 3 and scaler._mirror_tracker == 0
+    assert scaler.stats.no_grad_steps == 3 and scaler._counters.mirror_tracker == 0
     other = torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1)
     iteration(scaler, model, other)
     assert len(records(ampguard_log, logging.WARNING, "got no gradient")) == 2  # one per optimizer

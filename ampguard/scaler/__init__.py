@@ -41,8 +41,8 @@ except ImportError:  # a torch that renamed them: the grad_scaler patch reports 
 
 from ampguard import containment, summary
 from ampguard.accumulation import rescale_unscaled_gradients
-from ampguard.errors import ScaleCollapseError
 from ampguard.scaler import accounting, checkpoint, crashes, ledger, policy, sharded
+from ampguard.scaler.counters import Counters
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.policy import next_scale
 from ampguard.scaler.settings import Settings, active_settings, check_device_argument
@@ -130,10 +130,6 @@ class SafeGradScaler(TorchGradScaler):
     # subclass whose update() differs (ShardedGradScaler) sets this False and
     # always keeps its bookkeeping on the device.
     _host_mirror_exact = True
-    # The last completed iteration: the optimizers stepped, and whether a step of theirs was skipped (None: the
-    # verdict is still on the device). Class defaults for scalers pickled before these existed.
-    _last_stepped: frozenset[int] = frozenset()
-    _last_skipped: bool | None = False
 
     def __init__(
         self,
@@ -163,23 +159,11 @@ class SafeGradScaler(TorchGradScaler):
         self._settings = settings
         self._min_scale = settings.min_scale
         self._max_scale = settings.max_scale
-        self._steps = 0
-        self._skipped = 0
-        self._no_grad_steps = 0
-        self._nonfinite_loss = 0
-        self._consecutive = 0
-        self._skipped_at_last_report = 0
-        self._next_report = settings.stats_every or 0
         bounded = policy.bounded(self, settings.init_scale)
-        self._mirror_scale: float | None = policy.f32(bounded)  # what the float32 scale tensor will hold
-        self._mirror_tracker = 0
-        self._min_seen = self._max_seen = self._mirror_scale
-        self._ledger: ledger.DeviceLedger | None = None
-        self._collapse_reported = False
-        self._stall_reported = False
-        self._stall_error: ScaleCollapseError | None = None
-        self._warned_no_grad: set[int] = set()
-        self._warned_fp16 = False
+        mirror = policy.f32(bounded)  # what the float32 scale tensor will hold
+        self._counters = Counters(
+            mirror_scale=mirror, min_seen=mirror, max_seen=mirror, next_report=settings.stats_every or 0
+        )
         self._iteration = Iteration()
         if self._enabled:
             summary.track(self)
@@ -241,7 +225,7 @@ class SafeGradScaler(TorchGradScaler):
         """As torch's ``step()``; an optimizer without any gradient is stepped as in fp32 instead of raising."""
         if not self._enabled or self._scale is None or "closure" in kwargs:
             result = super().step(optimizer, *args, **kwargs)
-            self._steps += 1
+            self._counters.steps += 1
             return result
         state = self._per_optimizer_states[id(optimizer)]
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
@@ -253,7 +237,7 @@ class SafeGradScaler(TorchGradScaler):
             result = super().step(optimizer, *args, **kwargs)
             if fused and not state["found_inf_per_device"]:
                 crashes.note_no_gradients(self, optimizer)
-        self._steps += 1
+        self._counters.steps += 1
         return result
 
     def _maybe_opt_step(
@@ -292,7 +276,7 @@ class SafeGradScaler(TorchGradScaler):
         try:
             if new_scale is None and not recorded:
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-                self._last_stepped, self._last_skipped = frozenset(), False
+                self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
             elif new_scale is None and accounting.host_saw_everything(self, states):
                 accounting.update_in_host_mode(self)
             else:
@@ -307,7 +291,7 @@ class SafeGradScaler(TorchGradScaler):
             accounting.resync_mirror(self)
         finally:
             self._end_iteration()
-        stall, self._stall_error = self._stall_error, None
+        stall, self._counters.stall_error = self._counters.stall_error, None
         if stall is not None:
             raise stall
 

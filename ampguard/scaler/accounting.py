@@ -48,14 +48,14 @@ def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value
     if value & 2:
         scaler._iteration.loss_nonfinite = True
     if found:
-        diagnose.on_skipped_step(scaler, optimizer, loss_nonfinite=bool(value & 2), step=scaler._steps + 1)
+        diagnose.on_skipped_step(scaler, optimizer, loss_nonfinite=bool(value & 2), step=scaler._counters.steps + 1)
     return found
 
 
 def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]]) -> bool:
     """Every optimizer with a found_inf was read on the host this iteration (no fused one, no ledger pending)."""
     return (
-        scaler._ledger is None
+        scaler._counters.ledger is None
         and scaler._host_mirror_exact
         and all(key in scaler._iteration.host_found for key, s in states.items() if s["found_inf_per_device"])
     )
@@ -65,14 +65,14 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     found = any(scaler._iteration.host_found.values())
     forward_overflow = found and healing.agreed_forward_overflow(scaler._iteration.loss_nonfinite)
     skipped_steps = sum(scaler._iteration.host_found.values())
-    scale_before = scaler._mirror_scale
+    scale_before = scaler._counters.mirror_scale
     assert scale_before is not None
     scaler._torch_update()
     # A forward overflow (the loss itself inf/NaN) was not the scale's doing: for the scale it is an iteration
     # without overflow, as in device mode (ampguard.scaler.ledger), written over torch's back-off.
     scale, tracker = policy.next_scale(
         scale_before,
-        scaler._mirror_tracker,
+        scaler._counters.mirror_tracker,
         found and not forward_overflow,
         scaler._growth_factor,
         scaler._backoff_factor,
@@ -84,82 +84,87 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     if bounded != scale:
         assert scaler._scale is not None
         scaler._scale.fill_(bounded)
-    scaler._mirror_scale, scaler._mirror_tracker = bounded, tracker
-    scaler._min_seen = min(scaler._min_seen, bounded)
-    scaler._max_seen = max(scaler._max_seen, bounded)
-    scaler._skipped += skipped_steps
-    scaler._last_stepped, scaler._last_skipped = frozenset(scaler._iteration.host_found), skipped_steps > 0
+    scaler._counters.mirror_scale, scaler._counters.mirror_tracker = bounded, tracker
+    scaler._counters.min_seen = min(scaler._counters.min_seen, bounded)
+    scaler._counters.max_seen = max(scaler._counters.max_seen, bounded)
+    scaler._counters.skipped += skipped_steps
+    scaler._counters.last_stepped, scaler._counters.last_skipped = (
+        frozenset(scaler._iteration.host_found),
+        skipped_steps > 0,
+    )
     if scaler._iteration.loss_nonfinite:
-        scaler._nonfinite_loss += 1
+        scaler._counters.nonfinite_loss += 1
     if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
-        logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, scaler._steps)
+        logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, scaler._counters.steps)
     if found:
-        scaler._consecutive += 1
+        scaler._counters.consecutive += 1
         if not forward_overflow and policy.in_collapse_zone(scaler, scale_before):
             policy.report_collapse(scaler, scale_before)
-        policy.check_stall(scaler, scaler._consecutive)
+        policy.check_stall(scaler, scaler._counters.consecutive)
     else:
-        scaler._consecutive = 0
-        scaler._stall_reported = False
+        scaler._counters.consecutive = 0
+        scaler._counters.stall_reported = False
     if not policy.in_collapse_zone(scaler, bounded):
-        scaler._collapse_reported = False
+        scaler._counters.collapse_reported = False
     healing.end_iteration(scaler, forward_overflow)
 
 
 def resync_mirror(scaler: SafeGradScaler) -> None:
     """After a failure in ampguard's bookkeeping (torch's update done): the device's truth, bounded."""
     assert scaler._scale is not None and scaler._growth_tracker is not None
-    scaler._ledger = None
-    scaler._mirror_scale = float(scaler._scale.clamp(min=scaler._min_scale or None, max=scaler._max_scale).item())
-    scaler._scale.fill_(scaler._mirror_scale)
-    scaler._mirror_tracker = int(scaler._growth_tracker.item())
+    scaler._counters.ledger = None
+    scaler._counters.mirror_scale = float(
+        scaler._scale.clamp(min=scaler._min_scale or None, max=scaler._max_scale).item()
+    )
+    scaler._scale.fill_(scaler._counters.mirror_scale)
+    scaler._counters.mirror_tracker = int(scaler._growth_tracker.item())
 
 
 def last_step_skipped(scaler: SafeGradScaler) -> bool:
     """``scaler.last_step_skipped``: reads the device only when the verdict is still there (device mode)."""
-    if scaler._last_skipped is None:
+    if scaler._counters.last_skipped is None:
         ledger.fold_device_ledger(scaler)
-    return bool(scaler._last_skipped)
+    return bool(scaler._counters.last_skipped)
 
 
 def known_skip(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether the host already knows that ``optimizer``, the one stepped in the last iteration, skipped (no read)."""
-    return scaler._last_skipped is True and scaler._last_stepped == {id(optimizer)}
+    return scaler._counters.last_skipped is True and scaler._counters.last_stepped == {id(optimizer)}
 
 
 def snapshot(scaler: SafeGradScaler) -> ScalerStats:
     """``scaler.stats``: the counters (reads the device only after device-mode iterations)."""
     ledger.fold_device_ledger(scaler)
-    scale = scaler._mirror_scale if scaler._enabled else 1.0
+    scale = scaler._counters.mirror_scale if scaler._enabled else 1.0
     if scale is None:
         from ampguard.scaler import TorchGradScaler
 
         scale = TorchGradScaler.get_scale(scaler)
     return ScalerStats(
-        steps=scaler._steps,
-        skipped=scaler._skipped,
-        no_grad_steps=scaler._no_grad_steps,
-        nonfinite_loss=scaler._nonfinite_loss,
+        steps=scaler._counters.steps,
+        skipped=scaler._counters.skipped,
+        no_grad_steps=scaler._counters.no_grad_steps,
+        nonfinite_loss=scaler._counters.nonfinite_loss,
         scale=float(scale),
-        min_scale_seen=scaler._min_seen,
-        max_scale_seen=scaler._max_seen,
-        consecutive_skipped=scaler._consecutive,
+        min_scale_seen=scaler._counters.min_seen,
+        max_scale_seen=scaler._counters.max_seen,
+        consecutive_skipped=scaler._counters.consecutive,
         **healing.stats_fields(),
     )
 
 
 def report_if_due(scaler: SafeGradScaler) -> None:
     """The stats line every ``AMPGUARD_STATS_EVERY`` steps."""
-    if scaler._next_report and scaler._steps >= scaler._next_report:
+    if scaler._counters.next_report and scaler._counters.steps >= scaler._counters.next_report:
         every = scaler._settings.stats_every
-        scaler._next_report = (scaler._steps // every + 1) * every
+        scaler._counters.next_report = (scaler._counters.steps // every + 1) * every
         _report(scaler)
 
 
 def _report(scaler: SafeGradScaler) -> None:
     try:
         stats = scaler.stats
-        log_stats(stats, stats.skipped - scaler._skipped_at_last_report)
-        scaler._skipped_at_last_report = stats.skipped
+        log_stats(stats, stats.skipped - scaler._counters.skipped_at_last_report)
+        scaler._counters.skipped_at_last_report = stats.skipped
     except Exception as error:
         containment.report("stats line", error)

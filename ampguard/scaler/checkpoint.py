@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from ampguard import healing, messages
 from ampguard.log import logger
 from ampguard.scaler import policy
+from ampguard.scaler.counters import from_earlier_attributes
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.settings import resolve_settings
 
@@ -60,31 +61,34 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._init_scale = bounded
         if scaler._scale is not None:
             scaler._scale.fill_(bounded)
-    scaler._mirror_scale = bounded
-    scaler._mirror_tracker = int(state_dict["_growth_tracker"])
+    scaler._counters.mirror_scale = bounded
+    scaler._counters.mirror_tracker = int(state_dict["_growth_tracker"])
     counters = state_dict.get("ampguard")
     if counters:
-        scaler._steps = int(counters.get("steps", scaler._steps))
-        scaler._skipped = int(counters.get("skipped", scaler._skipped))
-        scaler._no_grad_steps = int(counters.get("no_grad_steps", scaler._no_grad_steps))
-        scaler._nonfinite_loss = int(counters.get("nonfinite_loss", scaler._nonfinite_loss))
-        scaler._consecutive = int(counters.get("consecutive_skipped", 0))
-        scaler._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
-        scaler._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
+        scaler._counters.steps = int(counters.get("steps", scaler._counters.steps))
+        scaler._counters.skipped = int(counters.get("skipped", scaler._counters.skipped))
+        scaler._counters.no_grad_steps = int(counters.get("no_grad_steps", scaler._counters.no_grad_steps))
+        scaler._counters.nonfinite_loss = int(counters.get("nonfinite_loss", scaler._counters.nonfinite_loss))
+        scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
+        scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
+        scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
         healing.restore_islands(counters.get("fp32_islands"))
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
-        if scaler._steps == 0:
-            scaler._min_seen = scaler._max_seen = bounded  # the init scale was never used
+        if scaler._counters.steps == 0:
+            scaler._counters.min_seen = scaler._counters.max_seen = bounded  # the init scale was never used
         else:
-            scaler._min_seen, scaler._max_seen = min(scaler._min_seen, bounded), max(scaler._max_seen, bounded)
-    scaler._skipped_at_last_report = scaler._skipped
-    scaler._collapse_reported = False
+            scaler._counters.min_seen, scaler._counters.max_seen = (
+                min(scaler._counters.min_seen, bounded),
+                max(scaler._counters.max_seen, bounded),
+            )
+    scaler._counters.skipped_at_last_report = scaler._counters.skipped
+    scaler._counters.collapse_reported = False
     # A streak loaded at or past the limit is reported (or raises) at the next skipped step: the run
     # that saved it may have ended before it could, or saved it mid-stall.
-    scaler._stall_reported = False
+    scaler._counters.stall_reported = False
     every = scaler._settings.stats_every
-    scaler._next_report = (scaler._steps // every + 1) * every if every else 0
+    scaler._counters.next_report = (scaler._counters.steps // every + 1) * every if every else 0
 
 
 # Where the iteration in progress was kept before it became one object (pickles of earlier versions).
@@ -102,8 +106,8 @@ def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
     """The pickled ``__dict__``: the iteration in progress is not part of it, nor the ids of the optimizers
     the last one stepped (another process's objects may have them)."""
     state.pop("_iteration", None)
-    state.pop("_last_stepped", None)
-    state["_stall_error"] = None
+    if "_counters" in state:
+        state["_counters"] = state["_counters"].for_pickle()
     return state
 
 
@@ -111,6 +115,8 @@ def restore_iteration(scaler: SafeGradScaler) -> None:
     """After ``__setstate__``: a fresh iteration (and none of an earlier version's per-iteration attributes)."""
     for key in _EARLIER_ITERATION_KEYS:
         scaler.__dict__.pop(key, None)
+    if "_counters" not in scaler.__dict__:  # pickled by 0.1.0, when the counters were attributes of the scaler
+        scaler._counters = from_earlier_attributes(scaler.__dict__)
     scaler._iteration = Iteration()
 
 
@@ -125,6 +131,6 @@ def adopt_torch_pickle(scaler: SafeGradScaler, state: dict[str, Any]) -> None:
     settings.init_scale = float(state.get("_init_scale", settings.init_scale))
     scaler._ampguard_setup(settings)
     if scaler._enabled:
-        scaler._mirror_tracker = int(state.get("_init_growth_tracker", 0))
+        scaler._counters.mirror_tracker = int(state.get("_init_growth_tracker", 0))
         if config.growth_interval is not None:
             scaler._growth_interval = config.growth_interval

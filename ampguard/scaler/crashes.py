@@ -85,8 +85,8 @@ def unscale_grads(
                     torch._amp_foreach_non_finite_check_and_unscale_(
                         grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
                     )
-    if saw_fp16 and not allow_fp16 and not scaler._warned_fp16:
-        scaler._warned_fp16 = True
+    if saw_fp16 and not allow_fp16 and not scaler._counters.warned_fp16:
+        scaler._counters.warned_fp16 = True
         logger.warning(messages.FP16_GRADIENTS.format(optimizer=optimizer_label(optimizer)))
     return per_device_found_inf._per_device_tensors
 
@@ -117,7 +117,7 @@ def step_without_gradients(
 
 
 def note_no_gradients(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
-    scaler._no_grad_steps += 1
-    if id(optimizer) not in scaler._warned_no_grad:
-        scaler._warned_no_grad.add(id(optimizer))
+    scaler._counters.no_grad_steps += 1
+    if id(optimizer) not in scaler._counters.warned_no_grad:
+        scaler._counters.warned_no_grad.add(id(optimizer))
         logger.warning(messages.NO_GRADIENTS.format(optimizer=optimizer_label(optimizer)), extra=event("no_grad"))

@@ -129,15 +129,15 @@ def update_in_device_mode(
 ) -> None:
     """``update()`` with the bookkeeping on the device: no host read, 3 kernels."""
     assert scaler._scale is not None and scaler._growth_tracker is not None
-    if scaler._ledger is None:
-        scaler._ledger = DeviceLedger(scaler._scale, scaler._consecutive)
-    ledger = scaler._ledger
+    if scaler._counters.ledger is None:
+        scaler._counters.ledger = DeviceLedger(scaler._scale, scaler._counters.consecutive)
+    ledger = scaler._counters.ledger
     scale = scaler._scale
     recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
     check: torch.Tensor | None = None
     row: torch.Tensor | None = None
     hold = False
-    scaler._last_stepped, scaler._last_skipped = frozenset(), False
+    scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(), False
     if recorded:
         found_per_optimizer = {
             key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
@@ -149,7 +149,7 @@ def update_in_device_mode(
         stepped = [found_per_optimizer[key] for key in stepped_keys]
         skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
         if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)
-            scaler._last_stepped, scaler._last_skipped = frozenset(stepped_keys), None
+            scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(stepped_keys), None
         check = _check_on(scaler._iteration.loss_check, ledger)
         hold = new_scale is None and scaler._iteration.loss_check is not None and healing.holds_in_device_mode()
         row = ledger.record(skipped, found, check, scale, hold)
@@ -160,10 +160,10 @@ def update_in_device_mode(
     scaler._torch_update(new_scale)
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
-    scaler._mirror_scale = None
+    scaler._counters.mirror_scale = None
     known = healing.end_device_iteration(scaler, check, held=hold, row=row)
-    if known is not None and scaler._last_skipped is None:
-        scaler._last_skipped = known
+    if known is not None and scaler._counters.last_skipped is None:
+        scaler._counters.last_skipped = known
     if ledger.full:
         fold_device_ledger(scaler)
 
@@ -184,25 +184,25 @@ def found_flag(scaler: SafeGradScaler, found_infs: list[torch.Tensor], device: t
 
 def fold_device_ledger(scaler: SafeGradScaler) -> None:
     """Bring the device-mode rows back to the host (one host read) and replay them."""
-    ledger = scaler._ledger
+    ledger = scaler._counters.ledger
     if ledger is None or scaler._scale is None or scaler._growth_tracker is None:
         return
     rows, scale, tracker = ledger.read(scaler._scale, scaler._growth_tracker)
-    scaler._ledger = None
+    scaler._counters.ledger = None
     replay = ledger.replay(scaler, rows, scale)
-    if scaler._last_skipped is None and rows:  # the last row is the last iteration's
-        scaler._last_skipped = rows[-1][0] > 0
-    scaler._skipped += replay.skipped
-    scaler._nonfinite_loss += replay.nonfinite_loss
-    scaler._consecutive = replay.consecutive
-    scaler._min_seen = min(scaler._min_seen, replay.low)
-    scaler._max_seen = max(scaler._max_seen, replay.high)
-    scaler._mirror_scale, scaler._mirror_tracker = scale, tracker
+    if scaler._counters.last_skipped is None and rows:  # the last row is the last iteration's
+        scaler._counters.last_skipped = rows[-1][0] > 0
+    scaler._counters.skipped += replay.skipped
+    scaler._counters.nonfinite_loss += replay.nonfinite_loss
+    scaler._counters.consecutive = replay.consecutive
+    scaler._counters.min_seen = min(scaler._counters.min_seen, replay.low)
+    scaler._counters.max_seen = max(scaler._counters.max_seen, replay.high)
+    scaler._counters.mirror_scale, scaler._counters.mirror_tracker = scale, tracker
     if logger.isEnabledFor(logging.DEBUG):
         logger.debug(
             "loss scale %g at step %d (range %g..%g since the last report)",
             scale,
-            scaler._steps,
+            scaler._counters.steps,
             replay.low,
             replay.high,
         )
@@ -211,8 +211,8 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)
     if not policy.in_collapse_zone(scaler, scale):
-        scaler._collapse_reported = False
+        scaler._counters.collapse_reported = False
     if replay.stalls:  # a streak reached the limit since the last read: not reported yet
-        scaler._stall_reported = False
+        scaler._counters.stall_reported = False
         policy.check_stall(scaler, replay.max_consecutive)
-    scaler._stall_reported = scaler._consecutive >= scaler._settings.max_consecutive_skips
+    scaler._counters.stall_reported = scaler._counters.consecutive >= scaler._settings.max_consecutive_skips

@@ -52,31 +52,34 @@ def in_collapse_zone(scaler: SafeGradScaler, scale: float) -> bool:
 
 def report_collapse(scaler: SafeGradScaler, scale: float) -> None:
     """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
-    if scaler._collapse_reported:
+    if scaler._counters.collapse_reported:
         return
-    scaler._collapse_reported = True
+    scaler._counters.collapse_reported = True
     at_floor = scaler._min_scale > 0 and scale <= scaler._min_scale
     floor = f" (the floor, AMPGUARD_MIN_SCALE={scaler._min_scale:g})" if at_floor else ""
     note = diagnose.parameters_note(scaler)  # inf/NaN parameters: the usual causes do not apply
     template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
-    logger.critical(template.format(step=scaler._steps, scale=scale, floor=floor, note=note), extra=event("collapse"))
+    logger.critical(
+        template.format(step=scaler._counters.steps, scale=scale, floor=floor, note=note), extra=event("collapse")
+    )
 
 
 def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
     """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
     settings = scaler._settings
-    if consecutive < settings.max_consecutive_skips or scaler._stall_reported:
+    if consecutive < settings.max_consecutive_skips or scaler._counters.stall_reported:
         return
-    scaler._stall_reported = True
+    scaler._counters.stall_reported = True
     raising = settings.on_stall == "raise"
     message = (messages.STALL_RAISED if raising else messages.STALL).format(
         count=consecutive,
-        step=scaler._steps,
-        scale=scaler._mirror_scale if scaler._mirror_scale is not None else float("nan"),
-        loss=diagnose.parameters_note(scaler) or (messages.LOSS_WAS_NONFINITE if scaler._nonfinite_loss else ""),
+        step=scaler._counters.steps,
+        scale=scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else float("nan"),
+        loss=diagnose.parameters_note(scaler)
+        or (messages.LOSS_WAS_NONFINITE if scaler._counters.nonfinite_loss else ""),
         limit=settings.max_consecutive_skips,
     )
     if raising:
-        scaler._stall_error = ScaleCollapseError(message)
+        scaler._counters.stall_error = ScaleCollapseError(message)
     else:
         logger.critical(message, extra=event("stall"))
