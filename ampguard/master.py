@@ -294,7 +294,8 @@ def _sync(optimizer: Any, record: _Masters, gradients: bool = True) -> _Masters 
 
     ``gradients=False``: only bring the masters up to date (a closure step copies the gradients after each call).
     """
-    if any(p.grad is not None for p in record.waiting):  # a frozen parameter started training: its master now
+    # A frozen parameter started training: its master now (in a closure step its gradient comes later).
+    if any(p.grad is not None or (not gradients and p.requires_grad) for p in record.waiting):
         rebuilt = _record(optimizer, create=True, rebuild=True)
         if rebuilt is None:  # excluded on the way (and said so)
             return None

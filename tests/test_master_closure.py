@@ -102,3 +102,25 @@ def test_host_reads_per_closure_step_with_masters_at_most_the_float32_model(opti
     assert counts[torch.float16] <= counts[torch.float32]
     if optimizer == "lbfgs":
         assert counts[torch.float32] >= 10  # LBFGS reads the loss each step: the counter works here
+
+
+def test_a_parameter_unfrozen_between_closure_steps_gets_its_master_at_the_next_step():
+    """The gradients only exist inside the closure (zero_grad before each step): requires_grad tells."""
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)).half()
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = torch.randn(4, 8, dtype=torch.float16)
+
+    def closure() -> torch.Tensor:
+        loss = model(x).float().square().mean()
+        loss.backward()
+        return loss
+
+    for unfrozen in (False, True):
+        if unfrozen:
+            model[0].requires_grad_(True)
+        opt.zero_grad()
+        opt.step(closure)
+    assert {id(p) for p, _ in master.masters_of(opt)} == {id(p) for p in model.parameters()}
+    assert all(m.dtype == torch.float32 for m in opt.state) and len(opt.state) == 4
+    assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
