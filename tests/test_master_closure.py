@@ -124,3 +124,20 @@ def test_a_parameter_unfrozen_between_closure_steps_gets_its_master_at_the_next_
     assert {id(p) for p, _ in master.masters_of(opt)} == {id(p) for p in model.parameters()}
     assert all(m.dtype == torch.float32 for m in opt.state) and len(opt.state) == 4
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "lbfgs"])
+def test_a_failure_inside_a_closure_step_falls_back_to_torch_with_one_warning(optimizer, monkeypatch, ampguard_log):
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(master, "_copy_gradients", broken, raising=False)
+    lr = 1.0 if optimizer == "lbfgs" else 1e-3
+    run = fine_tune(torch.float16, optimizer, lr, steps=5, scaler=False, closure=True)
+    [warning] = records(ampguard_log, logging.WARNING, "master weights failed")
+    assert "RuntimeError: boom" in warning.getMessage()
+    assert not master.masters_of(run.optimizer) and run.dtypes() == {torch.float16}
+    params = run.optimizer.param_groups[0]["params"]
+    assert all(a is b for a, b in zip(params, run.model.parameters(), strict=True))
+    assert set(run.optimizer.state) <= set(params)  # the state is the parameters' again, as torch has it
+    assert run.end_loss != run.start_loss  # stepped, as torch steps float16 weights
