@@ -36,9 +36,11 @@ The mechanism (apex O2's swap, but only for the length of each step):
   :data:`STATE_KEY` (plain torch ignores it). A checkpoint without it rebuilds
   the masters from the parameters at the next step.
 
+A step with a closure (LBFGS, Lightning) is handled by :mod:`ampguard.master_closure`.
+
 Optimizers ampguard cannot wrap (not a hooked ``torch.optim.Optimizer``, own
-``state_dict``, tensor-subclass parameters, sparse gradients, a closure) get
-one message and run as they do without master weights.
+``state_dict``, tensor-subclass parameters, sparse gradients) get one message
+and run as they do without master weights.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ampguard import master_closure
 from ampguard.log import event_logger
 
 logger = event_logger("masters")
@@ -125,6 +128,7 @@ class _Masters:
     sync_states: Any = None  # ...and its per-iteration dict at that time (torch's update() replaces it)
     refresh: str | None = None  # "exact": masters from the parameters; "check": only where they disagree
     swapped: bool = False
+    aliases: tuple[tuple[str, int], ...] = ()  # (optimizer attribute, group) holding a group's list (LBFGS)
 
     def synced(self) -> bool:
         """The masters' gradients are this iteration's (copied by a scaler whose iteration is still going on)."""
@@ -135,6 +139,8 @@ class _Masters:
         lists = self.master_lists if to_masters else self.model_lists
         for group, params in zip(optimizer.param_groups, lists):
             group["params"] = params
+        for name, index in self.aliases:
+            optimizer.__dict__[name] = lists[index]
         self.swapped = to_masters
 
     def free_grads(self) -> None:
@@ -285,9 +291,13 @@ def _retire(optimizer: Any, record: _Masters) -> None:
 # -- gradients ------------------------------------------------------------------------
 
 
-def _sync(optimizer: Any, record: _Masters) -> _Masters | None:
-    """Copy the half-precision gradients into the masters' (float32) ``.grad``; the record in use, or None."""
-    if any(p.grad is not None for p in record.waiting):  # a frozen parameter started training: its master now
+def _sync(optimizer: Any, record: _Masters, gradients: bool = True) -> _Masters | None:
+    """Copy the half-precision gradients into the masters' (float32) ``.grad``; the record in use, or None.
+
+    ``gradients=False``: only bring the masters up to date (a closure step copies the gradients after each call).
+    """
+    # A frozen parameter started training: its master now (in a closure step its gradient comes later).
+    if any(p.grad is not None or (not gradients and p.requires_grad) for p in record.waiting):
         rebuilt = _record(optimizer, create=True, rebuild=True)
         if rebuilt is None:  # excluded on the way (and said so)
             return None
@@ -295,6 +305,13 @@ def _sync(optimizer: Any, record: _Masters) -> _Masters | None:
     with torch.no_grad():
         if record.refresh is not None:
             _refresh(record)
+    if gradients:
+        _copy_gradients(record)
+    return record
+
+
+def _copy_gradients(record: _Masters) -> None:
+    with torch.no_grad():
         sources, targets = [], []
         for param, master in zip(record.params, record.masters):
             grad = param.grad
@@ -309,7 +326,6 @@ def _sync(optimizer: Any, record: _Masters) -> _Masters | None:
             targets.append(master.grad)
         if sources:
             torch._foreach_copy_(targets, sources)
-    return record
 
 
 def _refresh(record: _Masters) -> None:
@@ -378,31 +394,42 @@ def masters_of(optimizer: Any) -> list[tuple[Tensor, Tensor]]:
 # -- the step -------------------------------------------------------------------------
 
 
-def _has_closure(args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
-    return (len(args) > 1 and args[1] is not None) or kwargs.get("closure") is not None
+def before_step(
+    optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Global optimizer step pre-hook: gradients into the masters, the masters into param_groups.
 
-
-def before_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
-    """Global optimizer step pre-hook: gradients into the masters, the masters into param_groups."""
+    A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`master_closure.MasterClosure` in it.
+    """
     if not state.active:
-        return
+        return None
     entry = optimizer.__dict__.get(_ATTRIBUTE)
     if entry.__class__ is _Plain and entry.signature == _quick(optimizer):
-        return  # the float32 optimizer's path
+        return None  # the float32 optimizer's path
     record = None
     try:
         record = _record(optimizer, create=True)
         if record is None:
-            return
-        if _has_closure(args, kwargs):
-            raise _Unwrappable("its step() is called with a closure, which re-runs backward inside the step")
-        if not record.synced():
-            record = _sync(optimizer, record)
+            return None
+        closure = master_closure.closure_of(args, kwargs)
+        if closure is not None or not record.synced():
+            record = _sync(optimizer, record, gradients=closure is None)
         if record is not None and record.params:
+            if closure is not None:
+                copy = functools.partial(_copy_gradients, record)
+                return master_closure.begin(
+                    optimizer, record, args, kwargs, closure, copy, functools.partial(_give_up, optimizer, record)
+                )
             record.swap(optimizer, to_masters=True)
-    except _Unwrappable as why:
-        _exclude(optimizer, str(why), record)
     except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+        _give_up(optimizer, record, error)
+    return None
+
+
+def _give_up(optimizer: Any, record: _Masters | None, error: Exception) -> None:
+    if isinstance(error, _Unwrappable):
+        _exclude(optimizer, str(error), record)
+    else:
         _fail(optimizer, record, error)
 
 

@@ -9,6 +9,7 @@ same run with a float32 student is the reference.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,6 +45,8 @@ def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
         return torch.optim.AdamW(params, lr=lr)
     if name == "adamw_fused":
         return torch.optim.AdamW(params, lr=lr, fused=True)
+    if name == "lbfgs":  # evaluates its closure up to 5 times a step, after each update
+        return torch.optim.LBFGS(params, lr=lr, max_iter=5, history_size=10)
     assert name == "sgd"
     return torch.optim.SGD(params, lr=lr, momentum=0.9)
 
@@ -76,10 +79,13 @@ def fine_tune(
     scaler: bool = True,
     clip: float | None = None,
     start_like: torch.dtype | None = None,
+    closure: bool = False,
 ) -> Result:
     """Train the student under fp16 autocast; ``scaler=False``: plain ``loss.backward(); opt.step()``.
 
     ``start_like``: start from weights rounded to that dtype (the float32 reference of a half run).
+    ``closure``: ``opt.step(closure)``, the closure zeroing the gradients and running forward and backward
+    (no scaler).
     """
     teacher, student = teacher_and_student(dtype, start_like)
     opt = make_optimizer(optimizer, student.parameters(), lr)
@@ -87,14 +93,27 @@ def fine_tune(
     data = torch.Generator().manual_seed(1)
     held_out = torch.randn(256, WIDTH, generator=data)
     result = Result(held_out_loss(student, teacher, held_out), float("nan"), student, opt, grad_scaler)
+
+    def forward(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = student(x)
+        return F.mse_loss(out.float(), y)
+
+    def evaluate(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        loss = forward(x, y)
+        loss.backward()
+        return loss
+
     for _ in range(steps):
         x = torch.randn(BATCH, WIDTH, generator=data)
         with torch.no_grad():
             y = teacher(x)
-        opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = student(x)
-        loss = F.mse_loss(out.float(), y)
+        if closure:
+            assert grad_scaler is None and clip is None
+            opt.step(functools.partial(evaluate, x, y))
+            continue
+        loss = forward(x, y)
         if grad_scaler is not None:
             grad_scaler.scale(loss).backward()
             if clip is not None:
