@@ -46,12 +46,16 @@ def _invoked_as_the_command() -> bool:
 
 def _install_on_import() -> None:
     from ampguard.log import during_import
+    from ampguard.registry import hold_banner
 
+    as_the_command = _invoked_as_the_command()
+    if as_the_command:
+        hold_banner()  # shown by the commands it concerns (ampguard.cli), not before --help or report
     try:
         with during_import():
             install()
     except ConfigError:
-        if _invoked_as_the_command():
+        if as_the_command:
             return  # --help, --version and doctor still work; the rest stop with one line
         raise
     except Exception as error:  # ampguard must never be the reason a training run dies
