@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import IO, Any
 
 from ampguard import messages
@@ -85,6 +86,7 @@ class StatsFileHandler(logging.Handler):
         self.path = path
         self._stream: IO[str] | None = None
         self._banner: str | None = None
+        self._installed = time.time()  # made at install (import ampguard): the run's start, not its first record
         self._off = False
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -122,6 +124,7 @@ class StatsFileHandler(logging.Handler):
             "format": FORMAT_VERSION,
             "ampguard": __version__,
             "pid": os.getpid(),
+            "installed": round(self._installed, 3),
             "message": self._banner,
         }
 
