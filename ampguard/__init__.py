@@ -46,12 +46,16 @@ def _invoked_as_the_command() -> bool:
 def _install_on_import() -> ConfigError | None:
     """Install; a bad variable's ConfigError is returned, for the import to raise (the command reports it)."""
     from ampguard.log import during_import
+    from ampguard.registry import hold_banner
 
+    as_the_command = _invoked_as_the_command()
+    if as_the_command:
+        hold_banner()  # shown by the commands it concerns (ampguard.cli), not before --help or report
     try:
         with during_import():
             install()
     except ConfigError as error:
-        if _invoked_as_the_command():
+        if as_the_command:
             return None  # --help, --version, doctor and report still work; the rest stop with one line
         return error
     except Exception as error:  # ampguard must never be the reason a training run dies

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 # What works with a bad AMPGUARD_* variable: the doctor reports it as a finding; report needs no configuration.
 WORKS_WITHOUT_CONFIG = ("doctor", "report")
+# The commands the install banner concerns (``run`` shows it as the script starts: ampguard.commands.run).
+SHOW_BANNER = ("patches", "doctor")
 
 
 def config_error() -> ConfigError | None:
@@ -74,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "_module", None):
         parser.print_help()
         return 2
+    if args.command in SHOW_BANNER:
+        from ampguard.registry import show_banner
+
+        show_banner()
     return int(args._module.main(args) or 0)
 
 

@@ -228,7 +228,7 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     elif loss_nonfinite:
         message = (
             f"step {step} skipped{at_scale}: forward overflow: the loss itself was inf/NaN before scaling, "
-            f"so no loss scale can help. {_gradients_found(found, label, hint)} Likely causes: activations beyond "
+            f"so no loss scale can help.{_gradients_of_a_nonfinite_loss(found, label)} Likely causes: activations beyond "
             "float16's range (65504) in the forward pass, typical of weights pretrained in bfloat16 (run that block "
             "in float32 with torch.autocast(..., enabled=False), or train in bf16 on a GPU with native bf16); "
             "a bad batch; log(0) or a division by zero in the loss."
@@ -267,6 +267,16 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
 
 
 _own_loss_told = False
+
+
+def _gradients_of_a_nonfinite_loss(found: NonFinite, label: str) -> str:
+    """After an inf/NaN loss: how many gradients are inf/NaN, not which (computed from that loss, they say nothing)."""
+    if not found.total:
+        return ""
+    return (
+        f" Its backward pass made the gradients of {found.total} of the {found.with_grad} parameters of {label} "
+        "inf/NaN, so they do not show where the overflow began."
+    )
 
 
 def _gradients_found(found: NonFinite, label: str, hint: str) -> str:

@@ -64,6 +64,7 @@ STATE_KEY = "ampguard_master_weights"
 _ATTRIBUTE = "_ampguard_master_weights"
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
+# counts: "2 float16 parameter tensors with 1,049,600 values" (tensors and values: "5 parameters" read as either)
 KEEPS = "{optimizer} keeps float32 master copies of {counts} ({mib:.1f} MiB)."
 CANNOT_WRAP = (
     "{optimizer} holds {dtypes} parameters, but ampguard cannot keep float32 master weights for it: {reason}. "
@@ -240,10 +241,16 @@ def _record(optimizer: Any, *, create: bool, rebuild: bool = False) -> _Masters 
 def _announce(optimizer: Any, record: _Masters) -> None:
     if not record.params or not logger.isEnabledFor(logging.INFO):
         return
+    tensors: dict[torch.dtype, int] = {}
     numel: dict[torch.dtype, int] = {}
     for param in record.params:
+        tensors[param.dtype] = tensors.get(param.dtype, 0) + 1
         numel[param.dtype] = numel.get(param.dtype, 0) + param.numel()
-    counts = " and ".join(f"{n:,} {str(dtype).replace('torch.', '')}" for dtype, n in numel.items()) + " parameters"
+    counts = " and ".join(
+        f"{tensors[dtype]:,} {str(dtype).replace('torch.', '')} parameter tensor{'s' if tensors[dtype] != 1 else ''} "
+        f"with {n:,} value{'s' if n != 1 else ''}"
+        for dtype, n in numel.items()
+    )
     logger.info(KEEPS.format(optimizer=label(optimizer), counts=counts, mib=sum(numel.values()) * 4 / 2**20))
 
 

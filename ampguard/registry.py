@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import sys
 import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
@@ -61,6 +62,7 @@ class _Registry:
         self.config: config_module.Config | None = None
         self.statuses: dict[str, PatchStatus] = {}
         self.banner_shown = False
+        self.banner_held = False
 
     def names(self) -> list[str]:
         return [p.name for p in self.patches]
@@ -191,8 +193,46 @@ def status() -> list[PatchStatus]:
         ]
 
 
+def hold_banner() -> None:
+    """Installs show no banner until :func:`show_banner`: the ``ampguard`` command shows it only where it helps."""
+    _registry.banner_held = True
+
+
+def show_banner() -> None:
+    """Show the banner of the install made while it was held (once per process; nothing when not installed)."""
+    from ampguard.log import during_import
+
+    with _registry.lock:
+        _registry.banner_held = False
+        if _registry.installed and _registry.config is not None:
+            with during_import():  # laid out as at import: no rich imported for one line
+                _show_banner(_registry.config, _registry.statuses)
+
+
+def started_by_multiprocessing() -> bool:
+    """Whether this process is a multiprocessing child: a DataLoader worker, an ``mp.spawn`` process.
+
+    A spawned (or forkserver) child imports the main module again, and so
+    ampguard, while it unpickles its preparation data (``_inheriting`` is set
+    then, as multiprocessing's own ``_check_not_importing_main`` reads it);
+    once started, its ``parent_process()`` is set. A forked child inherits the
+    parent's ampguard, banner shown. In any other process ``parent_process()``
+    is None, or multiprocessing is not even imported.
+    """
+    process = sys.modules.get("multiprocessing.process")
+    if process is None:
+        return False
+    try:
+        return process.parent_process() is not None or bool(getattr(process.current_process(), "_inheriting", False))
+    except Exception:  # a multiprocessing without these: treated as the main process
+        return False
+
+
 def _show_banner(config: config_module.Config, statuses: dict[str, PatchStatus]) -> None:
-    if config.quiet or _registry.banner_shown or not is_rank_zero():
+    """The banner, once per run: not in multiprocessing children (their parent showed it), only on rank 0."""
+    if config.quiet or _registry.banner_shown or _registry.banner_held or not is_rank_zero():
+        return
+    if started_by_multiprocessing():
         return
     _registry.banner_shown = True
     from ampguard._version import __version__

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -136,24 +135,9 @@ def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
             if hold:
                 _count_hold()
                 return None
-        if args or kwargs or getattr(self, "_step_count", None) == 1:
-            # The calls on which torch warns (ordering, deprecated epoch): its stacklevel=2 would name this file.
-            return _warning_at_caller(original, self, args, kwargs)
         return original(self, *args, **kwargs)
 
     return step
-
-
-def _warning_at_caller(
-    original: Callable[..., Any], scheduler: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        result = original(scheduler, *args, **kwargs)
-    for warning in caught:
-        # 1: here, 2: step() above, 3: its caller, where torch's own warning points.
-        warnings.warn(warning.message, warning.category, stacklevel=3)
-    return result
 
 
 def _report_failure() -> None:

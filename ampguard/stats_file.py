@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from typing import IO, Any
 
 from ampguard.log import EVENT_KEY, is_rank_zero, logger
@@ -66,6 +67,7 @@ class StatsFileHandler(logging.Handler):
         self.path = path
         self._stream: IO[str] | None = None
         self._banner: str | None = None
+        self._installed = time.time()  # made at install (import ampguard): the run's start, not its first record
         self._off = False
 
     def emit(self, record: logging.LogRecord) -> None:
@@ -103,6 +105,7 @@ class StatsFileHandler(logging.Handler):
             "format": FORMAT_VERSION,
             "ampguard": __version__,
             "pid": os.getpid(),
+            "installed": round(self._installed, 3),
             "message": self._banner,
         }
 

@@ -87,7 +87,10 @@ class Run:
             kinds[event["event"]] = kinds.get(event["event"], 0) + 1
         start = self.start or {}
         return {
-            "started": start.get("time"),
+            # When ampguard was installed in the process (import ampguard), and the time of the start record,
+            # written with the process's first record (files from before "installed" have only that).
+            "installed": start.get("installed"),
+            "first_record": start.get("time"),
             "pid": start.get("pid"),
             "ampguard": start.get("ampguard"),
             "scalers": [series.summary() for series in self.series],

@@ -276,6 +276,7 @@ def test_bench_table_plain_text(bench_json):
     )
     text = stream.getvalue()
     assert "step time, AdamW" in text
+    assert "median paired ratio" in text  # not the ratio of the two medians in the columns before it
     assert "syncs/step, AdamW" in text
     assert "import ampguard after torch" in text
     assert "clip_grad_norm_, 100 tensors, nothing scaled" in text
@@ -342,7 +343,9 @@ def test_bench_markdown_rewrites_only_the_generated_section(tmp_path, capsys):
     assert "old numbers" not in text
     assert "python -m ampguard bench --device cpu --dtype bfloat16 --steps 2 " in text and f"--markdown {path}" in text
     assert [line for line in markdown.structure(text) if line.startswith("#")] == SECTIONS
-    assert "step time, AdamW" in capsys.readouterr().out  # the table is printed as without --markdown
+    out = capsys.readouterr().out
+    assert "step time, AdamW" in out  # the table is printed as without --markdown
+    assert report.RATIO_NOTE in out  # the ratio and the medians beside it explained
 
 
 def test_bench_markdown_without_its_markers_stops_before_measuring(tmp_path):

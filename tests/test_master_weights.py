@@ -285,7 +285,7 @@ def test_one_info_record_per_optimizer_with_count_and_memory(ampguard_log):
         _half_step(model, opt, torch.amp.GradScaler("cpu"))
     [record] = records(ampguard_log, logging.INFO, "master copies")
     assert record.getMessage() == (
-        f"{master.label(opt)} keeps float32 master copies of 1,049,600 float16 parameters (4.0 MiB)."
+        f"{master.label(opt)} keeps float32 master copies of 2 float16 parameter tensors with 1,049,600 values (4.0 MiB)."
     )
 
 

@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 from test_stats_file import train
 
 from ampguard.cli import main
+from ampguard.stats_file import StatsFileHandler
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
@@ -212,3 +215,31 @@ def test_the_report_command_itself_writes_nothing_to_the_stats_file(written):
         check=True,
     )
     assert path.read_bytes() == before
+
+
+def test_a_run_is_dated_by_when_ampguard_was_installed_not_by_its_first_record(tmp_path, capsys):
+    """The start record is written with the first record after the banner, maybe hours in: that is not the start."""
+    path = tmp_path / "run.jsonl"
+    handler = StatsFileHandler(str(path))  # made at install
+    an_hour_later = time.time() + 3600
+    record = logging.LogRecord("ampguard", logging.WARNING, __file__, 1, "a skip", None, None)
+    record.created = an_hour_later
+    handler.emit(record)
+    handler.close()
+
+    code, out, _ = report(capsys, str(path), "--json")
+    [run] = json.loads(out)
+    assert code == 0 and run["first_record"] == round(an_hour_later, 3)
+    assert an_hour_later - 3600 - 60 < run["installed"] < an_hour_later - 3600 + 60
+    code, out, _ = report(capsys, str(path))
+    installed = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(run["installed"]))
+    assert code == 0 and f"run 1: ampguard installed {installed}, pid {os.getpid()}" in out
+
+
+def test_a_file_without_the_install_time_is_dated_by_its_first_record(tmp_path, capsys):
+    path = tmp_path / "old.jsonl"
+    path.write_text(
+        '{"event": "start", "time": 86400.0, "format": 1, "ampguard": "0.1.0", "pid": 7, "message": null}\n'
+    )
+    code, out, _ = report(capsys, str(path))
+    assert code == 0 and "run 1: first record 1970-01-02 00:00:00 UTC, pid 7" in out

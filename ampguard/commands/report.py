@@ -16,6 +16,7 @@ import json
 import math
 import sys
 import time
+from typing import Any
 
 from ampguard.stats_report import ReportError, Run, Series, read
 
@@ -62,9 +63,8 @@ def render(path: str, runs: list[Run]) -> str:
     out = [f"{path}: {len(runs)} run{'s' if len(runs) != 1 else ''}"]
     for number, run in enumerate(runs, start=1):
         summary = run.summary()
-        started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(summary["started"])) if summary["started"] else "?"
         out.append(
-            f"\nrun {number}: started {started}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}"
+            f"\nrun {number}: {_when(summary)}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}"
         )
         if not run.series:
             out.append("  no stats lines (AMPGUARD_STATS_EVERY=0, or fewer steps than it)")
@@ -80,6 +80,14 @@ def render(path: str, runs: list[Run]) -> str:
         events = summary["events"]
         out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
     return "\n".join(out)
+
+
+def _when(summary: dict[str, Any]) -> str:
+    """When the run started (ampguard installed), or, for a file without that, when it logged its first record."""
+    for key, what in (("installed", "ampguard installed"), ("first_record", "first record")):
+        if isinstance(summary[key], (int, float)) and summary[key] > 0:
+            return f"{what} {time.strftime('%Y-%m-%d %H:%M:%S UTC', time.gmtime(summary[key]))}"
+    return "start unknown"
 
 
 def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) -> list[str]:

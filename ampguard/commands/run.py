@@ -105,7 +105,9 @@ def main_from_argv(argv: Sequence[str]) -> int:
 def _install_ampguard() -> None:
     """Install ampguard in this process and in the processes the script will spawn."""
     import ampguard  # noqa: F401  (installing is what importing ampguard does)
+    from ampguard.registry import show_banner
 
+    show_banner()  # held by `ampguard ...` until now: not before --help or a usage error
     _carry_into_spawned_children()
 
 

@@ -34,6 +34,7 @@ from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
 from ampguard.patches.base import Patch
+from ampguard.warning_attribution import attribute_past_ampguard
 
 EXPECTED_PARAMETERS = ("self", "device_type", "dtype", "enabled", "cache_enabled")
 
@@ -81,6 +82,8 @@ class Bf16CheckPatch(Patch):
         self.fallback = config.bf16_fallback == "fp16"
         self.warned = False
         self.bindings.set_attribute(cls, "__init__", _checking_init(original, self))
+        # torch's warnings in __init__ ("CUDA is not available ...") name its caller, the wrapper; not so.
+        attribute_past_ampguard(self.bindings, torch.amp.autocast_mode)
 
     def checked_dtype(self, dtype: torch.dtype | None) -> torch.dtype | None:
         """The dtype an enabled CUDA autocast region should use: ``dtype``, or float16 under the fallback."""

@@ -24,6 +24,7 @@ from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
 from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler_class
+from ampguard.warning_attribution import attribute_past_ampguard
 
 SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
@@ -95,6 +96,8 @@ class GradScalerPatch(Patch):
         cpu_legacy = getattr(torch.cpu.amp, "GradScaler", None)
         if cpu_legacy is not None:
             self.bindings.rebind_names_of(cpu_legacy, CpuGradScaler)
+        # torch's warnings in GradScaler's methods name their caller: SafeGradScaler's, not the user's line.
+        attribute_past_ampguard(self.bindings, torch.amp.grad_scaler)
         _active_patch = self
         _register_sharded_hook()
 

@@ -15,6 +15,7 @@ from ampguard import scheduler_hold
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patches.base import Patch
+from ampguard.warning_attribution import attribute_past_ampguard
 
 
 class SchedulerHoldPatch(Patch):
@@ -37,6 +38,8 @@ class SchedulerHoldPatch(Patch):
         ]
         for cls in classes:
             self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"]))
+        # torch's warnings in step() (ordering, deprecated epoch) name its caller: the wrapper, not the user's line.
+        attribute_past_ampguard(self.bindings, module)
         scheduler_hold.activate()
 
     def revert(self) -> None:

@@ -141,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
     print_table(
         title, ["measure", "torch", "ampguard", "result", "target", "met"], list(report.iter_table_rows(result))
     )
+    print(report.RATIO_NOTE)
     if not result["clip_wrapped"]:
         print("note: the clip_grad patch is not applied: both variants call torch's clip_grad_norm_.")
     return 0
