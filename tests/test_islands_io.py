@@ -37,6 +37,7 @@ from torch import nn
 
 import ampguard
 import ampguard.scaler
+from ampguard import islands
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -169,3 +170,20 @@ def test_an_island_output_beyond_float16_is_an_overflow_of_its_caller():
     x, _ = batch(5 * EVERY + 9)  # loud, and now finite
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         assert torch.isfinite(run.model(x)).all()
+
+
+def test_an_island_gives_autocasts_dtype_at_each_call_and_nothing_changes_without_autocast():
+    """Recorded under float16: bfloat16 under a bfloat16 autocast; float32, as computed, without autocast."""
+    linear = nn.Linear(DIM, DIM)
+    islands.make(linear, "linear", outputs=("autocast",))
+    x = torch.randn(2, DIM).half()
+    with torch.no_grad():
+        reference = nn.functional.linear(x.float(), linear.weight, linear.bias)
+        with torch.autocast("cpu", dtype=torch.float16):
+            half = linear(x)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            brain = linear(x)
+        plain = linear(x.float())
+    assert half.dtype == torch.float16 and torch.equal(half, reference.half())
+    assert brain.dtype == torch.bfloat16 and torch.equal(brain, reference.bfloat16())
+    assert plain.dtype == torch.float32 and torch.equal(plain, reference)
