@@ -56,9 +56,12 @@ def inputs_to_float32(value: Any, device_type: str) -> Any:
     return map_tensors(value, cast)
 
 
-def output_kinds(output: Any) -> tuple[str, ...] | None:
-    """The dtype of each floating tensor of a module's output under autocast (None when autocast is off)."""
-    floating = [t for t in tensors(output) if t.is_floating_point()]
+def output_kinds(leaves: list[torch.Tensor]) -> tuple[str, ...] | None:
+    """The dtype of each floating tensor of a module's output (``leaves``: its tensors) under autocast.
+
+    None when autocast is off.
+    """
+    floating = [t for t in leaves if t.is_floating_point()]
     if not floating:
         return ()
     device_type = floating[0].device.type

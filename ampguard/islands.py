@@ -62,10 +62,11 @@ def _enter(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
             stack.append((module, None, None))
             return None
         outside = island_io.autocast_dtype(device_type)
+        cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
         region = torch.autocast(device_type, enabled=False)
-        region.__enter__()
+        region.__enter__()  # last: whatever raised before it leaves no region open
         stack.append((module, region, outside))
-        return island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
+        return cast
     except Exception as error:  # never the reason a run dies: this call runs as without the island
         stack.append((module, None, None))
         _warn_fallback(error)

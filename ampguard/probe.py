@@ -45,10 +45,10 @@ def _is_compiling() -> bool:
     return bool(check and check())
 
 
-def nonfinite_mark(value: Any) -> torch.Tensor | None:
-    """NaN when a floating tensor in ``value`` holds inf/NaN, else 0 (a device scalar); None without any tensor."""
+def nonfinite_mark(leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    """NaN when a floating tensor of ``leaves`` holds inf/NaN, else 0 (a device scalar); None without any."""
     mark: torch.Tensor | None = None
-    for leaf in tensors(value):
+    for leaf in leaves:
         if leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
             t = leaf.detach()
             check = (t - t).sum().float()  # 0, or NaN if any element is inf/NaN
@@ -144,7 +144,7 @@ class Probe:
         if _is_compiling():
             return
         try:
-            self._stack().append((module, nonfinite_mark(args)))
+            self._stack().append((module, nonfinite_mark(tensors(args))))
         except Exception:  # a diagnostic must never break the forward pass
             self._stack().append((module, None))
 
@@ -158,11 +158,12 @@ class Probe:
         if output is None or len(self.calls) >= MAX_CALLS:
             return
         try:
-            output_mark = nonfinite_mark(output)
+            leaves = tensors(output)
+            output_mark = nonfinite_mark(leaves)
             if output_mark is None:
                 return
             root = stack[0][0] if stack else module
-            self.calls.append(Call(module, root, output_kinds(output)))
+            self.calls.append(Call(module, root, output_kinds(leaves)))
             bad = output_mark.isnan()
             if inputs_mark is not None:
                 bad = bad & ~inputs_mark.to(bad.device).isnan()
