@@ -12,6 +12,7 @@ same dtype``, ``Index put requires the source and destination dtypes match``).
 from __future__ import annotations
 
 import copy
+import logging
 from typing import Any
 
 import pytest
@@ -32,7 +33,7 @@ from islands_support import (
     train,
     unpack,
 )
-from scaler_support import one_thread  # noqa: F401  (fixture)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
 import ampguard
@@ -187,3 +188,36 @@ def test_an_island_gives_autocasts_dtype_at_each_call_and_nothing_changes_withou
     assert half.dtype == torch.float16 and torch.equal(half, reference.half())
     assert brain.dtype == torch.bfloat16 and torch.equal(brain, reference.bfloat16())
     assert plain.dtype == torch.float32 and torch.equal(plain, reference)
+
+
+class _Unbuildable:
+    """A container registered with torch's pytree whose rebuild raises."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+def _rebuild(values: Any, context: Any) -> _Unbuildable:
+    raise RuntimeError("cannot rebuild")
+
+
+def test_a_container_that_cannot_be_rebuilt_runs_that_call_under_autocast(ampguard_log, monkeypatch):
+    """Never the reason a run dies: one WARNING, the call runs as without the island, autocast stays on after it."""
+    from torch.utils import _pytree
+
+    monkeypatch.setattr(islands, "_fallback_warned", False)
+    _pytree.register_pytree_node(_Unbuildable, lambda box: ([box.hidden], None), _rebuild)
+    try:
+        linear = nn.Linear(DIM, DIM)
+        islands.make(linear.requires_grad_(False), "linear")
+        call = lambda box: nn.functional.linear(box.hidden, linear.weight, linear.bias)  # noqa: E731
+        linear.forward = call  # type: ignore[method-assign]
+        hidden = torch.randn(2, DIM).half()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = linear(_Unbuildable(hidden))
+            assert torch.is_autocast_enabled("cpu")
+            under_autocast = call(_Unbuildable(hidden))  # the same call without the island
+        assert torch.equal(out, under_autocast)
+        assert len(records(ampguard_log, logging.WARNING, "an fp32 island could not run in float32")) == 1
+    finally:
+        _pytree._deregister_pytree_node(_Unbuildable)
