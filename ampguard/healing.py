@@ -426,7 +426,12 @@ def stats_fields() -> dict[str, Any]:
     }
 
 
-def restore_islands(names: Any) -> None:
-    """A loaded checkpoint's island names: re-applied at the next forward when the patch is applied."""
+def island_outputs() -> dict[str, list[str]]:
+    """The recorded output dtypes of the islands, by name (for checkpoints)."""
+    return islands.recorded_outputs() if _active is not None else {}
+
+
+def restore_islands(names: Any, outputs: Any = None) -> None:
+    """A loaded checkpoint's island names (and output dtypes): re-applied at the next forward when the patch is applied."""
     if _active is not None and _active.mode == "auto" and names:
-        islands.restore(names)
+        islands.restore(names, outputs)

@@ -2,11 +2,13 @@
 
 An island is one module *instance* with two hooks of its own: a forward
 pre-hook that casts the floating-point inputs on the autocast device to float32
-and enters ``torch.autocast(device, enabled=False)``, and a forward hook
-(``always_call=True``, so an exception still leaves the region) that exits it.
-That is what ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` does to a
-function; the parameters are untouched. Modules that are not islands, and
-models that never overflow, carry no hook at all.
+(in any nesting: namedtuples, dataclasses, ``ModelOutput``) and enters
+``torch.autocast(device, enabled=False)``, and a forward hook (``always_call=True``,
+so an exception still leaves the region) that exits it and gives the floating
+outputs the dtypes they had under autocast (:mod:`ampguard.island_io`). That is
+``torch.amp.custom_fwd(cast_inputs=torch.float32)`` with the caller's dtypes
+kept; the parameters are untouched. Modules that are not islands, and models
+that never overflow, carry no hook at all.
 
 :func:`decide` turns a probe verdict into an island, or into a report when an
 island cannot help or cannot be made: the root module itself (the overflow is in
@@ -15,8 +17,9 @@ compute does not widen them), a compiled model (its inside is not seen), the
 ``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
 
 Islands are process state (they belong to modules, not to a scaler); their
-names ride in the scaler's ``state_dict()["ampguard"]["fp32_islands"]``, and
-:func:`restore` re-applies them at the next forward after loading.
+names ride in the scaler's ``state_dict()["ampguard"]["fp32_islands"]`` (their
+output dtypes in ``["fp32_island_outputs"]``), and :func:`restore` re-applies
+them at the next forward after loading.
 """
 
 from __future__ import annotations
@@ -24,50 +27,31 @@ from __future__ import annotations
 import threading
 import weakref
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard import messages
+from ampguard import island_io, messages
 from ampguard.log import event_logger
 from ampguard.probe import is_compiled, qualified_name, unwrap
+from ampguard.tensor_tree import tensors
 
 logger = event_logger("island")
 
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _autocast_enabled(device_type: str) -> bool:
-    try:
-        return bool(torch.is_autocast_enabled(device_type))  # torch >= 2.4
-    except TypeError:
-        if device_type == "cpu":
-            return bool(torch.is_autocast_cpu_enabled())
-        return device_type == "cuda" and bool(torch.is_autocast_enabled())
-
-
-def _to_float32(value: Any, device_type: str) -> Any:
-    """custom_fwd's cast: floating tensors on the autocast device, except float64, to float32."""
-    if isinstance(value, torch.Tensor):
-        eligible = value.is_floating_point() and value.device.type == device_type and value.dtype is not torch.float64
-        return value.float() if eligible else value
-    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
-        return type(value)(_to_float32(v, device_type) for v in value)
-    if isinstance(value, dict) and type(value) is dict:
-        return {k: _to_float32(v, device_type) for k, v in value.items()}
-    return value
-
-
 def _device_type(module: torch.nn.Module, args: Any) -> str:
     for tensor in module.parameters():
         return tensor.device.type
-    for value in args:
-        if isinstance(value, torch.Tensor):
-            return value.device.type
+    for value in tensors(args):
+        return value.device.type
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
+# Per thread, the island calls in progress: (module, autocast region left or None, autocast's dtype outside).
 _regions = threading.local()
 _fallback_warned = False
 
@@ -76,29 +60,35 @@ def _enter(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
     stack = _regions.__dict__.setdefault("stack", [])
     try:
         device_type = _device_type(module, args)
-        if not _autocast_enabled(device_type):
-            stack.append(None)
+        if not island_io.autocast_enabled(device_type):
+            stack.append((module, None, None))
             return None
+        outside = island_io.autocast_dtype(device_type)
+        cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
         region = torch.autocast(device_type, enabled=False)
-        region.__enter__()
-        stack.append(region)
-        return _to_float32(args, device_type), _to_float32(kwargs, device_type)
+        region.__enter__()  # last: whatever raised before it leaves no region open
+        stack.append((module, region, outside))
+        return cast
     except Exception as error:  # never the reason a run dies: this call runs as without the island
-        stack.append(None)
+        stack.append((module, None, None))
         _warn_fallback(error)
         return None
 
 
-def _exit(module: torch.nn.Module, args: Any, output: Any) -> None:
+def _exit(island: Island, module: torch.nn.Module, args: Any, output: Any) -> Any:
     stack = _regions.__dict__.get("stack")
-    if not stack:
-        return
-    region = stack.pop()
-    if region is not None:
-        try:
-            region.__exit__(None, None, None)
-        except Exception as error:
-            _warn_fallback(error)
+    if not stack or stack[-1][0] is not module:  # a pre-hook before ours raised: this call never entered
+        return None
+    _, region, outside = stack.pop()
+    if region is None:
+        return None
+    try:
+        region.__exit__(None, None, None)
+        if island.outputs is not None and output is not None:
+            return island_io.outputs_as_recorded(output, island.outputs, outside)
+    except Exception as error:
+        _warn_fallback(error)
+    return None
 
 
 def _warn_fallback(error: Exception) -> None:
@@ -117,11 +107,13 @@ class Island:
     name: str
     module: weakref.ref[torch.nn.Module]
     handles: list[Any] = field(default_factory=list)
+    # The dtypes its floating outputs had under autocast (ampguard.island_io.output_kinds); None: not known.
+    outputs: tuple[str, ...] | None = None
 
 
 islands: dict[str, Island] = {}
 reported: set[str] = set()
-_pending: dict[str, Any] = {"names": [], "handle": None}
+_pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None}
 
 
 def names() -> tuple[str, ...]:
@@ -134,18 +126,34 @@ def holds(module: torch.nn.Module) -> bool:
     return any(island.module() is module for island in islands.values())
 
 
-def make(module: torch.nn.Module, name: str) -> Island:
-    """Run ``module`` in float32 from its next call on (idempotent per name)."""
+def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = None) -> Island:
+    """Run ``module`` in float32 from its next call on (idempotent per name).
+
+    ``outputs``: the dtypes its floating outputs had under autocast, which the
+    island gives them again (see :mod:`ampguard.island_io`); None leaves them float32.
+    """
     existing = islands.get(name)
     if existing is not None and existing.module() is module:
+        if outputs is not None:
+            existing.outputs = outputs
         return existing
     if existing is not None:
         remove(name)
-    island = Island(name, weakref.ref(module))
+    island = Island(name, weakref.ref(module), outputs=outputs)
     island.handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
-    island.handles.append(module.register_forward_hook(_exit, always_call=True))
+    # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
+    island.handles.append(module.register_forward_hook(partial(_exit, island), prepend=True, always_call=True))
     islands[name] = island
     return island
+
+
+def recorded_outputs() -> dict[str, list[str]]:
+    """The output dtypes recorded for the live islands, by name (plain strings, for checkpoints)."""
+    return {
+        name: list(island.outputs)
+        for name, island in islands.items()
+        if island.module() is not None and island.outputs is not None
+    }
 
 
 def remove(name: str) -> None:
@@ -175,8 +183,19 @@ def permanent_line(name: str, device_type: str) -> str:
     return f"m = {get}; m.forward = {wrapped}"
 
 
-def decide(module: torch.nn.Module, root: torch.nn.Module, *, step: int, mode: str, max_islands: int) -> bool:
-    """Make ``module`` an island, or report why not (each name once). True when the probe's work is done."""
+def decide(
+    module: torch.nn.Module,
+    root: torch.nn.Module,
+    outputs: tuple[str, ...] | None = None,
+    *,
+    step: int,
+    mode: str,
+    max_islands: int,
+) -> bool:
+    """Make ``module`` an island, or report why not (each name once). True when the probe's work is done.
+
+    ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
+    """
     name = qualified_name(module, root)
     label = name or type(unwrap(root)).__name__
     device_type = _device_type(module, ())
@@ -201,7 +220,7 @@ def decide(module: torch.nn.Module, root: torch.nn.Module, *, step: int, mode: s
     if len(names()) >= max_islands:
         _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
         return True
-    make(module, name)
+    make(module, name, outputs)
     logger.warning(messages.ISLAND_MADE.format(**what))
     return True
 
@@ -215,12 +234,20 @@ def _report_once(key: str, message: str) -> None:
 # -- re-applying islands named in a checkpoint --------------------------------------------
 
 
-def restore(saved: Any) -> None:
-    """Re-apply the islands named in a checkpoint at the next forward pass (a one-shot global pre-hook)."""
+def restore(saved: Any, outputs: Any = None) -> None:
+    """Re-apply the islands named in a checkpoint at the next forward pass (a one-shot global pre-hook).
+
+    ``outputs``: the checkpoint's recorded output dtypes by name (absent in checkpoints of earlier versions).
+    """
     wanted = [str(name) for name in saved or () if str(name) and str(name) not in islands]
     if not wanted:
         return
     _pending["names"] = wanted
+    _pending["outputs"] = {
+        str(name): tuple(str(kind) for kind in kinds)
+        for name, kinds in (outputs.items() if isinstance(outputs, dict) else ())
+        if isinstance(kinds, (list, tuple))
+    }
     if _pending["handle"] is None:
         _pending["handle"] = nn_module.register_module_forward_pre_hook(_restore_into)
 
@@ -235,7 +262,7 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
             except AttributeError:
                 left.append(name)
                 continue
-            make(target, name)
+            make(target, name, _pending["outputs"].get(name))
             logger.info("fp32 island %s (%s) re-applied from the checkpoint.", name, type(target).__name__)
         _pending["names"] = left
     except Exception as error:
@@ -266,5 +293,6 @@ def _stop_restoring() -> None:
     handle = _pending["handle"]
     _pending["handle"] = None
     _pending["names"] = []
+    _pending["outputs"] = {}
     if handle is not None:
         handle.remove()

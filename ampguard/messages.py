@@ -80,8 +80,8 @@ SCALE_COLLAPSE_PARAMETERS = "the loss scale collapsed: step {step} overflowed wi
 
 ISLAND_MADE = (
     "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "
-    "step {step}). From now on it runs in float32: autocast disabled inside it and its floating-point inputs "
-    "cast to float32; its parameters are unchanged and the loss scale was not lowered for this overflow. "
+    "step {step}). From now on it runs in float32: autocast disabled inside it, its floating-point inputs "
+    "cast to float32 and its outputs given back in the dtypes they had; its parameters are unchanged and the loss scale was not lowered for this overflow. "
     "To make this permanent without ampguard: {line}"
 )
 

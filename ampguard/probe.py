@@ -5,7 +5,9 @@ inf/NaN, :mod:`ampguard.healing` arms the probe: two global module hooks
 (``register_module_forward_pre_hook`` / ``register_module_forward_hook``) that
 see every module call of the following forward passes. For each call the
 probe notes, on the device, whether the floating-point inputs were finite and
-whether the output is; the first call (in the order calls *finish*, so the
+whether the output is (tensors in any nesting: :mod:`ampguard.tensor_tree`), and
+on the host the dtypes of its floating outputs (an island made of the module
+gives them again); the first call (in the order calls *finish*, so the
 innermost module comes first) whose output holds inf/NaN while its inputs did
 not is the verdict: ``index + 1`` in a float32 device scalar, 0 while there is
 none. No host read: the scaler adds ``4 * verdict`` to the one number it reads
@@ -22,22 +24,13 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.nn.modules import module as nn_module
 
-try:
-    from torch.utils._pytree import tree_flatten
-except ImportError:  # a torch that moved it: tensors in (nested) lists, tuples and dicts only
-
-    def tree_flatten(tree: Any) -> tuple[list[Any], None]:  # type: ignore[misc]
-        if isinstance(tree, (list, tuple)):
-            return [leaf for item in tree for leaf in tree_flatten(item)[0]], None
-        if isinstance(tree, dict):
-            return [leaf for item in tree.values() for leaf in tree_flatten(item)[0]], None
-        return [tree], None
-
+from ampguard.island_io import output_kinds
+from ampguard.tensor_tree import tensors
 
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
@@ -52,16 +45,11 @@ def _is_compiling() -> bool:
     return bool(check and check())
 
 
-def nonfinite_mark(value: Any) -> torch.Tensor | None:
-    """NaN when a floating tensor in ``value`` holds inf/NaN, else 0 (a device scalar); None without any tensor."""
+def nonfinite_mark(leaves: list[torch.Tensor]) -> torch.Tensor | None:
+    """NaN when a floating tensor of ``leaves`` holds inf/NaN, else 0 (a device scalar); None without any."""
     mark: torch.Tensor | None = None
-    for leaf in tree_flatten(value)[0]:
-        if (
-            isinstance(leaf, torch.Tensor)
-            and leaf.is_floating_point()
-            and leaf.layout == torch.strided
-            and leaf.numel()
-        ):
+    for leaf in leaves:
+        if leaf.is_floating_point() and leaf.layout == torch.strided and leaf.numel():
             t = leaf.detach()
             check = (t - t).sum().float()  # 0, or NaN if any element is inf/NaN
             mark = check if mark is None else mark + check.to(mark.device)
@@ -94,13 +82,21 @@ def qualified_name(module: torch.nn.Module, root: torch.nn.Module) -> str | None
     return None
 
 
+class Call(NamedTuple):
+    """One module call the probe recorded."""
+
+    module: torch.nn.Module
+    root: torch.nn.Module
+    outputs: tuple[str, ...] | None  # its floating outputs' dtypes under autocast (ampguard.island_io)
+
+
 class Probe:
     """Global forward hooks recording, on the device, the first module call that turned finite inputs into inf/NaN."""
 
     def __init__(self) -> None:
         self._handles: list[Any] = []
         self._local = threading.local()
-        self.calls: list[tuple[torch.nn.Module, torch.nn.Module]] = []  # (module, root) per recorded call
+        self.calls: list[Call] = []
         self.verdict: torch.Tensor | None = None
 
     @property
@@ -134,8 +130,8 @@ class Probe:
             return code
         return code + 4.0 * self.verdict.to(code.device, non_blocking=True)
 
-    def call(self, index: int) -> tuple[torch.nn.Module, torch.nn.Module] | None:
-        """The (module, root) of a decoded verdict (``index`` as read: 1-based), if recorded."""
+    def call(self, index: int) -> Call | None:
+        """The call of a decoded verdict (``index`` as read: 1-based), if recorded."""
         return self.calls[index - 1] if 0 < index <= len(self.calls) else None
 
     def _stack(self) -> list[tuple[torch.nn.Module, torch.Tensor | None]]:
@@ -148,7 +144,7 @@ class Probe:
         if _is_compiling():
             return
         try:
-            self._stack().append((module, nonfinite_mark(args)))
+            self._stack().append((module, nonfinite_mark(tensors(args))))
         except Exception:  # a diagnostic must never break the forward pass
             self._stack().append((module, None))
 
@@ -162,11 +158,12 @@ class Probe:
         if output is None or len(self.calls) >= MAX_CALLS:
             return
         try:
-            output_mark = nonfinite_mark(output)
+            leaves = tensors(output)
+            output_mark = nonfinite_mark(leaves)
             if output_mark is None:
                 return
             root = stack[0][0] if stack else module
-            self.calls.append((module, root))
+            self.calls.append(Call(module, root, output_kinds(leaves)))
             bad = output_mark.isnan()
             if inputs_mark is not None:
                 bad = bad & ~inputs_mark.to(bad.device).isnan()

@@ -11,6 +11,8 @@ gradients bounded whatever the input size.
 from __future__ import annotations
 
 import math
+from collections import namedtuple
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,26 +40,32 @@ class Attention(nn.Module):
             self.q.weight.mul_(sharpness)
             self.k.weight.mul_(sharpness)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: Any) -> torch.Tensor:
+        x = unpack(x)
         logits = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
         return self.out(logits.softmax(-1) @ self.v(x))
 
 
 class Block(nn.Module):
-    def __init__(self, dim: int, sharpness: float = 1.0) -> None:
+    def __init__(self, dim: int, sharpness: float = 1.0, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
         self.attn = Attention(dim, sharpness)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+        self.pack = pack  # how the attention's input is handed to it: the tensor itself, or inside a container
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(x)
+        x = x + self.attn(x if self.pack is None else self.pack(x))
         return x + self.mlp(x) * 0.1
 
 
 class Net(nn.Module):
-    def __init__(self, blocks: int = 3, hot: int = 1, sharpness: float = 36.0) -> None:
+    def __init__(
+        self, blocks: int = 3, hot: int = 1, sharpness: float = 36.0, pack: Callable[[torch.Tensor], Any] | None = None
+    ) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(DIM, sharpness if i == hot else 0.3) for i in range(blocks))
+        self.blocks = nn.ModuleList(
+            Block(DIM, sharpness if i == hot else 0.3, pack if i == hot else None) for i in range(blocks)
+        )
         self.head = nn.Linear(DIM, CLASSES)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -66,9 +74,71 @@ class Net(nn.Module):
         return self.head(x.mean(1))
 
 
-def make_net(seed: int = 0) -> Net:
+def make_net(seed: int = 0, pack: Callable[[torch.Tensor], Any] | None = None) -> Net:
+    """The 3-block net; ``pack``: how the hot block hands its attention its input (e.g. in a namedtuple)."""
     torch.manual_seed(seed)
-    return Net()
+    return Net(pack=pack)
+
+
+Hidden = namedtuple("Hidden", "hidden positions")
+
+
+@dataclass(frozen=True)
+class HiddenState:
+    hidden: Any
+    positions: torch.Tensor
+
+
+def unpack(box: Any) -> torch.Tensor:
+    """The hidden states inside ``box``: a tensor, Hidden, HiddenState, a ModelOutput or a dict of them."""
+    while not isinstance(box, torch.Tensor):
+        if hasattr(box, "last_hidden_state"):
+            box = box.last_hidden_state
+        elif isinstance(box, dict):
+            box = box["state"]
+        else:
+            box = box.hidden
+    return box
+
+
+class MoE(nn.Module):
+    """Tokens routed to two experts, dispatched as code written for autocast does it: ``out`` is float16.
+
+    ``experts.1`` (an attention over the tokens routed to it) overflows float16 on every ``EVERY``-th batch.
+    """
+
+    DISPATCH = ("mask", "index_add_", "index_copy_", "scatter_")
+
+    def __init__(self, dispatch: str = "mask") -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.router = nn.Linear(DIM, 2)
+        self.experts = nn.ModuleList([Attention(DIM, 0.3), Attention(DIM, 60.0)])
+        self.head = nn.Linear(DIM, CLASSES)
+        self.dispatch = dispatch
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x).reshape(-1, DIM)
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for number, expert in enumerate(self.experts):
+            if self.dispatch == "mask":
+                mask = choice == number
+                out[mask] = expert(h[mask])
+                continue
+            index = (choice == number).nonzero().squeeze(1)
+            if self.dispatch == "index_add_":
+                out.index_add_(0, index, expert(h[index]))
+            elif self.dispatch == "index_copy_":
+                out.index_copy_(0, index, expert(h[index]))
+            else:
+                out.scatter_(0, index[:, None].expand(-1, DIM), expert(h[index]))
+        return self.head((h + out).reshape(x.shape).mean(1))
+
+
+def make_moe(dispatch: str = "mask", seed: int = 0) -> MoE:
+    torch.manual_seed(seed)
+    return MoE(dispatch)
 
 
 def overflows(step: int) -> bool:

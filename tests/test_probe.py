@@ -35,7 +35,7 @@ def _verdict(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, probe.Probe]
 def _named(model: torch.nn.Module, x: torch.Tensor) -> str | None:
     index, watcher = _verdict(model, x)
     call = watcher.call(index)
-    return None if call is None else probe.qualified_name(*call)
+    return None if call is None else probe.qualified_name(call.module, call.root)
 
 
 def test_names_the_innermost_module_whose_output_overflowed():

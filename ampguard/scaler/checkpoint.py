@@ -37,6 +37,9 @@ def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any
     if state:
         state["ampguard"] = {key: value for key, value in scaler.stats.as_dict().items() if key in COUNTER_KEYS}
         state["ampguard"]["fp32_islands"] = list(healing.stats_fields()["fp32_islands"])  # plain strings
+        outputs = healing.island_outputs()
+        if outputs:  # each island's output dtypes under autocast, given again after a resume
+            state["ampguard"]["fp32_island_outputs"] = outputs
     return state
 
 
@@ -72,7 +75,7 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
         scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
         scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
-        healing.restore_islands(counters.get("fp32_islands"))
+        healing.restore_islands(counters.get("fp32_islands"), counters.get("fp32_island_outputs"))
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._counters.steps == 0:
