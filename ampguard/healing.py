@@ -92,6 +92,7 @@ class _Healing:
     # Armed since the last update: if the probe recorded no module call, it did not see that iteration's forward
     # pass (armed by a read after it, in device mode) and has nothing to judge.
     armed_since_update: bool = False
+    stopped: bool = False  # after an error inside ampguard: the probe does not arm again
 
 
 _active: _Healing | None = None
@@ -275,15 +276,12 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         if probe.armed:
             probe.reset()
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once(
-            "end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error
-        )
+        _stop(active, "end", error)
 
 
 def _may_arm(active: _Healing) -> bool:
-    """Whether the probe may arm at this forward overflow (no island limit reached, no back-off pending)."""
-    if active.exhausted:
+    """Whether the probe may arm at this forward overflow (no island limit reached or error, no back-off pending)."""
+    if active.exhausted or active.stopped:
         return False
     if active.skip_arming:
         active.skip_arming -= 1
@@ -361,8 +359,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool) ->
         if owner and not active.buffers.discovered and active.buffers.advance():
             active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # compared with the buffers at the read
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+        _stop(active, "device", error)
 
 
 def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> None:
@@ -392,8 +389,19 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
                 active.probe_steps,
             )
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once("read", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+        _stop(active, "read", error)
+
+
+def _stop(active: _Healing, where: str, error: Exception) -> None:
+    """After an error inside ampguard: the probe disarms for good (arming it again would fail again, unseen)."""
+    active.probe.disarm()
+    active.stopped = True
+    _warn_once(
+        where,
+        "ampguard's forward-overflow probe stopped after an error (%r) and does not arm again; training goes on "
+        "without it (forward overflows are still skipped and counted, without lowering the loss scale).",
+        error,
+    )
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:

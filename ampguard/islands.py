@@ -11,7 +11,8 @@ models that never overflow, carry no hook at all.
 :func:`decide` turns a probe verdict into an island, or into a report when an
 island cannot help or cannot be made: the root module itself (the overflow is in
 code no submodule owns), a module with float16/bfloat16 parameters (float32
-compute does not widen them), a compiled model (its inside is not seen), the
+compute does not widen them), a compiled model (its inside is not seen), a
+TorchScript module (it takes no hooks), the
 ``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
 
 Islands are process state (they belong to modules, not to a scaler); their
@@ -178,7 +179,8 @@ def decide(module: torch.nn.Module, root: torch.nn.Module, *, step: int, mode: s
     name = qualified_name(module, root)
     label = name or type(unwrap(root)).__name__
     device_type = _device_type(module, ())
-    what = {"name": label, "cls": type(module).__name__, "step": step, "line": permanent_line(name or "", device_type)}
+    cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
+    what = {"name": label, "cls": cls, "step": step, "line": permanent_line(name or "", device_type)}
     if name in islands and islands[name].module() is module:
         return True
     if name is None or name == "":
@@ -192,6 +194,9 @@ def decide(module: torch.nn.Module, root: torch.nn.Module, *, step: int, mode: s
         return True
     if is_compiled(root):
         _report_once(name, messages.ISLAND_COMPILED.format(**what))
+        return True
+    if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
+        _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
         return True
     if mode == "report":
         _report_once(name, messages.ISLAND_REPORT.format(**what))

@@ -110,6 +110,13 @@ ISLAND_COMPILED = (
     "then apply this before torch.compile: {line}"
 )
 
+ISLAND_SCRIPTED = (
+    "forward overflow located: {name} ({cls}) at step {step}, but it is a TorchScript module: ampguard cannot "
+    "hook into scripted code or change it, so it leaves it as it is (and does not see which module inside it "
+    "overflowed). Leave it unscripted and ampguard makes it an fp32 island at its next overflow, or call it in "
+    "float32 yourself: inside torch.autocast(device_type, enabled=False), with float32 inputs."
+)
+
 ISLAND_LIMIT = (
     "{name} ({cls}) overflowed float16 in the forward pass (step {step}), but {limit} modules already run "
     "in float32 ({names}) and AMPGUARD_MAX_ISLANDS={limit}: this model does not suit float16. "
