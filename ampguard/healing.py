@@ -356,8 +356,8 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool) ->
             end_iteration(scaler, overflow)
             return
         islands.end_restore_window()
-        if owner and not active.buffers.discovered and active.buffers.advance():
-            active.buffers.take_snapshot(int(getattr(scaler, "_steps", 0)))  # compared with the buffers at the read
+        if owner and not active.buffers.discovered:
+            active.buffers.advance(int(getattr(scaler, "_steps", 0)))  # its copy is compared with them at a read
     except Exception as error:  # never the reason a run dies
         _stop(active, "device", error)
 

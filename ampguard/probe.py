@@ -45,7 +45,7 @@ MAX_CALLS = 2**22 - 1
 WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
 
 
-def _is_compiling() -> bool:
+def is_compiling() -> bool:
     check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if check is None:
         check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
@@ -145,7 +145,7 @@ class Probe:
         return stack
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if _is_compiling():
+        if is_compiling():
             return
         try:
             self._stack().append((module, nonfinite_mark(args)))
@@ -153,7 +153,7 @@ class Probe:
             self._stack().append((module, None))
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _is_compiling():
+        if is_compiling():
             return
         stack = self._stack()
         if not stack or stack[-1][0] is not module:
