@@ -421,7 +421,11 @@ def stats_fields() -> dict[str, Any]:
     }
 
 
-def restore_islands(names: Any) -> None:
-    """A loaded checkpoint's island names: re-applied at the next forward when the patch is applied."""
+def restore_islands(names: Any, full_names: bool) -> None:
+    """A loaded checkpoint's island names: re-applied at the next forward when the patch is applied.
+
+    ``full_names``: qualified from the top-level module (checkpoints since that
+    naming); else relative to the outermost module called then.
+    """
     if _active is not None and _active.mode == "auto" and names:
-        islands.restore(names)
+        islands.restore(names, full_names=full_names)

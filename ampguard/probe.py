@@ -11,8 +11,10 @@ not is the verdict: ``index + 1`` in a float32 device scalar, 0 while there is
 none. No host read: the scaler adds ``4 * verdict`` to the one number it reads
 per step anyway (found_inf in bit 0, loss non-finite in bit 1).
 
-The module is named relative to the outermost module called (the *root*),
-seen through DDP / DataParallel / torch.compile wrappers (:func:`unwrap`).
+Each recorded call keeps the outermost module called (the *root*); the
+module's name is qualified from the top-level module above it
+(:mod:`ampguard.model_tree`), seen through DDP / DataParallel / DeepSpeed /
+torch.compile wrappers (:func:`unwrap`).
 Only positional inputs are checked (global hooks do not see keyword
 arguments), and compiled code is opaque: inside ``torch.compile`` the hooks do
 nothing, so a compiled model is seen as one module.
@@ -42,7 +44,7 @@ except ImportError:  # a torch that moved it: tensors in (nested) lists, tuples 
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
 
-WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"})
 
 
 def is_compiling() -> bool:

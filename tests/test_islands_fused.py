@@ -269,11 +269,11 @@ def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):
 
 
 def test_islands_named_in_a_checkpoint_stop_being_looked_for_after_the_first_iteration(ampguard_log):
-    healing.restore_islands(["blocks.9.attn"])
+    healing.restore_islands(["blocks.9.attn"], full_names=True)
     model = make_net()
     train(3, model=model, optimizer=fused(model), healthy=True)
     assert global_hooks() == 0
-    assert len(records(ampguard_log, logging.WARNING, "no module called since has them")) == 1
+    assert len(records(ampguard_log, logging.WARNING, "the models being trained have no such module")) == 1
 
 
 def test_an_overflow_in_the_discovery_iteration_step_2_is_put_back_at_the_read(reinstall, ampguard_log):

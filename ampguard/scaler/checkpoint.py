@@ -30,12 +30,19 @@ COUNTER_KEYS = (
     "max_scale_seen",
 )
 
+# Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
+# outermost module called (ampguard.islands.restore finds those by the end of their full name).
+ISLAND_NAMES_KEY = "fp32_islands_named_from"
+ISLAND_NAMES_FULL = "top-level module"
+
 
 def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
     """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
     if state:
         state["ampguard"] = {key: value for key, value in scaler.stats.as_dict().items() if key in COUNTER_KEYS}
         state["ampguard"]["fp32_islands"] = list(healing.stats_fields()["fp32_islands"])  # plain strings
+        if state["ampguard"]["fp32_islands"]:  # qualified from the top-level module (earlier: from the one called)
+            state["ampguard"][ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
     return state
 
 
@@ -71,7 +78,9 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._consecutive = int(counters.get("consecutive_skipped", 0))
         scaler._min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
         scaler._max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
-        healing.restore_islands(counters.get("fp32_islands"))
+        healing.restore_islands(
+            counters.get("fp32_islands"), full_names=counters.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
+        )
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._steps == 0:
