@@ -324,7 +324,7 @@ def restoring() -> bool:
 
 
 def end_restore_window() -> None:
-    """At the end of the first iteration after loading: names still unresolved are reported once."""
+    """At the end of the first iteration after loading: names never looked up (no module was called) are reported."""
     if _pending["handle"] is None:
         return
     left = _pending["names"]
