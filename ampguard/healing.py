@@ -95,6 +95,7 @@ class _Healing:
     # Armed since the last update: if the probe recorded no module call, it did not see that iteration's forward
     # pass (armed by a read after it, in device mode) and has nothing to judge.
     armed_since_update: bool = False
+    stopped: bool = False  # after an error inside ampguard: the probe does not arm again
 
 
 _active: _Healing | None = None
@@ -283,15 +284,12 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         if probe.armed:
             probe.reset()
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once(
-            "end", "ampguard's forward-overflow probe stopped after an error (%r); training goes on without it.", error
-        )
+        _stop(active, "end", error)
 
 
 def _may_arm(active: _Healing) -> bool:
-    """Whether the probe may arm at this forward overflow (no island limit reached, no back-off pending)."""
-    if active.exhausted:
+    """Whether the probe may arm at this forward overflow (no island limit reached or error, no back-off pending)."""
+    if active.exhausted or active.stopped:
         return False
     if active.skip_arming:
         active.skip_arming -= 1
@@ -370,11 +368,10 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
             end_iteration(scaler, overflow)
             return bool(skipped_value > 0)
         islands.end_restore_window()
-        if owner and not active.buffers.discovered and active.buffers.advance():
-            active.buffers.take_snapshot(_steps_of(scaler))  # compared with the buffers at the read
+        if owner and not active.buffers.discovered:
+            active.buffers.advance(_steps_of(scaler))  # its copy is compared with them at a read
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once("device", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+        _stop(active, "device", error)
     return None
 
 
@@ -405,8 +402,19 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
                 active.probe_steps,
             )
     except Exception as error:  # never the reason a run dies
-        active.probe.disarm()
-        _warn_once("read", "ampguard's forward-overflow probe stopped after an error (%r).", error)
+        _stop(active, "read", error)
+
+
+def _stop(active: _Healing, where: str, error: Exception) -> None:
+    """After an error inside ampguard: the probe disarms for good (arming it again would fail again, unseen)."""
+    active.probe.disarm()
+    active.stopped = True
+    _warn_once(
+        where,
+        "ampguard's forward-overflow probe stopped after an error (%r) and does not arm again; training goes on "
+        "without it (forward overflows are still skipped and counted, without lowering the loss scale).",
+        error,
+    )
 
 
 def _warn_once(key: str, message: str, *args: Any) -> None:
@@ -431,7 +439,11 @@ def island_outputs() -> dict[str, list[str]]:
     return islands.recorded_outputs() if _active is not None else {}
 
 
-def restore_islands(names: Any, outputs: Any = None) -> None:
-    """A loaded checkpoint's island names (and output dtypes): re-applied at the next forward when the patch is applied."""
+def restore_islands(names: Any, outputs: Any = None, *, full_names: bool) -> None:
+    """A loaded checkpoint's island names (and output dtypes): re-applied at the next forward when the patch is applied.
+
+    ``full_names``: qualified from the top-level module (checkpoints since that
+    naming); else relative to the outermost module called then.
+    """
     if _active is not None and _active.mode == "auto" and names:
-        islands.restore(names, outputs)
+        islands.restore(names, outputs, full_names=full_names)

@@ -13,13 +13,17 @@ that never overflow, carry no hook at all.
 :func:`decide` turns a probe verdict into an island, or into a report when an
 island cannot help or cannot be made: the root module itself (the overflow is in
 code no submodule owns), a module with float16/bfloat16 parameters (float32
-compute does not widen them), a compiled model (its inside is not seen), the
+compute does not widen them), a compiled model (its inside is not seen), a
+TorchScript module (it takes no hooks), the
 ``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
 
-Islands are process state (they belong to modules, not to a scaler); their
-names ride in the scaler's ``state_dict()["ampguard"]["fp32_islands"]`` (their
-output dtypes in ``["fp32_island_outputs"]``), and :func:`restore` re-applies
-them at the next forward after loading.
+Islands are process state (they belong to modules, not to a scaler), keyed by
+their name qualified from the top-level module (the object the user holds, with
+the parameters the optimizer trains: :mod:`ampguard.model_tree`), so that the
+printed ``model.get_submodule(name)`` works on it. The names ride in the
+scaler's ``state_dict()["ampguard"]["fp32_islands"]`` (their output dtypes in
+``["fp32_island_outputs"]``), and :func:`restore` re-applies them, by that full
+name, at the next forward after loading.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard import island_io, messages
+from ampguard import island_io, messages, model_tree
 from ampguard.log import event_logger
 from ampguard.probe import is_compiled, qualified_name, unwrap
 from ampguard.tensor_tree import tensors
@@ -113,7 +117,7 @@ class Island:
 
 islands: dict[str, Island] = {}
 reported: set[str] = set()
-_pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None}
+_pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
 
 def names() -> tuple[str, ...]:
@@ -194,14 +198,19 @@ def decide(
 ) -> bool:
     """Make ``module`` an island, or report why not (each name once). True when the probe's work is done.
 
+    ``root`` is the outermost module the forward pass called; the name is
+    qualified from the top-level module above it (:mod:`ampguard.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
     """
-    name = qualified_name(module, root)
+    if holds(module):
+        return True
+    top = _top_level(module, root)
+    name = None if module is root or module is unwrap(root) else qualified_name(module, top)
     label = name or type(unwrap(root)).__name__
     device_type = _device_type(module, ())
-    what = {"name": label, "cls": type(module).__name__, "step": step, "line": permanent_line(name or "", device_type)}
-    if name in islands and islands[name].module() is module:
-        return True
+    cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
+    line = permanent_line(name or "", device_type)
+    what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__}
     if name is None or name == "":
         _report_once(label, messages.ISLAND_ROOT.format(**what))
         if is_compiled(root):
@@ -214,6 +223,9 @@ def decide(
     if is_compiled(root):
         _report_once(name, messages.ISLAND_COMPILED.format(**what))
         return True
+    if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
+        _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
+        return True
     if mode == "report":
         _report_once(name, messages.ISLAND_REPORT.format(**what))
         return True
@@ -225,6 +237,14 @@ def decide(
     return True
 
 
+def _top_level(module: torch.nn.Module, root: torch.nn.Module) -> torch.nn.Module:
+    """The module the user holds above ``module`` (one scan of live objects: a verdict is the failure path)."""
+    try:
+        return model_tree.scan().top_level(module)
+    except Exception:  # the names of before: relative to the outermost module called
+        return root
+
+
 def _report_once(key: str, message: str) -> None:
     if key not in reported:
         reported.add(key)
@@ -234,10 +254,14 @@ def _report_once(key: str, message: str) -> None:
 # -- re-applying islands named in a checkpoint --------------------------------------------
 
 
-def restore(saved: Any, outputs: Any = None) -> None:
+def restore(saved: Any, outputs: Any = None, *, full_names: bool) -> None:
     """Re-apply the islands named in a checkpoint at the next forward pass (a one-shot global pre-hook).
 
     ``outputs``: the checkpoint's recorded output dtypes by name (absent in checkpoints of earlier versions).
+    ``full_names``: the names are qualified from the top-level module (checkpoints
+    of this version). Earlier ones are relative to the outermost module called
+    then; such a name is looked up as the end of a full name, and re-applied only
+    where it names exactly one module.
     """
     wanted = [str(name) for name in saved or () if str(name) and str(name) not in islands]
     if not wanted:
@@ -248,28 +272,76 @@ def restore(saved: Any, outputs: Any = None) -> None:
         for name, kinds in (outputs.items() if isinstance(outputs, dict) else ())
         if isinstance(kinds, (list, tuple))
     }
+    _pending["full_names"] = full_names
     if _pending["handle"] is None:
         _pending["handle"] = nn_module.register_module_forward_pre_hook(_restore_into)
 
 
 def _restore_into(module: torch.nn.Module, args: Any) -> None:
+    """At the first module call after loading: each name in the model being trained.
+
+    That is the top-level module above the module called, when an optimizer
+    trains its parameters; else (the first call is to a module outside it: data
+    augmentation, a loss) every top-level module whose parameters an optimizer trains.
+    """
+    names, outputs, legacy = _pending["names"], _pending["outputs"], not _pending["full_names"]
+    _stop_restoring()
     try:
-        inner = unwrap(module)
+        tree = model_tree.scan()
+        called = tree.top_level(module)
+        tops = [called] if tree.holds_trained(called) else tree.trained_tops() or [called]
         left = []
-        for name in _pending["names"]:
-            try:
-                target = inner.get_submodule(name)
-            except AttributeError:
-                left.append(name)
+        for saved in names:
+            found = _find(saved, tops, legacy)
+            if not found:
+                left.append(saved)
                 continue
-            make(target, name, _pending["outputs"].get(name))
+            if len(found) > 1:
+                _ambiguous(saved, found, tops)
+                continue
+            target = found[0]
+            name = qualified_name(target, tree.top_level(target)) or saved
+            make(target, name, outputs.get(saved))
             logger.info("fp32 island %s (%s) re-applied from the checkpoint.", name, type(target).__name__)
-        _pending["names"] = left
+        _report_unresolved(left)
     except Exception as error:
         logger.warning("ampguard could not re-apply fp32 islands from the checkpoint (%r).", error)
-        _pending["names"] = []
-    if not _pending["names"]:
-        _stop_restoring()
+
+
+def _find(name: str, tops: list[torch.nn.Module], legacy: bool) -> list[torch.nn.Module]:
+    """The modules ``name`` names in ``tops``: the full name, or (``legacy``) a full name ending with it."""
+    found: dict[int, torch.nn.Module] = {}
+    for top in tops:
+        try:
+            target = unwrap(top).get_submodule(name)
+        except AttributeError:
+            continue
+        found[id(target)] = target
+    if not found and legacy:
+        for top in tops:
+            for full, target in unwrap(top).named_modules():
+                if full.endswith("." + name):
+                    found[id(target)] = target
+    return list(found.values())
+
+
+def _ambiguous(saved: str, found: list[torch.nn.Module], tops: list[torch.nn.Module]) -> None:
+    full = sorted({name for target in found for top in tops if (name := qualified_name(target, top))})
+    logger.warning(
+        "the checkpoint names fp32 island %s, which could be any of %d modules of the models being trained (%s): "
+        "not re-applied (ampguard names it again at its next forward overflow).",
+        saved,
+        len(found),
+        ", ".join(full[:4]) + (", ..." if len(full) > 4 else ""),
+    )
+
+
+def _report_unresolved(left: list[str]) -> None:
+    if left:
+        logger.warning(
+            "the checkpoint names fp32 islands %s, but the models being trained have no such module: not re-applied.",
+            ", ".join(left),
+        )
 
 
 def restoring() -> bool:
@@ -277,16 +349,12 @@ def restoring() -> bool:
 
 
 def end_restore_window() -> None:
-    """At the end of the first iteration after loading: names still unresolved are reported once."""
+    """At the end of the first iteration after loading: names never looked up (no module was called) are reported."""
     if _pending["handle"] is None:
         return
     left = _pending["names"]
     _stop_restoring()
-    if left:
-        logger.warning(
-            "the checkpoint names fp32 islands %s, but no module called since has them: not re-applied.",
-            ", ".join(left),
-        )
+    _report_unresolved(left)  # no module was called at all
 
 
 def _stop_restoring() -> None:

@@ -82,12 +82,12 @@ ISLAND_MADE = (
     "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "
     "step {step}). From now on it runs in float32: autocast disabled inside it, its floating-point inputs "
     "cast to float32 and its outputs given back in the dtypes they had; its parameters are unchanged and the loss scale was not lowered for this overflow. "
-    "To make this permanent without ampguard: {line}"
+    "To make this permanent without ampguard (model: your {owner}): {line}"
 )
 
 ISLAND_REPORT = (
     "forward overflow located: {name} ({cls}) turned finite inputs into inf/NaN (step {step}). "
-    "AMPGUARD_FP32_ISLANDS=report: nothing changed. To run it in float32: {line} "
+    "AMPGUARD_FP32_ISLANDS=report: nothing changed. To run it in float32 (model: your {owner}): {line} "
     "(or unset AMPGUARD_FP32_ISLANDS and ampguard does it)."
 )
 
@@ -107,7 +107,14 @@ ISLAND_LOW_PRECISION = (
 ISLAND_COMPILED = (
     "forward overflow in a torch.compile'd model ({name}, step {step}): ampguard cannot see or change modules "
     "inside compiled code. Run the model eagerly for one overflowing batch to let ampguard name the module, "
-    "then apply this before torch.compile: {line}"
+    "then apply this before torch.compile (model: your {owner}): {line}"
+)
+
+ISLAND_SCRIPTED = (
+    "forward overflow located: {name} ({cls}) at step {step}, but it is a TorchScript module: ampguard cannot "
+    "hook into scripted code or change it, so it leaves it as it is (and does not see which module inside it "
+    "overflowed). Leave it unscripted and ampguard makes it an fp32 island at its next overflow, or call it in "
+    "float32 yourself: inside torch.autocast(device_type, enabled=False), with float32 inputs."
 )
 
 ISLAND_LIMIT = (

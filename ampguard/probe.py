@@ -13,8 +13,10 @@ not is the verdict: ``index + 1`` in a float32 device scalar, 0 while there is
 none. No host read: the scaler adds ``4 * verdict`` to the one number it reads
 per step anyway (found_inf in bit 0, loss non-finite in bit 1).
 
-The module is named relative to the outermost module called (the *root*),
-seen through DDP / DataParallel / torch.compile wrappers (:func:`unwrap`).
+Each recorded call keeps the outermost module called (the *root*); the
+module's name is qualified from the top-level module above it
+(:mod:`ampguard.model_tree`), seen through DDP / DataParallel / DeepSpeed /
+torch.compile wrappers (:func:`unwrap`).
 Only positional inputs are checked (global hooks do not see keyword
 arguments), and compiled code is opaque: inside ``torch.compile`` the hooks do
 nothing, so a compiled model is seen as one module.
@@ -35,10 +37,10 @@ from ampguard.tensor_tree import tensors
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
 
-WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel"})
+WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"})
 
 
-def _is_compiling() -> bool:
+def is_compiling() -> bool:
     check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if check is None:
         check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
@@ -141,7 +143,7 @@ class Probe:
         return stack
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if _is_compiling():
+        if is_compiling():
             return
         try:
             self._stack().append((module, nonfinite_mark(tensors(args))))
@@ -149,7 +151,7 @@ class Probe:
             self._stack().append((module, None))
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if _is_compiling():
+        if is_compiling():
             return
         stack = self._stack()
         if not stack or stack[-1][0] is not module:

@@ -1,4 +1,4 @@
-"""Buffers stay finite: BatchNorm's running statistics after a forward overflow, against torch's scaler."""
+"""Buffers are put back: BatchNorm's running statistics after a forward overflow, against torch's scaler."""
 
 from __future__ import annotations
 
@@ -177,3 +177,32 @@ def test_guarding_healthy_steps_reads_nothing_and_changes_nothing():
         assert torch.equal(ours, theirs), name
     for ours, theirs in zip(guarded.parameters(), reference.parameters()):
         assert torch.equal(ours, theirs)
+
+
+def test_an_overflow_in_the_discovery_iteration_step_2_is_put_back(ampguard_log):
+    """The first forward overflow at step 2, the iteration in which ampguard learns which buffers to guard."""
+    scaler = torch.amp.GradScaler("cpu")
+    model, before, after = run(scaler, poisoned=1)
+    assert not all(
+        torch.isfinite(b.float()).all() for b in run(ampguard.scaler.TorchGradScaler("cpu"), poisoned=1)[2].values()
+    )
+    assert scaler.stats.nonfinite_loss == 1 and scaler.stats.buffers_restored == 1
+    for name, value in after.items():
+        assert torch.equal(value, before[name]), name  # their values from before step 2's forward pass
+    assert all(torch.isfinite(b.float()).all() for b in model.buffers())
+    restored = records(ampguard_log, logging.WARNING, "step 2 overflowed in the forward pass")
+    assert len(restored) == 1 and "back to their values from before that forward pass" in restored[0].getMessage()
+    assert "evaluation stays finite" not in restored[0].getMessage()
+
+
+def test_an_overflow_at_step_1_before_any_copy_is_reported_once_with_what_stays_nan(ampguard_log):
+    scaler = torch.amp.GradScaler("cpu")
+    model, _, _ = run(scaler, poisoned=0)
+    damaged = sum(int((torch.isnan(b) | (b == float("inf"))).sum()) for b in model.buffers() if b.is_floating_point())
+    assert damaged > 0  # nothing could put them back: torch leaves them so too
+    unrestored = records(ampguard_log, logging.WARNING, "could not be put back")
+    assert len(unrestored) == 1
+    message = unrestored[0].getMessage()
+    assert message.startswith("step 1 overflowed in the forward pass") and f" {damaged:,} values in " in message
+    assert "BatchNorm2d.running_mean" in message and "BatchNorm2d.running_var" in message
+    assert not records(ampguard_log, logging.WARNING, "small buffers it guards back")

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
@@ -285,3 +286,38 @@ def test_non_finite_loss_never_lowers_the_scale_even_without_islands(reinstall):
     assert run.nonfinite_losses == 5 and run.scaler.stats.skipped == 5
     assert run.scaler.stats.min_scale_seen == 1024.0
     assert not math.isnan(run.scaler.stats.scale)
+
+
+def armings(caplog) -> int:
+    return sum(
+        len(records(caplog, level, "watching the next forward passes")) for level in (logging.INFO, logging.DEBUG)
+    )
+
+
+def test_a_scripted_block_is_reported_once_and_the_probe_backs_off_instead_of_failing(ampguard_log):
+    """A TorchScript module takes no hooks: it is named with what to do, never made an island (which raised)."""
+    model = make_net()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated, and still used
+        model.blocks[1].attn = torch.jit.script(model.blocks[1].attn)
+    run = train(12 * EVERY, model=model)
+    assert run.scaler.stats.fp32_islands == ()
+    scripted = records(ampguard_log, logging.WARNING, "forward overflow located: blocks.1.attn (Attention)")
+    assert len(scripted) == 1 and "TorchScript module" in scripted[0].getMessage()
+    assert not records(ampguard_log, logging.WARNING, "probe stopped")
+    # 12 overflows: armed at the 1st, 3rd and 5th (each next one a verdict that made no island), then it backs
+    # off (2, then 4 overflows pass), arming at the 9th only.
+    assert armings(ampguard_log) == 4
+    assert len(records(ampguard_log, logging.INFO, "the forward-overflow probe looks less often")) == 1
+
+
+def test_after_an_error_inside_ampguard_the_probe_stops_for_good(ampguard_log, monkeypatch):
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(islands, "decide", broken)
+    run = train(6 * EVERY)
+    stopped = records(ampguard_log, logging.WARNING, "probe stopped after an error")
+    assert len(stopped) == 1 and "does not arm again" in stopped[0].getMessage()
+    assert armings(ampguard_log) == 1  # not again at the overflows of steps 30 and 50
+    assert global_hooks() == 0 and run.nonfinite_losses == 6 and min(run.scales) >= 1024.0

@@ -269,8 +269,29 @@ def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):
 
 
 def test_islands_named_in_a_checkpoint_stop_being_looked_for_after_the_first_iteration(ampguard_log):
-    healing.restore_islands(["blocks.9.attn"])
+    healing.restore_islands(["blocks.9.attn"], full_names=True)
     model = make_net()
     train(3, model=model, optimizer=fused(model), healthy=True)
     assert global_hooks() == 0
-    assert len(records(ampguard_log, logging.WARNING, "no module called since has them")) == 1
+    assert len(records(ampguard_log, logging.WARNING, "the models being trained have no such module")) == 1
+
+
+def test_an_overflow_in_the_discovery_iteration_step_2_is_put_back_at_the_read(reinstall, ampguard_log):
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    scaler = torch.amp.GradScaler("cpu")
+    model, _, poisoned = run(scaler, steps=8, poisoned=1, make_optimizer=fused)
+    assert not all(torch.isfinite(b.float()).all() for b in poisoned.values())  # step 2's overflow reached them
+    assert scaler.stats.buffers_restored == 1
+    assert all(torch.isfinite(b.float()).all() for b in model.buffers())
+    restored = records(ampguard_log, logging.WARNING, "back to their values at step 1")
+    assert len(restored) == 1 and "here at step 4" in restored[0].getMessage()
+    assert not records(ampguard_log, logging.WARNING, "could not be put back")
+
+
+def test_an_overflow_at_step_1_is_reported_at_the_read_with_what_stays_nan(reinstall, ampguard_log):
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    scaler = torch.amp.GradScaler("cpu")
+    run(scaler, steps=8, poisoned=0, make_optimizer=fused)
+    assert scaler.stats.buffers_restored == 0
+    unrestored = records(ampguard_log, logging.WARNING, "could not be put back")
+    assert len(unrestored) == 1 and "BatchNorm2d.running_var" in unrestored[0].getMessage()

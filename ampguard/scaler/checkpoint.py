@@ -31,6 +31,11 @@ COUNTER_KEYS = (
     "max_scale_seen",
 )
 
+# Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
+# outermost module called (ampguard.islands.restore finds those by the end of their full name).
+ISLAND_NAMES_KEY = "fp32_islands_named_from"
+ISLAND_NAMES_FULL = "top-level module"
+
 
 def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
     """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
@@ -40,6 +45,8 @@ def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any
         outputs = healing.island_outputs()
         if outputs:  # each island's output dtypes under autocast, given again after a resume
             state["ampguard"]["fp32_island_outputs"] = outputs
+        if state["ampguard"]["fp32_islands"]:  # qualified from the top-level module (earlier: from the one called)
+            state["ampguard"][ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
     return state
 
 
@@ -75,7 +82,11 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
         scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
         scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
-        healing.restore_islands(counters.get("fp32_islands"), counters.get("fp32_island_outputs"))
+        healing.restore_islands(
+            counters.get("fp32_islands"),
+            counters.get("fp32_island_outputs"),
+            full_names=counters.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL,
+        )
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._counters.steps == 0:

@@ -140,3 +140,35 @@ def test_import_ampguard_after_timm_still_takes_effect(tmp_path):
     assert_ran(result)
     line = next(x for x in result.stdout.splitlines() if x.startswith("RESULT "))
     assert json.loads(line[len("RESULT ") :]) == {"type": "SafeGradScaler", "init_scale": 1024.0}
+
+
+def _train_task(overflow_at: set[int], steps: int = 6):
+    """train.py's loop through timm's ClassificationTask on a resnet (BatchNorm): batches in ``overflow_at``
+    are 1e5 times larger, beyond float16 once autocast casts them for the stem's convolution."""
+    import timm.task
+
+    torch.manual_seed(0)
+    model = timm.create_model("test_resnet", pretrained=False, num_classes=4)
+    task = timm.task.ClassificationTask(model, device=torch.device("cpu"), verbose=False)
+    optimizer = timm.optim.create_optimizer_v2(model, opt="sgd", lr=0.05, momentum=0.9, weight_decay=0.0)
+    loss_scaler = timm.utils.NativeScaler(device="cpu")
+    amp_autocast = functools.partial(torch.autocast, device_type="cpu", dtype=torch.float16)
+    task.train()
+    for step, (x, target) in enumerate(_batches(steps)):
+        with amp_autocast():
+            loss = task(x * 1e5 if step in overflow_at else x, target)["loss"]
+        loss_scaler(loss, optimizer, clip_grad=1.0, clip_mode="norm", parameters=timm.models.model_parameters(model))
+        optimizer.zero_grad()
+    return task, loss_scaler._scaler
+
+
+def test_a_forward_overflow_at_step_2_leaves_batchnorm_finite_and_the_island_is_named_from_the_task():
+    """Step 2 is the iteration in which ampguard learns which buffers to guard; step 4's overflow names the stem."""
+    task, scaler = _train_task({1, 3})
+    assert scaler.stats.buffers_restored >= 1
+    assert all(torch.isfinite(b.float()).all() for b in task.buffers())
+    (name,) = scaler.stats.fp32_islands
+    assert name.startswith("trainable_module.") and task.get_submodule(name) is not None  # the printed line's path
+    with stock_torch():
+        stock_task, _ = _train_task({1, 3})
+    assert not all(torch.isfinite(b.float()).all() for b in stock_task.buffers())  # torch leaves them NaN
