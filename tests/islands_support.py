@@ -40,16 +40,22 @@ class Attention(nn.Module):
             self.q.weight.mul_(sharpness)
             self.k.weight.mul_(sharpness)
 
-    def forward(self, x: Any) -> torch.Tensor:
-        x = unpack(x)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.q(x) @ self.k(x).transpose(-1, -2) / math.sqrt(x.shape[-1])
         return self.out(logits.softmax(-1) @ self.v(x))
+
+
+class BoxedAttention(Attention):
+    """The same attention, taking its input inside a container (``unpack``). Not scriptable: tests script Attention."""
+
+    def forward(self, x: Any) -> torch.Tensor:
+        return super().forward(unpack(x))
 
 
 class Block(nn.Module):
     def __init__(self, dim: int, sharpness: float = 1.0, pack: Callable[[torch.Tensor], Any] | None = None) -> None:
         super().__init__()
-        self.attn = Attention(dim, sharpness)
+        self.attn = Attention(dim, sharpness) if pack is None else BoxedAttention(dim, sharpness)
         self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
         self.pack = pack  # how the attention's input is handed to it: the tensor itself, or inside a container
 
