@@ -123,6 +123,20 @@ def test_host_reads_check_fails_for_one_extra_read_per_step(monkeypatch):
     assert result.status == "failed" and result.measured["reads"] == 2 * result.reference["reads"]
 
 
+def test_kernels_check_fails_for_five_more_ops_per_step(monkeypatch):
+    update = SafeGradScaler.update
+
+    def busier_update(self, new_scale=None):
+        update(self, new_scale)
+        for _ in range(5):
+            self._scale.mul_(1.0)
+
+    monkeypatch.setattr(SafeGradScaler, "update", busier_update)
+    result = run("kernels_per_step")
+    assert result.status == "failed"
+    assert result.measured["ops_per_step"] - result.reference["ops_per_step"] == pytest.approx(5 + 3, abs=1)
+
+
 def test_masters_check_fails_with_the_master_path_turned_off(monkeypatch):
     monkeypatch.setattr(master, "_record", lambda optimizer, **kwargs: None)  # the patch applied, no masters made
     result = run("fp16_model_with_masters")
@@ -156,6 +170,7 @@ SWITCHED_OFF = [
     ({"AMPGUARD_DISABLE": "fp32_islands"}, "forward_overflow_healed"),
     ({"AMPGUARD_MASTER_WEIGHTS": "off"}, "fp16_model_with_masters"),
     ({"AMPGUARD_DISABLE": "clip_grad"}, "clip_without_unscale"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "kernels_per_step"),
 ]
 
 
@@ -278,6 +293,13 @@ def test_the_report_lists_each_check_with_its_status():
 
 
 # -- on a GPU machine (pytest -m cuda) ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", [check.name for check in checks.CHECKS])
+def test_each_check_passes_on_the_gpu(name):
+    result = run(name, Context(torch.device("cuda"), quick=True))
+    assert result.status == "passed", result
 
 
 @pytest.mark.cuda

@@ -13,6 +13,7 @@ CHECKS: list[Check] = [
     Check("fp16_model_with_masters", training.fp16_model_with_masters, ("master_weights",)),
     Check("clip_after_unscale", clipping.clip_after_unscale, ("grad_scaler", "clip_grad")),
     Check("clip_without_unscale", clipping.clip_without_unscale, ("grad_scaler", "clip_grad")),
+    Check("kernels_per_step", clipping.ops_per_step, ("grad_scaler", "clip_grad")),
     Check("bf16_truth", device.bf16_truth, ()),
     Check("legacy_spellings", device.legacy_spellings, ("autocast",)),
 ]

@@ -50,6 +50,18 @@ def not_applicable(name: str, why: str, measured: Any = None, reference: Any = N
     return CheckResult(name, "not applicable", measured, reference, why)
 
 
+def not_ampguards(name: str, scaler: Any) -> CheckResult | None:
+    """A failure when ``scaler`` (an instance, or the class ``torch.amp.GradScaler`` is now) is not ampguard's."""
+    from ampguard.scaler import SafeGradScaler
+
+    cls = scaler if isinstance(scaler, type) else type(scaler)
+    if issubclass(cls, SafeGradScaler):
+        return None
+    return verdict(
+        name, False, cls.__qualname__, "SafeGradScaler", "torch.amp.GradScaler(...) is not ampguard's scaler"
+    )
+
+
 @dataclass(frozen=True)
 class Context:
     """Where the checks train (``device``) and how long (``quick``: fewer steps)."""

@@ -16,9 +16,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ampguard.commands.selftest.result import CheckResult, Context, not_applicable, seeded, verdict
+from ampguard.commands.selftest.result import CheckResult, Context, not_ampguards, not_applicable, seeded, verdict
 from ampguard.commands.selftest.runner import plain_torch
-from ampguard.scaler import SafeGradScaler
 from ampguard.syncs import HostReadCounter
 
 # growth_interval 20: the scale grows back between faults; neither ampguard's floor nor its cap is reached.
@@ -95,14 +94,6 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def backoffs(scales: list[float], init_scale: float) -> int:
     """Skipped steps as torch's scaler shows them: each one lowers the scale (backoff_factor < 1)."""
     return sum(after < before for before, after in zip([init_scale, *scales], scales))
-
-
-def not_ampguards(name: str, scaler: Any) -> CheckResult | None:
-    if isinstance(scaler, SafeGradScaler):
-        return None
-    return verdict(
-        name, False, type(scaler).__qualname__, "SafeGradScaler", "torch.amp.GradScaler(...) is not ampguard's scaler"
-    )
 
 
 def skips_and_parity(context: Context, fused: bool) -> CheckResult:
