@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "doctor": ("ampguard.commands.doctor", "check this machine and recommend a precision setup"),
     "bench": ("ampguard.commands.bench", "measure ampguard's overhead against plain torch AMP"),
     "report": ("ampguard.commands.report", "summarise and chart a file written with AMPGUARD_STATS_FILE"),
+    "selftest": ("ampguard.commands.selftest", "check ampguard on this machine's device against torch's own results"),
 }
 
 

@@ -1,0 +1,23 @@
+"""Every selftest check, in the order they run, with the patches each is about."""
+
+from __future__ import annotations
+
+from ampguard.commands.selftest import clipping, device, scaling, training
+from ampguard.commands.selftest.runner import Check
+
+CHECKS: list[Check] = [
+    Check("skips_and_parity_sgd", scaling.skips_and_parity_sgd, ("grad_scaler",)),
+    Check("skips_and_parity_fused_adam", scaling.skips_and_parity_fused_adam, ("grad_scaler",)),
+    Check("host_reads", scaling.host_reads, ("grad_scaler",)),
+    Check("forward_overflow_healed", training.forward_overflow_healed, ("grad_scaler", "fp32_islands")),
+    Check("fp16_model_with_masters", training.fp16_model_with_masters, ("master_weights",)),
+    Check("clip_after_unscale", clipping.clip_after_unscale, ("grad_scaler", "clip_grad")),
+    Check("clip_without_unscale", clipping.clip_without_unscale, ("grad_scaler", "clip_grad")),
+    Check("kernels_per_step", clipping.ops_per_step, ("grad_scaler", "clip_grad")),
+    Check("bf16_truth", device.bf16_truth, ()),
+    Check("legacy_spellings", device.legacy_spellings, ("autocast",)),
+]
+
+
+def by_name(name: str) -> Check:
+    return next(check for check in CHECKS if check.name == name)

@@ -1,0 +1,312 @@
+"""``ampguard selftest``: every check passes here, and each one fails when the property it checks is broken.
+
+Each check compares a run under ampguard with a reference run on plain torch in
+the same process. The tests below break ampguard's side (a scaler that
+miscounts or drifts from torch's scale, a host read added per step, a clip that
+skips unscaling or never clips, no master weights, a patch switched off) and
+assert that the check then fails, so that a "passed" cannot be vacuous. The
+CUDA-only parts run here with the device mocked (the test names say so); the
+tests marked ``cuda`` run on a GPU machine (``pytest -m cuda``) and are skipped here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import ampguard
+import ampguard.clip_grad.api
+import ampguard.clip_grad.kernels
+import ampguard.clip_grad.norm
+from ampguard import machine, master, registry
+from ampguard.commands.selftest import checks, device, report, runner, scaling
+from ampguard.commands.selftest.result import CheckResult, Context
+from ampguard.scaler import SafeGradScaler
+
+ROOT = Path(__file__).resolve().parents[1]
+CPU = Context(torch.device("cpu"), quick=True)
+NOT_ON_CPU = {"bf16_truth", "legacy_spellings"}
+
+
+def run(name: str, context: Context = CPU) -> CheckResult:
+    return runner.run_checks([checks.by_name(name)], context)[0]
+
+
+def every_patch_reported_applied(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's view: every patch applied (so a check whose patch is really off runs, and must fail)."""
+    monkeypatch.setattr(runner, "patch_states", lambda: dict.fromkeys(registry.patch_names(), "applied"))
+
+
+@pytest.mark.parametrize("name", [check.name for check in checks.CHECKS])
+def test_each_check_passes_on_this_cpu_or_says_why_it_does_not_apply(name):
+    result = run(name)
+    if name in NOT_ON_CPU or (name == "skips_and_parity_fused_adam" and not scaling.has_fused_adam(CPU.device)):
+        assert result.status == "not applicable" and result.detail
+    else:
+        assert result.status == "passed", result
+        assert result.measured is not None and result.reference is not None
+
+
+def test_the_command_prints_one_json_document_and_exits_0(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "ampguard", "selftest", "--device", "cpu", "--json", "--quick"],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={"PYTHONPATH": str(ROOT), "AMPGUARD_QUIET": "1", "PATH": "/usr/bin:/bin"},
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    data = json.loads(done.stdout)
+    assert data["passed"] is True and data["device"]["name"] == "cpu" and data["quick"] is True
+    assert data["versions"]["torch"] == torch.__version__ and data["versions"]["ampguard"] == ampguard.__version__
+    assert [c["name"] for c in data["checks"]] == [c.name for c in checks.CHECKS]
+    for check in data["checks"]:
+        assert {"name", "status", "passed", "detail", "measured", "reference"} <= set(check)
+        assert check["passed"] == (check["status"] == "passed")
+    assert "run summary" not in done.stderr  # the selftest's own skipped steps are not the user's
+
+
+# -- each check fails when what it checks is broken ---------------------------------------------------------------
+
+
+def fused_or_not():
+    return ["skips_and_parity_sgd", pytest.param("skips_and_parity_fused_adam", marks=needs_fused_adam)]
+
+
+needs_fused_adam = pytest.mark.skipif(
+    not scaling.has_fused_adam(torch.device("cpu")), reason="Adam(fused=True) has no CPU kernel in this torch"
+)
+
+
+@pytest.mark.parametrize("name", fused_or_not())
+def test_skips_check_fails_for_a_scaler_that_miscounts(name, monkeypatch):
+    counted = SafeGradScaler.stats
+
+    def one_too_few(self):
+        stats = counted.fget(self)
+        return dataclasses.replace(stats, skipped=stats.skipped - 1)
+
+    monkeypatch.setattr(SafeGradScaler, "stats", property(one_too_few))
+    result = run(name)
+    assert result.status == "failed" and result.measured["skipped"] == result.reference["skipped"] - 1
+
+
+@pytest.mark.parametrize("name", fused_or_not())
+def test_skips_check_fails_for_a_scale_that_leaves_torchs(name, monkeypatch):
+    update = SafeGradScaler.update
+
+    def drifting_update(self, new_scale=None):
+        update(self, new_scale)
+        self._scale.mul_(1.0 + 2**-10)  # on the device only: the skips are still counted right
+
+    monkeypatch.setattr(SafeGradScaler, "update", drifting_update)
+    result = run(name)
+    assert result.status == "failed" and "differ from torch's" in result.detail
+
+
+def test_host_reads_check_fails_for_one_extra_read_per_step(monkeypatch):
+    update = SafeGradScaler.update
+
+    def reading_update(self, new_scale=None):
+        update(self, new_scale)
+        self._scale.item()
+
+    monkeypatch.setattr(SafeGradScaler, "update", reading_update)
+    result = run("host_reads")
+    assert result.status == "failed" and result.measured["reads"] == 2 * result.reference["reads"]
+
+
+def test_kernels_check_fails_for_five_more_ops_per_step(monkeypatch):
+    update = SafeGradScaler.update
+
+    def busier_update(self, new_scale=None):
+        update(self, new_scale)
+        for _ in range(5):
+            self._scale.mul_(1.0)
+
+    monkeypatch.setattr(SafeGradScaler, "update", busier_update)
+    result = run("kernels_per_step")
+    assert result.status == "failed"
+    assert result.measured["ops_per_step"] - result.reference["ops_per_step"] == pytest.approx(5 + 3, abs=1)
+
+
+def test_masters_check_fails_with_the_master_path_turned_off(monkeypatch):
+    monkeypatch.setattr(master, "_record", lambda optimizer, **kwargs: None)  # the patch applied, no masters made
+    result = run("fp16_model_with_masters")
+    assert result.status == "failed" and result.measured["masters"] == 0
+    assert not result.measured["finite"] or result.measured["share_of_float32"] < 0.9
+
+
+def test_clip_check_fails_for_a_clip_that_skips_unscaling(monkeypatch):
+    # ampguard's clip no longer sees the scaler: the still-scaled gradients go to torch's clip as they are.
+    # (clip_grad_norm_ itself, and get_total_norm / clip_grads_with_norm_, which torch's clip_grad_norm_ calls)
+    for module in (ampguard.clip_grad.norm, ampguard.clip_grad.api):
+        monkeypatch.setattr(module, "scalers_in_play", lambda: [])
+        monkeypatch.setattr(module, "guard_active", lambda: False)
+    assert run("clip_after_unscale").status == "passed"  # unscale_ did the work: nothing broken there
+    result = run("clip_without_unscale")
+    assert result.status == "failed"
+    assert result.measured["norms"][0] == pytest.approx(1024.0 * result.reference["recipe_norms"][0], rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["clip_after_unscale", "clip_without_unscale"])
+def test_clip_checks_fail_for_a_clip_that_does_not_clip(name, monkeypatch):
+    monkeypatch.setattr(ampguard.clip_grad.kernels, "clip_coefficient", lambda max_norm, total: torch.ones_like(total))
+    result = run(name)
+    assert result.status == "failed" and result.measured["max_parameter_difference"] > 1e-6
+
+
+# The check of each patch, when the user switched the patch off: "not applicable", and forced to run, "failed".
+SWITCHED_OFF = [
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "skips_and_parity_sgd"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "host_reads"),
+    ({"AMPGUARD_DISABLE": "fp32_islands"}, "forward_overflow_healed"),
+    ({"AMPGUARD_MASTER_WEIGHTS": "off"}, "fp16_model_with_masters"),
+    ({"AMPGUARD_DISABLE": "clip_grad"}, "clip_without_unscale"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "kernels_per_step"),
+]
+
+
+@pytest.mark.parametrize("variables,name", SWITCHED_OFF)
+def test_a_switched_off_patch_makes_its_check_not_applicable(variables, name, reinstall):
+    reinstall(**variables)
+    result = run(name)
+    assert result.status == "not applicable" and "patch" in result.detail
+
+
+@pytest.mark.parametrize("variables,name", SWITCHED_OFF)
+def test_a_switched_off_patch_fails_its_check_when_forced_to_run(variables, name, reinstall, monkeypatch):
+    reinstall(**variables)
+    every_patch_reported_applied(monkeypatch)
+    assert run(name).status == "failed"
+
+
+# -- the CUDA-only checks, with the device mocked --------------------------------------------------------------------
+
+
+def test_legacy_spellings_code_path_mocked_cuda_with_torch_cpu_amp_standing_in():
+    # The CUDA check runs legacy_check with torch.cuda.amp's classes; torch.cpu.amp's are the same kind of wrapper.
+    with runner.quiet_ampguard_log():
+        result = device.legacy_check(CPU, torch.cpu.amp.autocast, torch.cpu.amp.GradScaler)
+    assert result.status == "passed", result
+    assert result.measured["future_warnings"] == [] and result.reference["future_warnings"]  # torch warns; we don't
+
+
+def test_legacy_spellings_fail_with_the_autocast_patch_off_mocked_cuda_with_torch_cpu_amp(reinstall):
+    reinstall(AMPGUARD_DISABLE="autocast")
+    with runner.quiet_ampguard_log():
+        result = device.legacy_check(CPU, torch.cpu.amp.autocast, torch.cpu.amp.GradScaler)
+    assert result.status == "failed" and result.measured["future_warnings"]
+
+
+def gpu(capability: tuple[int, int]) -> machine.GpuInfo:
+    return machine.GpuInfo(0, "mocked", capability, 16.0, machine.has_native_bf16(capability))
+
+
+@pytest.mark.parametrize(
+    "capability,slowdown,status",
+    [
+        ((7, 5), 8.0, "passed"),  # T4: emulated bf16, the doctor says fp16
+        ((8, 0), 1.0, "passed"),  # A100: native, as fast as fp16
+        ((8, 0), 6.0, "failed"),  # "native" by capability, yet emulation-slow: the doctor's rule is wrong here
+    ],
+)
+def test_bf16_truth_mocked_cuda(capability, slowdown, status, monkeypatch):
+    report = machine.CudaReport(build="12.4", hip=None, cudnn=None, available=True, gpus=[gpu(capability)])
+    monkeypatch.setattr(machine, "cuda_report", lambda: report)
+    monkeypatch.setattr(machine, "gpu_info", lambda index: gpu(capability))
+    monkeypatch.setattr(device, "bf16_slowdown", lambda context: slowdown)
+    result = device.bf16_truth(Context(torch.device("cuda", 0)))
+    assert result.status == status and result.measured["bf16_over_fp16_time"] == slowdown
+    assert result.reference["doctor"] == ("bf16" if capability >= (8, 0) else "fp16")
+
+
+def test_bf16_judgement_fails_a_recommendation_that_contradicts_the_device():
+    assert device.bf16_judgement(False, 8.0, "bf16")[0] is False
+    assert device.bf16_judgement(True, 1.0, "fp16")[0] is False
+
+
+def test_bf16_slowdown_is_measured_here():
+    assert device.bf16_slowdown(CPU) > 0  # the CPU numbers are reported, never judged
+
+
+# -- the runner, the command and its output --------------------------------------------------------------------------
+
+
+def broken(context: Context) -> CheckResult:
+    raise RuntimeError("boom")
+
+
+def test_a_check_that_raises_is_a_failure_that_names_the_exception():
+    result = runner.run_checks([runner.Check("broken", broken, ())], CPU)[0]
+    assert result.status == "failed" and result.detail == "raised RuntimeError: boom"
+
+
+def test_a_failed_check_exits_1_and_says_what_to_report(monkeypatch, capsys):
+    monkeypatch.setattr(checks, "CHECKS", [runner.Check("broken", broken, ()), checks.by_name("legacy_spellings")])
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "broken" in out and "raised RuntimeError: boom" in out and "ampguard selftest --json" in out
+    assert "versions:" in out
+
+
+def test_json_document_with_only_not_applicable_checks_passes(monkeypatch, capsys):
+    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("legacy_spellings")])
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", "cpu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] is True and data["checks"][0]["status"] == "not applicable"
+    assert data["patches"] == {entry.name: entry.state for entry in ampguard.status()}
+
+
+@pytest.mark.parametrize("name", ["cuda:0", "cuda"])
+def test_a_cuda_device_without_cuda_exits_2(name, monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", name]) == 2
+    assert "torch sees no CUDA device" in capsys.readouterr().err
+
+
+def test_a_device_that_is_not_one_exits_2(capsys):
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", "gpu"]) == 2
+    assert "not a device" in capsys.readouterr().err
+
+
+def test_the_report_lists_each_check_with_its_status():
+    results = [CheckResult("a", "passed", 1, 1, "fine"), CheckResult("b", "not applicable", None, None, "why")]
+    data = report.document(torch.device("cpu"), True, results, 1.0)
+    assert report.passed(results) and data["checks"][1]["passed"] is False
+    assert not report.passed([*results, CheckResult("c", "failed", 2, 1, "bad")])
+
+
+# -- on a GPU machine (pytest -m cuda) ------------------------------------------------------------------------------
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("name", [check.name for check in checks.CHECKS])
+def test_each_check_passes_on_the_gpu(name):
+    result = run(name, Context(torch.device("cuda"), quick=True))
+    assert result.status == "passed", result
+
+
+@pytest.mark.cuda
+def test_selftest_passes_on_the_gpu(capsys):
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", "cuda", "--json"]) == 0, capsys.readouterr().out
+    data = json.loads(capsys.readouterr().out)
+    statuses = {c["name"]: c["status"] for c in data["checks"]}
+    assert statuses["legacy_spellings"] == "passed" and statuses["skips_and_parity_fused_adam"] == "passed"
