@@ -14,10 +14,10 @@ its patches to torch (``ampguard patches`` lists them). The public API is small:
 from __future__ import annotations
 
 from ampguard._version import __version__ as __version__
-from ampguard.diagnose import watch
 from ampguard.errors import ConfigError, ScaleCollapseError
 from ampguard.registry import PatchStatus, install, status, uninstall
 from ampguard.scaler import SafeGradScaler, ScalerStats
+from ampguard.scaler.diagnose import watch
 
 __all__ = [
     "ConfigError",

@@ -17,22 +17,23 @@ from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
 from ampguard import config as config_module
-from ampguard import stats_file, torch_privates
+from ampguard import torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
 from ampguard.log import ensure_default_handler, event, is_rank_zero, logger
-from ampguard.patches.base import Patch, torch_release
+from ampguard.patch import Patch, torch_release
+from ampguard.stats import file as stats_file
 
 PATCHES: tuple[str, ...] = (
     "ampguard.patches.autocast:AutocastPatch",
     "ampguard.patches.grad_scaler:GradScalerPatch",
     "ampguard.clip_grad.patch:ClipGradPatch",
     "ampguard.patches.bf16_check:Bf16CheckPatch",
-    "ampguard.patches.fp32_islands:Fp32IslandsPatch",
+    "ampguard.fp32_islands.patch:Fp32IslandsPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
     "ampguard.patches.master_weights:MasterWeightsPatch",
-    "ampguard.patches.scheduler_hold:SchedulerHoldPatch",
-    "ampguard.patches.trainer_logs:TrainerLogsPatch",
+    "ampguard.scheduler_hold.patch:SchedulerHoldPatch",
+    "ampguard.trainer_logs.patch:TrainerLogsPatch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]

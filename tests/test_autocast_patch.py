@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import ampguard
-from ampguard.patches.base import torch_release
+from ampguard.patch import torch_release
 
 WARNS_ON_LEGACY = torch_release() >= torch_release("2.4")
 WARNS_ON_SUBCLASS = torch_release() >= torch_release("2.10")

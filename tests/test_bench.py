@@ -18,7 +18,7 @@ import ampguard.scaler
 from ampguard import cli
 from ampguard.commands.bench import counting, markdown, report, runs
 from ampguard.commands.bench.timing import time_steps
-from ampguard.console import print_table
+from ampguard.commands.console import print_table
 from ampguard.syncs import HostReadCounter
 
 TINY = runs.ModelSpec(vocab=64, d_model=16, heads=2, ff=32, layers=2, seq=8, batch=2)
@@ -394,7 +394,7 @@ def test_patch_version_gate_agrees_with_packaging(specifiers, version):
     from packaging.specifiers import SpecifierSet
     from packaging.version import Version
 
-    from ampguard.patches.base import release_in
+    from ampguard.patch import release_in
 
     assert release_in(Version(version), specifiers) == (Version(version) in SpecifierSet(specifiers))
 

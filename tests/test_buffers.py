@@ -11,7 +11,7 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 from torch import nn
 
 import ampguard.scaler
-from ampguard import healing
+from ampguard.fp32_islands import healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")

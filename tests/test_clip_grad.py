@@ -28,8 +28,8 @@ import ampguard.clip_grad.state
 import ampguard.registry
 import ampguard.scaler
 from ampguard.log import RateLimiter
-from ampguard.patches.base import torch_release
-from ampguard.stats import process_counters, stats_line
+from ampguard.patch import torch_release
+from ampguard.stats.counters import process_counters, stats_line
 from ampguard.syncs import HostReadCounter
 
 STEPS = 50

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from scaler_support import ampguard_log, records  # noqa: F401  (a fixture)
 
-import ampguard.variable_names
+import ampguard.config.names
 from ampguard import ConfigError
 from ampguard.config import SETTINGS, load, markdown_table
 
@@ -148,7 +148,7 @@ def test_unknown_patch_name_suggests_the_close_one():
 def test_unknown_variable_is_a_warning_with_a_suggestion_and_the_run_goes_on(
     variable, suggestion, ampguard_log, monkeypatch
 ):
-    monkeypatch.setattr(ampguard.variable_names, "_warned", set())
+    monkeypatch.setattr(ampguard.config.names, "_warned", set())
     config = load({variable: "secret-token"}, patch_names=PATCHES)
     assert config == load({}, patch_names=PATCHES)  # ignored: the defaults
     [warning] = records(ampguard_log, logging.WARNING, "not an ampguard variable")
@@ -162,7 +162,7 @@ def test_unknown_variable_is_a_warning_with_a_suggestion_and_the_run_goes_on(
 
 
 def test_an_unknown_variable_is_warned_once_per_process(ampguard_log, monkeypatch):
-    monkeypatch.setattr(ampguard.variable_names, "_warned", set())
+    monkeypatch.setattr(ampguard.config.names, "_warned", set())
     for _ in range(3):  # install, the CLI's check and the doctor each read the environment
         load({"AMPGUARD_CHECKOUT": "/src", "ampguard_quiet": "1"}, patch_names=PATCHES)
     warned = [r.getMessage().split()[0] for r in records(ampguard_log, logging.WARNING, "not an ampguard variable")]
@@ -170,7 +170,7 @@ def test_an_unknown_variable_is_warned_once_per_process(ampguard_log, monkeypatc
 
 
 def test_other_names_are_not_ampguards_business(ampguard_log, monkeypatch):
-    monkeypatch.setattr(ampguard.variable_names, "_warned", set())
+    monkeypatch.setattr(ampguard.config.names, "_warned", set())
     load({"MY_AMPGUARD_X": "1", "PATH": "/bin"}, patch_names=PATCHES)
     assert records(ampguard_log, logging.WARNING) == []
 

@@ -17,11 +17,11 @@ from scaler_support import (  # noqa: F401
 )
 
 import ampguard.clip_grad.norm
-import ampguard.healing
+import ampguard.fp32_islands.healing
 import ampguard.scaler.accounting
 import ampguard.scaler.iteration
 import ampguard.scaler.policy
-import ampguard.scheduler_hold
+import ampguard.scheduler_hold.hold
 from ampguard import containment
 
 FAULTS = {3, 4, 11}  # skipped steps, so that the skip paths run too
@@ -30,11 +30,11 @@ SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
 # (module, attribute): each is ampguard's own work inside a training step.
 HOOKS = [
     (ampguard.scaler.iteration, "loss_check"),  # scale(): the loss check
-    (ampguard.healing, "add_verdict"),  # step(): what rides on the one host read
-    (ampguard.healing, "note_read"),  # step(): what the host learns from it
-    (ampguard.scheduler_hold, "note_step"),
+    (ampguard.fp32_islands.healing, "add_verdict"),  # step(): what rides on the one host read
+    (ampguard.fp32_islands.healing, "note_read"),  # step(): what the host learns from it
+    (ampguard.scheduler_hold.hold, "note_step"),
     (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
-    (ampguard.healing, "end_iteration"),
+    (ampguard.fp32_islands.healing, "end_iteration"),
     (ampguard.scaler.accounting, "log_stats"),  # the stats line
     (ampguard.clip_grad.norm, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
 ]

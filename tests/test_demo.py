@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from ampguard.patches.base import torch_release
+from ampguard.patch import torch_release
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import ampguard
-from ampguard import diagnose
+from ampguard.scaler import diagnose
 from ampguard.syncs import HostReadCounter
 
 

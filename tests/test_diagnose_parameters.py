@@ -17,7 +17,7 @@ from test_diagnose import _fresh_diagnose_state, make_model, reports  # noqa: F4
 
 import ampguard
 import ampguard.scaler.policy
-from ampguard import diagnose
+from ampguard.scaler import diagnose
 
 
 def _poison(param: torch.Tensor) -> None:

@@ -18,7 +18,7 @@ import ampguard.scaler
 from ampguard import registry
 from ampguard.bindings import Bindings, rebind_queued
 from ampguard.errors import PatchUnavailable
-from ampguard.patches.base import Patch, torch_release
+from ampguard.patch import Patch, torch_release
 
 
 def _states() -> dict[str, str]:

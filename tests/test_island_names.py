@@ -17,7 +17,7 @@ from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from test_islands import stock_scaler
 
-from ampguard import islands
+from ampguard.fp32_islands import islands
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 

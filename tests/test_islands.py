@@ -24,7 +24,7 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 
 import ampguard
 import ampguard.scaler
-from ampguard import healing, islands
+from ampguard.fp32_islands import healing, islands
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -235,7 +235,7 @@ def test_uninstall_removes_the_islands():
 
 
 def test_islands_are_in_the_stats_line_and_the_checkpoint():
-    from ampguard.stats import stats_line
+    from ampguard.stats.counters import stats_line
 
     run = train(3 * EVERY)
     assert "fp32_islands=blocks.1.attn" in stats_line(run.scaler.stats, 0)

@@ -22,7 +22,8 @@ from test_islands import HYPER, ISLAND, global_hooks, module_hooks
 from torch import nn
 
 import ampguard.scaler
-from ampguard import healing, syncs
+from ampguard import syncs
+from ampguard.fp32_islands import healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fused_adam]

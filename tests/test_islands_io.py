@@ -38,7 +38,7 @@ from torch import nn
 
 import ampguard
 import ampguard.scaler
-from ampguard import island_io, islands
+from ampguard.fp32_islands import island_io, islands
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")

@@ -9,7 +9,7 @@ import torch
 from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
-from ampguard import healing, probe
+from ampguard.fp32_islands import healing, probe
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")

@@ -16,7 +16,7 @@ import pytest
 from test_stats_file import train
 
 from ampguard.cli import main
-from ampguard.stats_file import StatsFileHandler
+from ampguard.stats.file import StatsFileHandler
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 from scaler_support import OPTIMIZER_PARAMS, fault_steps, one_thread, safe, same_parameters, stock, train  # noqa: F401
 
-import ampguard.diagnose
 import ampguard.scaler
+import ampguard.scaler.diagnose
 from ampguard.scaler import SafeGradScaler, next_scale
 from ampguard.syncs import HostReadCounter
 
@@ -120,7 +120,7 @@ def test_host_reads_at_most_torch_plus_one_per_stats_report(optimizer, reinstall
 def test_skipped_steps_cost_no_extra_host_read(optimizer, reinstall, monkeypatch):
     reinstall(AMPGUARD_STATS_EVERY="0")
     # diagnose (another module) may read once per interval to name parameters; the scaler itself must not.
-    monkeypatch.setattr(ampguard.diagnose, "on_skipped_step", lambda *a, **k: None)
+    monkeypatch.setattr(ampguard.scaler.diagnose, "on_skipped_step", lambda *a, **k: None)
     faults = fault_steps(9, N, seed=5)
     torch_reads, _ = _count_reads(stock(**HYPER), optimizer, faults)
     safe_reads, run = _count_reads(safe(**HYPER), optimizer, faults)

@@ -21,8 +21,8 @@ from torch import nn
 
 import ampguard
 import ampguard.scaler
-import ampguard.scheduler_hold
-from ampguard.stats import process_counters
+import ampguard.scheduler_hold.hold
+from ampguard.stats.counters import process_counters
 from ampguard.syncs import HostReadCounter
 
 TORCH_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
@@ -163,7 +163,7 @@ def test_the_torch_warning_for_a_real_ordering_bug_is_kept() -> None:
 
 
 def test_holds_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ampguard.scheduler_hold.state, "logged", False)  # once per installation
+    monkeypatch.setattr(ampguard.scheduler_hold.hold.state, "logged", False)  # once per installation
     before = process_counters.scheduler_held
     with caplog.at_level(logging.DEBUG, logger="ampguard"):
         Run(warmup_lambda, OVERFLOWS).train(ITERATIONS)
@@ -276,8 +276,8 @@ def test_a_failure_inside_the_hold_falls_back_to_torch_with_one_warning(
     def broken(scheduler: Any) -> bool:
         raise RuntimeError("injected")
 
-    monkeypatch.setattr(ampguard.scheduler_hold, "should_hold", broken)
-    monkeypatch.setattr(ampguard.scheduler_hold.state, "failed", False)
+    monkeypatch.setattr(ampguard.scheduler_hold.hold, "should_hold", broken)
+    monkeypatch.setattr(ampguard.scheduler_hold.hold.state, "failed", False)
     with caplog.at_level(logging.WARNING, logger="ampguard"):
         run = Run(warmup_lambda, {1, 2}).train(4)
     assert run.scheduler.last_epoch == 4  # torch's behaviour

@@ -12,8 +12,8 @@ from torch import nn
 
 import ampguard
 from ampguard.log import event, event_logger, logger
-from ampguard.stats import process_counters
-from ampguard.stats_file import StatsFileHandler
+from ampguard.stats.counters import process_counters
+from ampguard.stats.file import StatsFileHandler
 
 GRADIENT_OVERFLOWS = (3, 4, 11)  # the loss is finite, its gradients are not: a gradient overflow, the scale halves
 FORWARD_OVERFLOW = 7  # the forward pass itself gives inf: a non-finite loss

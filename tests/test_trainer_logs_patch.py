@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 import ampguard
-from ampguard import integrations
-from ampguard.integrations.coqui import TRAINER_LOGGER, ToTrainerLogFiles
 from ampguard.log import logger
-from ampguard.stats import ScalerStats
+from ampguard.stats.counters import ScalerStats
+from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs.coqui import TRAINER_LOGGER, ToTrainerLogFiles
 
 TRAINER_LIBRARIES = ("trainer", "transformers", "accelerate", "lightning", "pytorch_lightning")
 

@@ -19,7 +19,7 @@ import torch
 import ampguard
 import ampguard.scaler.crashes
 from ampguard import machine
-from ampguard.patches.base import torch_release
+from ampguard.patch import torch_release
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "troubleshooting.md"
 BLOCK = re.compile(r"```python\n# reproduction: ([\w-]+)[^\n]*\n(.*?)```", re.S)

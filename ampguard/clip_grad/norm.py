@@ -6,9 +6,12 @@ Under ampguard the clip is right whatever the caller did:
 * **Still-scaled gradients** (``unscale_`` forgotten, Lightning manual
   optimisation, a library that clips before stepping): when a
   :class:`~ampguard.SafeGradScaler` scaled a loss this iteration and the
-  parameters are not owned by an optimizer it already unscaled, the total norm
-  is computed from the scaled gradients and divided by the scale on the device.
-  The clip coefficient is multiplied into the still-scaled gradients, and the
+  parameters are not owned by an optimizer it already unscaled, the norm is
+  that of the unscaled gradients: float32 gradients under a power-of-two scale
+  are unscaled in place for it and scaled back (both exact: the recipe's bits);
+  for others (float16/bfloat16, another scale, a scale only the device knows)
+  the per-tensor norms of the scaled gradients are divided by the scale. The
+  clip coefficient is multiplied into the still-scaled gradients, and the
   scaler's later ``unscale_`` divides them by the scale: the optimizer sees what
   the recipe gives, the returned norm is the unscaled one, and nothing is ever
   unscaled twice. Parameters already unscaled (accelerate, HF Trainer,
@@ -54,20 +57,22 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import containment, master, summary
+from ampguard import containment, master
 from ampguard.clip_grad import kernels
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, idle, original_clip_grad_norm_, state
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
 from ampguard.log import is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler
-from ampguard.stats import process_counters
+from ampguard.scaler.counters import counters_of
+from ampguard.stats import summary
+from ampguard.stats.counters import process_counters
 
 SKIPPED_STEP = (
     "clip_grad_norm_: the total gradient norm is {norm} and no GradScaler is in play (bf16/fp32 training): "
     "this optimizer step is skipped (the gradients of the {count} clipped parameters are set to None, "
     "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far "
-    "(ampguard.stats.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
+    "(ampguard.stats.counters.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
     "too high, an fp16 overflow in a model run without a GradScaler."
 )
 
@@ -185,41 +190,43 @@ def _clip_with_scaler(
         kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total) + (total - total))
         return total
     threshold: float | Tensor = max_norm
-    rescale: list[kernels.Group] = []
-    kept: list[kernels.Group] = groups
-    if scale_known:
+    if threshold_is_scaled:
         assert scale is not None
-        # The recipe's numbers: the still-scaled gradients are unscaled in place (by the inverse unscale_
-        # uses), clipped, and scaled back. With a power-of-two scale both multiplications are exact, so the
+        threshold = max_norm / scale.to(grads[0].device)
+    round_trip = _round_trip(groups, still_scaled, scalers[0]) if scale_known else []
+    if round_trip:
+        assert scale is not None
+        # The recipe's numbers for float32 gradients under a power-of-two scale: unscaled in place by the
+        # inverse unscale_ uses, clipped, and scaled back. Both multiplications by the scale are exact, so the
         # total is the recipe's and unscale_ later leaves the recipe's gradients, bit for bit.
-        rescale, kept = _split(groups, still_scaled)
-        kernels.multiply_(rescale, scale.double().reciprocal().float())
-        if threshold_is_scaled:
-            threshold = max_norm / scale.to(grads[0].device)
-    total = _total_norm(groups, norm_type)
-    if error_if_nonfinite:
-        try:
+        kernels.multiply_(round_trip, scale.double().reciprocal().float())
+        in_place = {id(g) for group in round_trip for g in group.grads}
+        still_scaled = {
+            id(g) for g in grads if id(g) not in in_place and (still_scaled is None or id(g) in still_scaled)
+        }
+    try:
+        total, _ = scaled_total_norm(groups, still_scaled, scale, norm_type)
+        if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
-        except RuntimeError:
-            if rescale:  # the gradients as torch leaves them when it raises: untouched
-                assert scale is not None
-                kernels.multiply_(rescale, scale)
-            raise
-    clipped = {id(p) for p, _ in pairs}
-    if _checked_by_one_optimizer(unscaled_by, clipped):
-        # The recipe's case: every clipped gradient was checked by one optimizer's unscale_, so a
-        # non-finite norm means a non-finite gradient that optimizer already skips for: torch's kernels.
-        kernels.multiply_(groups, kernels.clip_coefficient(threshold, total))
-        return total
-    # total - total is 0 for a finite norm and NaN for an inf/NaN one (2 kernels here, against 5 for
-    # isfinite + div): added to the coefficient it leaves it unchanged or makes it NaN, and every
-    # clipped step is skipped.
-    nan_if_nonfinite = total - total
-    coefficient = kernels.clip_coefficient(threshold, total) + nan_if_nonfinite
-    kernels.multiply_(kept, coefficient)
-    if rescale:
+        clipped = {id(p) for p, _ in pairs}
+        if _checked_by_one_optimizer(unscaled_by, clipped):
+            # The recipe's case: every clipped gradient was checked by one optimizer's unscale_, so a
+            # non-finite norm means a non-finite gradient that optimizer already skips for: torch's kernels.
+            kernels.multiply_(groups, kernels.clip_coefficient(threshold, total))
+            return total
+        # total - total is 0 for a finite norm and NaN for an inf/NaN one (2 kernels here, against 5 for
+        # isfinite + div): added to the coefficient it leaves it unchanged or makes it NaN, and every
+        # clipped step is skipped.
+        nan_if_nonfinite = total - total
+        kernels.multiply_(groups, kernels.clip_coefficient(threshold, total) + nan_if_nonfinite)
+    except BaseException:
+        if round_trip:  # as torch leaves them when it raises, or for the fallback to torch's own clip
+            assert scale is not None
+            kernels.multiply_(round_trip, scale)
+        raise
+    if round_trip:
         assert scale is not None
-        kernels.multiply_(rescale, coefficient * scale.to(coefficient.device))
+        kernels.multiply_(round_trip, scale)
     if unscaled_by:
         raise_found_inf(unscaled_by, clipped, nan_if_nonfinite)
     return total
@@ -233,21 +240,24 @@ def _total_norm(groups: list[kernels.Group], norm_type: float) -> Tensor:
     return total
 
 
-def _split(
-    groups: list[kernels.Group], still_scaled: set[int] | None
-) -> tuple[list[kernels.Group], list[kernels.Group]]:
-    """The groups narrowed to the gradients in ``still_scaled`` (None: all of them), and to the others."""
-    if still_scaled is None:
-        return groups, []
-    scaled, unscaled = [], []
+def _round_trip(
+    groups: list[kernels.Group], still_scaled: set[int] | None, scaler: SafeGradScaler
+) -> list[kernels.Group]:
+    """The still-scaled gradients that are unscaled in place for the norm: float32/float64 ones, each once,
+    when the scale is a power of two (so that scaling back is exact). Float16/bfloat16 gradients would lose
+    their small values to subnormals: their norms are divided by the scale instead."""
+    counters = counters_of(scaler)
+    mirror = counters.mirror_scale if counters is not None else None
+    if mirror is None or math.frexp(mirror)[0] != 0.5:  # not known on the host (device mode), or not 2**k
+        return []
+    chosen = []
     for group in groups:
-        inside = [g for g in group.grads if id(g) in still_scaled]
-        outside = [g for g in group.grads if id(g) not in still_scaled]
-        if inside:
-            scaled.append(dataclasses.replace(group, grads=inside))
-        if outside:
-            unscaled.append(dataclasses.replace(group, grads=outside))
-    return scaled, unscaled
+        if group.dtype in kernels.LOW_PRECISION:
+            continue
+        distinct = {id(g): g for g in group.grads if still_scaled is None or id(g) in still_scaled}
+        if distinct:
+            chosen.append(dataclasses.replace(group, grads=list(distinct.values())))
+    return chosen
 
 
 def _checked_by_one_optimizer(unscaled_by: list[tuple[SafeGradScaler, Any, set[int]]], clipped: set[int]) -> bool:

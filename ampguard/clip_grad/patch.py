@@ -26,7 +26,7 @@ from ampguard import torch_privates
 from ampguard.clip_grad import api, norm, scalers, state, wrapping
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
 from ampguard.scaler import TorchGradScaler
 
 

@@ -13,8 +13,9 @@ import platform
 import sys
 from typing import Any
 
-from ampguard import machine, variable_names
-from ampguard.console import print_table
+from ampguard import machine
+from ampguard.commands.console import print_table
+from ampguard.config import names as variable_names
 
 JSON_SCHEMA_VERSION = 1
 

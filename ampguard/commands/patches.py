@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from ampguard.console import print_table
+from ampguard.commands.console import print_table
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -18,7 +18,7 @@ import sys
 import time
 from typing import Any
 
-from ampguard.stats_report import ReportError, Run, Series, read
+from ampguard.stats.report import ReportError, Run, Series, read
 
 CHART_WIDTH = 60
 CHART_HEIGHT = 8

@@ -8,7 +8,7 @@ second aborts training on the benign overflow steps the GradScaler is there to
 skip. This patch turns anomaly detection on with ``check_nan=False`` (torch
 >= 2.1): every backward error still carries its forward traceback, NaN
 gradients reach the scaler, which skips the step, and ampguard's skipped-step
-report (:mod:`ampguard.diagnose`) names the parameters whose gradients were
+report (:mod:`ampguard.scaler.diagnose`) names the parameters whose gradients were
 non-finite.
 
 Anomaly detection is slow: :data:`MEASURED_SLOWDOWN` is what
@@ -26,7 +26,7 @@ import torch
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
 
 # CPU time per training step with anomaly detection (check_nan=False) over the
 # time without, as measure_cost() with its defaults measured it: 1.67-1.83 on

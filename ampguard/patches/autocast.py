@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ampguard.config import Config
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
 
 _WRAPPED_DUNDERS = ("__new__", "__init__", "__init_subclass__")
 

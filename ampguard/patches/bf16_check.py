@@ -33,8 +33,8 @@ import torch
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
-from ampguard.patches.base import Patch
-from ampguard.warning_attribution import attribute_past_ampguard
+from ampguard.patch import Patch
+from ampguard.patches.warning_attribution import attribute_past_ampguard
 
 EXPECTED_PARAMETERS = ("self", "device_type", "dtype", "enabled", "cache_enabled")
 

@@ -22,9 +22,9 @@ import torch
 from ampguard import torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
+from ampguard.patches.warning_attribution import attribute_past_ampguard
 from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler_class
-from ampguard.warning_attribution import attribute_past_ampguard
 
 SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 

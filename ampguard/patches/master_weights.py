@@ -24,7 +24,7 @@ import torch
 from ampguard import master, torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
 
 DTYPES = {"fp16": (torch.float16,), "all": (torch.float16, torch.bfloat16)}
 

@@ -39,15 +39,16 @@ try:
 except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
     OptState = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
 
-from ampguard import containment, summary
-from ampguard.accumulation import rescale_unscaled_gradients
+from ampguard import containment
 from ampguard.scaler import accounting, checkpoint, crashes, ledger, policy, sharded
+from ampguard.scaler.accumulation import rescale_unscaled_gradients
 from ampguard.scaler.counters import Counters
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.policy import next_scale
 from ampguard.scaler.settings import Settings, active_settings, check_device_argument
 from ampguard.scaler.sharded import safe_sharded_scaler_class
-from ampguard.stats import ScalerStats
+from ampguard.stats import summary
+from ampguard.stats.counters import ScalerStats
 
 __all__ = [
     "SafeGradScaler",
@@ -175,7 +176,7 @@ class SafeGradScaler(TorchGradScaler):
 
         Called again after ``unscale_()`` in the same iteration (gradient
         accumulation), it first multiplies the unscaled gradients back by the
-        scale (:mod:`ampguard.accumulation`).
+        scale (:mod:`ampguard.scaler.accumulation`).
         """
         if self._enabled and self._iteration.unscaled_optimizers:
             try:
@@ -203,7 +204,7 @@ class SafeGradScaler(TorchGradScaler):
         Libraries and users both call it (accelerate, Lightning manual
         optimisation); the gradients are divided once. After another
         ``scale()`` (gradient accumulation) the gradients were multiplied back,
-        and this call unscales and checks all of them (:mod:`ampguard.accumulation`).
+        and this call unscales and checks all of them (:mod:`ampguard.scaler.accumulation`).
         """
         if crashes.unscaled_already(self, optimizer):
             return

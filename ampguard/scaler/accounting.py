@@ -17,10 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import containment, diagnose, healing, scheduler_hold
+from ampguard import containment
+from ampguard.fp32_islands import healing
 from ampguard.log import logger
-from ampguard.scaler import ledger, policy
-from ampguard.stats import ScalerStats, log_stats
+from ampguard.scaler import diagnose, ledger, policy
+from ampguard.scheduler_hold import hold as scheduler_hold
+from ampguard.stats.counters import ScalerStats, log_stats
 
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ampguard import healing, messages
+from ampguard import messages
+from ampguard.fp32_islands import healing
 from ampguard.log import logger
 from ampguard.scaler import policy
 from ampguard.scaler.counters import from_earlier_attributes
@@ -32,7 +33,7 @@ COUNTER_KEYS = (
 )
 
 # Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
-# outermost module called (ampguard.islands.restore finds those by the end of their full name).
+# outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
 ISLAND_NAMES_KEY = "fp32_islands_named_from"
 ISLAND_NAMES_FULL = "top-level module"
 

@@ -2,7 +2,7 @@
 
 The scaler's modules (accounting, ledger, policy, crashes, checkpoint) read and
 write these fields; nothing outside :mod:`ampguard.scaler` does. ``scaler.stats``
-is the public snapshot of them (:class:`ampguard.stats.ScalerStats`).
+is the public snapshot of them (:class:`ampguard.stats.counters.ScalerStats`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ class Iteration:
         self.loss_check: torch.Tensor | None = None
         # id(optimizer) -> its found_inf, as step()'s one host read gave it (host mode).
         self.host_found: dict[int, bool] = {}
-        # Optimizers unscale_()d since the last scale() (ampguard.accumulation, the clip patch).
+        # Optimizers unscale_()d since the last scale() (ampguard.scaler.accumulation, the clip patch).
         self.unscaled_optimizers: list[Any] = []
         # That host read also said the loss itself was inf/NaN (a forward overflow).
         self.loss_nonfinite = False

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import healing
+from ampguard.fp32_islands import healing
 from ampguard.log import logger
 from ampguard.scaler import policy
 from ampguard.syncs import read_to_host

@@ -14,9 +14,10 @@ import ctypes
 import math
 from typing import TYPE_CHECKING
 
-from ampguard import diagnose, messages
+from ampguard import messages
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import event, logger
+from ampguard.scaler import diagnose
 
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler

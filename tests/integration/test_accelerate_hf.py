@@ -211,10 +211,10 @@ def test_optimizer_step_was_skipped_on_forward_overflows_also_with_a_fused_optim
 def test_uninstall_gives_accelerate_its_step_was_skipped_back():
     from accelerate.optimizer import AcceleratedOptimizer
 
-    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.integrations.accelerate"
+    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.trainer_logs.accelerate"
     with stock_torch():
         assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "accelerate.optimizer"
-    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.integrations.accelerate"
+    assert vars(AcceleratedOptimizer)["step_was_skipped"].fget.__module__ == "ampguard.trainer_logs.accelerate"
 
 
 def test_accelerate_save_state_load_state_round_trips_the_scaler(tmp_path):

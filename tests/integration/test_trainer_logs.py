@@ -25,9 +25,9 @@ import torch
 from integration_support import OverflowInjector, assert_ran, require, run_python
 
 import ampguard
-from ampguard import integrations
-from ampguard.stats import stats_line
+from ampguard.stats.counters import stats_line
 from ampguard.syncs import HostReadCounter
+from ampguard.trainer_logs import records as integrations
 
 pytestmark = [
     pytest.mark.integration,

@@ -131,7 +131,7 @@ def main(args: argparse.Namespace) -> int:
         json.dump(result, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
-    from ampguard.console import print_table
+    from ampguard.commands.console import print_table
 
     environment = result["environment"]
     title = (
@@ -180,7 +180,7 @@ def _command(options: Any, args: argparse.Namespace) -> str:
 
 def _half_params(options: object, as_json: bool) -> int:
     from ampguard.commands.bench import half
-    from ampguard.console import print_table
+    from ampguard.commands.console import print_table
 
     result = half.run(options)  # type: ignore[arg-type]
     if as_json:

@@ -54,7 +54,7 @@ def passed(results: list[CheckResult]) -> bool:
 
 
 def render(data: dict[str, Any], stream: TextIO | None = None) -> None:
-    from ampguard.console import print_table
+    from ampguard.commands.console import print_table
 
     out = stream or sys.stdout
     versions = data["versions"]

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import ampguard
-from ampguard import summary
 from ampguard.commands.selftest.result import CheckResult, Context, not_applicable
+from ampguard.stats import summary
 
 
 @dataclass(frozen=True)

@@ -10,11 +10,11 @@ bit-identical to torch's.
 With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow
 also
 
-* restores the small buffers the forward pass updated (:mod:`ampguard.buffers`);
-* arms the probe (:mod:`ampguard.probe`) for the following forward passes; its
+* restores the small buffers the forward pass updated (:mod:`ampguard.fp32_islands.buffers`);
+* arms the probe (:mod:`ampguard.fp32_islands.probe`) for the following forward passes; its
   verdict rides on the scaler's one host read (:func:`add_verdict`,
   :func:`note_read`) and, at the next forward overflow, names the module;
-* makes that module an fp32 island, or reports why not (:mod:`ampguard.islands`).
+* makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
 optimizer steps without another forward overflow.
@@ -44,10 +44,10 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import islands
-from ampguard.buffers import BufferGuard
+from ampguard.fp32_islands import islands
+from ampguard.fp32_islands.buffers import BufferGuard
+from ampguard.fp32_islands.probe import Probe
 from ampguard.log import event_logger
-from ampguard.probe import Probe
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
 

@@ -23,9 +23,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment, integrations
+from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
+from ampguard.trainer_logs import records as integrations
 
 _callback_class: type | None = None
 
@@ -37,7 +38,7 @@ def callback_class() -> type:
         from transformers.trainer_callback import TrainerCallback
 
         class AmpguardCallback(TrainerCallback):
-            """Adds ampguard's ``ampguard/...`` numbers to the Trainer's training logs (ampguard.integrations.hf)."""
+            """Adds ampguard's ``ampguard/...`` numbers to the Trainer's training logs (ampguard.trainer_logs.hf)."""
 
             def __init__(self) -> None:
                 self._fields = integrations.MetricFields()

@@ -24,9 +24,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment, integrations
+from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
+from ampguard.trainer_logs import records as integrations
 
 _callback_classes: dict[str, type] = {}  # package ("lightning.pytorch", "pytorch_lightning") -> its callback class
 
@@ -37,7 +38,7 @@ def callback_class(package: str) -> type:
         base = importlib.import_module(f"{package}.callbacks").Callback
 
         class AmpguardCallback(base):  # type: ignore[misc, valid-type]
-            """Logs ampguard's ``ampguard/...`` numbers at Lightning's logging steps (ampguard.integrations.lightning)."""
+            """Logs ampguard's ``ampguard/...`` numbers at Lightning's logging steps (ampguard.trainer_logs.lightning)."""
 
             def __init__(self) -> None:
                 self._fields = integrations.MetricFields()

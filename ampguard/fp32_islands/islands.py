@@ -5,7 +5,7 @@ pre-hook that casts the floating-point inputs on the autocast device to float32
 (in any nesting: namedtuples, dataclasses, ``ModelOutput``) and enters
 ``torch.autocast(device, enabled=False)``, and a forward hook (``always_call=True``,
 so an exception still leaves the region) that exits it and gives the floating
-outputs the dtypes they had under autocast (:mod:`ampguard.island_io`). That is
+outputs the dtypes they had under autocast (:mod:`ampguard.fp32_islands.island_io`). That is
 ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` with the caller's dtypes
 kept; the parameters are untouched. Modules that are not islands, and models
 that never overflow, carry no hook at all.
@@ -19,7 +19,7 @@ TorchScript module (it takes no hooks), the
 
 Islands are process state (they belong to modules, not to a scaler), keyed by
 their name qualified from the top-level module (the object the user holds, with
-the parameters the optimizer trains: :mod:`ampguard.model_tree`), so that the
+the parameters the optimizer trains: :mod:`ampguard.fp32_islands.model_tree`), so that the
 printed ``model.get_submodule(name)`` works on it. The names ride in the
 scaler's ``state_dict()["ampguard"]["fp32_islands"]`` (their output dtypes in
 ``["fp32_island_outputs"]``), and :func:`restore` re-applies them, by that full
@@ -37,10 +37,11 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard import island_io, messages, model_tree
+from ampguard import messages
+from ampguard.fp32_islands import island_io, model_tree
+from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
+from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
-from ampguard.probe import is_compiled, qualified_name, unwrap
-from ampguard.tensor_tree import tensors
 
 logger = event_logger("island")
 
@@ -111,7 +112,7 @@ class Island:
     name: str
     module: weakref.ref[torch.nn.Module]
     handles: list[Any] = field(default_factory=list)
-    # The dtypes its floating outputs had under autocast (ampguard.island_io.output_kinds); None: not known.
+    # The dtypes its floating outputs had under autocast (ampguard.fp32_islands.island_io.output_kinds); None: not known.
     outputs: tuple[str, ...] | None = None
 
 
@@ -134,7 +135,7 @@ def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = N
     """Run ``module`` in float32 from its next call on (idempotent per name).
 
     ``outputs``: the dtypes its floating outputs had under autocast, which the
-    island gives them again (see :mod:`ampguard.island_io`); None leaves them float32.
+    island gives them again (see :mod:`ampguard.fp32_islands.island_io`); None leaves them float32.
     """
     existing = islands.get(name)
     if existing is not None and existing.module() is module:
@@ -199,7 +200,7 @@ def decide(
     """Make ``module`` an island, or report why not (each name once). True when the probe's work is done.
 
     ``root`` is the outermost module the forward pass called; the name is
-    qualified from the top-level module above it (:mod:`ampguard.model_tree`).
+    qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
     """
     if holds(module):

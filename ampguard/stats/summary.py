@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from ampguard.log import event_logger, is_rank_zero
-from ampguard.stats import process_counters
+from ampguard.stats.counters import process_counters
 
 logger = event_logger("summary")
 

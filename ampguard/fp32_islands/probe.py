@@ -1,11 +1,11 @@
 """Which module overflowed float16 in the forward pass: a probe armed only after a non-finite loss.
 
 Nothing here runs on a healthy step. After an optimizer step whose loss was
-inf/NaN, :mod:`ampguard.healing` arms the probe: two global module hooks
+inf/NaN, :mod:`ampguard.fp32_islands.healing` arms the probe: two global module hooks
 (``register_module_forward_pre_hook`` / ``register_module_forward_hook``) that
 see every module call of the following forward passes. For each call the
 probe notes, on the device, whether the floating-point inputs were finite and
-whether the output is (tensors in any nesting: :mod:`ampguard.tensor_tree`), and
+whether the output is (tensors in any nesting: :mod:`ampguard.fp32_islands.tensor_tree`), and
 on the host the dtypes of its floating outputs (an island made of the module
 gives them again); the first call (in the order calls *finish*, so the
 innermost module comes first) whose output holds inf/NaN while its inputs did
@@ -15,7 +15,7 @@ per step anyway (found_inf in bit 0, loss non-finite in bit 1).
 
 Each recorded call keeps the outermost module called (the *root*); the
 module's name is qualified from the top-level module above it
-(:mod:`ampguard.model_tree`), seen through DDP / DataParallel / DeepSpeed /
+(:mod:`ampguard.fp32_islands.model_tree`), seen through DDP / DataParallel / DeepSpeed /
 torch.compile wrappers (:func:`unwrap`).
 Only positional inputs are checked (global hooks do not see keyword
 arguments), and compiled code is opaque: inside ``torch.compile`` the hooks do
@@ -31,8 +31,8 @@ from typing import Any, NamedTuple
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard.island_io import output_kinds
-from ampguard.tensor_tree import tensors
+from ampguard.fp32_islands.island_io import output_kinds
+from ampguard.fp32_islands.tensor_tree import tensors
 
 # The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
 MAX_CALLS = 2**22 - 1
@@ -89,7 +89,7 @@ class Call(NamedTuple):
 
     module: torch.nn.Module
     root: torch.nn.Module
-    outputs: tuple[str, ...] | None  # its floating outputs' dtypes under autocast (ampguard.island_io)
+    outputs: tuple[str, ...] | None  # its floating outputs' dtypes under autocast (ampguard.fp32_islands.island_io)
 
 
 class Probe:

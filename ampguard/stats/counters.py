@@ -56,7 +56,7 @@ class ProcessCounters:
     """Counters that belong to no scaler."""
 
     clip_skipped: int = 0
-    scheduler_held: int = 0  # lr_scheduler.step() calls held on skipped steps (ampguard.scheduler_hold)
+    scheduler_held: int = 0  # lr_scheduler.step() calls held on skipped steps (ampguard.scheduler_hold.hold)
 
 
 process_counters = ProcessCounters()
@@ -82,7 +82,7 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
 
 def log_stats(stats: ScalerStats, skipped_in_interval: int) -> None:
     if is_rank_zero() and logger.isEnabledFor(logging.INFO):
-        # The numbers themselves ride along for AMPGUARD_STATS_FILE (ampguard.stats_file); the line is for people.
+        # The numbers themselves ride along for AMPGUARD_STATS_FILE (ampguard.stats.file); the line is for people.
         logger.info(
             stats_line(stats, skipped_in_interval),
             extra={"ampguard_stats": stats, "ampguard_skipped_in_interval": skipped_in_interval},

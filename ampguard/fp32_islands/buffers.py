@@ -41,8 +41,8 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+from ampguard.fp32_islands.probe import is_compiling
 from ampguard.log import event_logger
-from ampguard.probe import is_compiling
 from ampguard.syncs import read_to_host
 
 logger = event_logger("buffers")

@@ -3,7 +3,7 @@
 Wraps ``step`` of ``torch.optim.lr_scheduler.LRScheduler`` and of every
 scheduler class in that module that defines its own (``SequentialLR``,
 ``ChainedScheduler``, ``ReduceLROnPlateau``, ``CosineAnnealingWarmRestarts``).
-The behaviour is :mod:`ampguard.scheduler_hold`'s; docs/schedulers.md
+The behaviour is :mod:`ampguard.scheduler_hold.hold`'s; docs/schedulers.md
 describes it. ``AMPGUARD_DISABLE=scheduler_hold`` keeps torch's schedulers.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
-from ampguard import scheduler_hold
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.patches.base import Patch
-from ampguard.warning_attribution import attribute_past_ampguard
+from ampguard.patch import Patch
+from ampguard.patches.warning_attribution import attribute_past_ampguard
+from ampguard.scheduler_hold import hold as scheduler_hold
 
 
 class SchedulerHoldPatch(Patch):

@@ -19,9 +19,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment, integrations
+from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
+from ampguard.trainer_logs import records as integrations
 
 
 def attach(module: ModuleType, bindings: Bindings) -> None:

@@ -25,18 +25,18 @@ from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
-from ampguard.stats import ScalerStats
+from ampguard.stats.counters import ScalerStats
 
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
 
 # The module whose import means a trainer is there -> ampguard's integration for it.
 INTEGRATIONS: dict[str, str] = {
-    "trainer.trainer": "ampguard.integrations.coqui",  # coqui-tts-trainer (and coqui's older `trainer`)
-    "transformers.trainer": "ampguard.integrations.hf",
-    "accelerate.optimizer": "ampguard.integrations.accelerate",  # its skip flag (not a log)
-    "lightning.pytorch.trainer.trainer": "ampguard.integrations.lightning",
-    "pytorch_lightning.trainer.trainer": "ampguard.integrations.lightning",
+    "trainer.trainer": "ampguard.trainer_logs.coqui",  # coqui-tts-trainer (and coqui's older `trainer`)
+    "transformers.trainer": "ampguard.trainer_logs.hf",
+    "accelerate.optimizer": "ampguard.trainer_logs.accelerate",  # its skip flag (not a log)
+    "lightning.pytorch.trainer.trainer": "ampguard.trainer_logs.lightning",
+    "pytorch_lightning.trainer.trainer": "ampguard.trainer_logs.lightning",
 }
 
 _bindings: Bindings | None = None

@@ -1,20 +1,21 @@
 """Patch ``fp32_islands``: a module that overflows float16 in the forward pass is found and run in float32.
 
 It changes nothing in torch until a loss is inf/NaN: applying it only hands
-the configuration to :mod:`ampguard.healing`, which SafeGradScaler calls after
+the configuration to :mod:`ampguard.fp32_islands.healing`, which SafeGradScaler calls after
 each update. From the first forward overflow on, the probe
-(:mod:`ampguard.probe`) watches the following forward passes, the module it
-names becomes an fp32 island (:mod:`ampguard.islands`), and buffers the
-overflowed forward pass updated are put back (:mod:`ampguard.buffers`).
+(:mod:`ampguard.fp32_islands.probe`) watches the following forward passes, the module it
+names becomes an fp32 island (:mod:`ampguard.fp32_islands.islands`), and buffers the
+overflowed forward pass updated are put back (:mod:`ampguard.fp32_islands.buffers`).
 Reverting removes every hook the probe, the islands and the buffer guard hold.
 docs/islands.md describes it.
 """
 
 from __future__ import annotations
 
-from ampguard import healing, torch_privates
+from ampguard import torch_privates
 from ampguard.config import Config
-from ampguard.patches.base import Patch
+from ampguard.fp32_islands import healing
+from ampguard.patch import Patch
 
 
 class Fp32IslandsPatch(Patch):

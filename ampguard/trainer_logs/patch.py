@@ -2,16 +2,16 @@
 
 The coqui trainer's log file, the HF Trainer's ``state.log_history`` (and so
 TensorBoard, W&B, ...), Lightning's loggers: each as soon as that library is
-imported (see :mod:`ampguard.integrations`, docs/trainer-logs.md). ampguard
+imported (see :mod:`ampguard.trainer_logs.records`, docs/trainer-logs.md). ampguard
 imports none of them. ``AMPGUARD_DISABLE=trainer_logs`` leaves their records
 as they are.
 """
 
 from __future__ import annotations
 
-from ampguard import integrations
 from ampguard.config import Config
-from ampguard.patches.base import Patch
+from ampguard.patch import Patch
+from ampguard.trainer_logs import records as integrations
 
 
 class TrainerLogsPatch(Patch):

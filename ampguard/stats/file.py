@@ -3,7 +3,7 @@
 A :class:`StatsFileHandler` on logger ``ampguard`` turns each record into one
 JSON object on one line, appended to the file and flushed at once, so a run that
 crashes loses nothing it logged. Only rank 0 writes. Stats lines carry their
-numbers (``extra={STATS_KEY: ScalerStats}`` from :func:`ampguard.stats.log_stats`);
+numbers (``extra={STATS_KEY: ScalerStats}`` from :func:`ampguard.stats.counters.log_stats`);
 every other INFO/WARNING/CRITICAL record becomes an event of the kind it was
 logged as (``extra=ampguard.log.event(kind)``, :func:`event_kind`), never of the
 file it came from, so moving code does not change the format. The file is opened on the first record
@@ -21,7 +21,7 @@ import time
 from typing import IO, Any
 
 from ampguard.log import EVENT_KEY, is_rank_zero, logger
-from ampguard.stats import ScalerStats, process_counters
+from ampguard.stats.counters import ScalerStats, process_counters
 
 FORMAT_VERSION = 1
 STATS_KEY = "ampguard_stats"

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from ampguard.stats_file import FORMAT_VERSION
+from ampguard.stats.file import FORMAT_VERSION
 
 
 class ReportError(Exception):

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ampguard.tensor_tree import map_tensors, tensors
+from ampguard.fp32_islands.tensor_tree import map_tensors, tensors
 
 AUTOCAST = "autocast"  # an output that had autocast's dtype
 

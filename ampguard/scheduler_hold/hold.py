@@ -14,7 +14,7 @@ and accelerate hold the scheduler on a skipped step; this module makes every
   attribute of the optimizer; torch's ``Optimizer.__getstate__`` does not
   carry it into pickles or copies).
 * **When a scheduler holds.** ``scheduler.step()`` does nothing (and is counted
-  in ``ampguard.stats.process_counters.scheduler_held``) when at least one
+  in ``ampguard.stats.counters.process_counters.scheduler_held``) when at least one
   step of its optimizer was attempted through a SafeGradScaler since the
   scheduler last advanced and every one of those attempts was skipped. A
   scheduler stepped once per optimizer step holds exactly on the skipped ones;
@@ -30,7 +30,7 @@ and accelerate hold the scheduler on a skipped step; this module makes every
   GradScaler hands them the found-inf flag and the host never learns of the
   skip without a synchronisation. Their schedulers advance as under torch
   (accelerate's hold on the skips ampguard already knows:
-  :mod:`ampguard.integrations.accelerate`).
+  :mod:`ampguard.trainer_logs.accelerate`).
 
 A scheduler whose first ``step()`` ampguard sees after some steps were
 attempted (``SequentialLR`` and ``ChainedScheduler``, whose constructors make
@@ -47,14 +47,14 @@ from collections.abc import Callable
 from typing import Any
 
 from ampguard.log import is_rank_zero, logger
-from ampguard.stats import process_counters
+from ampguard.stats.counters import process_counters
 
 _ATTRIBUTE = "_ampguard_scaler_steps"
 
 HELD = (
     "lr_scheduler.step() held: the GradScaler skipped the optimizer step (inf/NaN gradients), so the learning-rate "
     "schedule waits for the steps that happen ({count} held so far, "
-    "ampguard.stats.process_counters.scheduler_held). AMPGUARD_DISABLE=scheduler_hold restores torch's behaviour."
+    "ampguard.stats.counters.process_counters.scheduler_held). AMPGUARD_DISABLE=scheduler_hold restores torch's behaviour."
 )
 
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ampguard import variable_names
+from ampguard.config import names as variable_names
 from ampguard.errors import ConfigError
 
 _TRUE = ("1", "true", "yes", "on")
@@ -360,7 +360,7 @@ def load(
 ) -> Config:
     """Read every ``AMPGUARD_*`` variable; raise one ConfigError naming every bad one.
 
-    A name that is not ampguard's (see :mod:`ampguard.variable_names`) is
+    A name that is not ampguard's (see :mod:`ampguard.config.names`) is
     logged as a WARNING, once per process, and otherwise ignored.
     """
     environ = os.environ if environ is None else environ
