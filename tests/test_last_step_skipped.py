@@ -167,3 +167,29 @@ def test_two_optimizers_one_skipped_the_flag_is_true_and_accelerate_s_per_optimi
     iteration(scaler, model, weight_optimizer, fault=True)
     assert scaler.last_step_skipped and accounting.known_skip(scaler, weight_optimizer)
     assert not accounting.known_skip(scaler, bias_optimizer)
+
+
+# -- update(new_scale) with a non-fused optimizer: torch's step() read the verdict (found by review) --
+
+NEW_SCALE_PLAN = [False, True, False, True, False]  # inf gradients in iterations 2 and 4
+
+
+def _flags_and_reads(new_scale: float | None) -> tuple[list[bool], int]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scaler = safe(init_scale=1024.0, growth_interval=3)
+    flags, reads_of_questions = [], 0
+    for fault in NEW_SCALE_PLAN:
+        iteration(scaler, model, optimizer, fault=fault, update=False)
+        scaler.update() if new_scale is None else scaler.update(new_scale)
+        with HostReadCounter() as reads:
+            flags.append(scaler.last_step_skipped)
+        reads_of_questions += reads.total
+    return flags, reads_of_questions
+
+
+def test_last_step_skipped_after_update_new_scale_with_sgd_reads_nothing(reinstall):
+    reinstall(AMPGUARD_DISABLE="fp32_islands", AMPGUARD_STATS_EVERY="0")
+    assert _flags_and_reads(None) == (NEW_SCALE_PLAN, 0)  # update(): free, as documented
+    assert _flags_and_reads(512.0) == (NEW_SCALE_PLAN, 0)  # update(new_scale): one read per question

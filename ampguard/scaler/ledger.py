@@ -148,8 +148,11 @@ def update_in_device_mode(
         stepped_keys = [key for key in recorded if recorded[key]["stage"] is OptState.STEPPED]
         stepped = [found_per_optimizer[key] for key in stepped_keys]
         skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
-        if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)
-            scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(stepped_keys), None
+        if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)...
+            host_found = scaler._iteration.host_found
+            # ...unless torch's step() already read it for every optimizer stepped (update(new_scale), non-fused)
+            known = any(host_found[key] for key in stepped_keys) if all(k in host_found for k in stepped_keys) else None
+            scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(stepped_keys), known
         check = _check_on(scaler._iteration.loss_check, ledger)
         hold = new_scale is None and scaler._iteration.loss_check is not None and healing.holds_in_device_mode()
         row = ledger.record(skipped, found, check, scale, hold)
