@@ -39,8 +39,15 @@ def _invoked_as_the_command() -> bool:
 
     if sys.argv and os.path.splitext(os.path.basename(sys.argv[0]))[0] == "ampguard":
         return True
+    # While ``python -m ampguard`` imports the package, sys.argv[0] is "-m" (runpy); a script's own arguments
+    # ("python train.py -m ampguard") are not the command.
     orig_argv = getattr(sys, "orig_argv", [])
-    return "-m" in orig_argv and orig_argv[orig_argv.index("-m") + 1 : orig_argv.index("-m") + 2] == ["ampguard"]
+    return (
+        bool(sys.argv)
+        and sys.argv[0] == "-m"
+        and "-m" in orig_argv
+        and orig_argv[orig_argv.index("-m") + 1 : orig_argv.index("-m") + 2] == ["ampguard"]
+    )
 
 
 def _install_on_import() -> ConfigError | None:
@@ -67,6 +74,12 @@ def _install_on_import() -> ConfigError | None:
 
 _config_error = _install_on_import()
 if _config_error is not None:
+    # Nothing was patched. The submodules go with the package, so that importing it again once the variable is
+    # fixed binds them on the new package object (else `ampguard.scaler` would be an AttributeError).
+    import sys as _sys
+
+    for _name in [name for name in _sys.modules if name.startswith("ampguard.")]:
+        del _sys.modules[_name]
     # Raised here, without install's frames: the traceback is the user's import line, this line and the message.
     raise _config_error.with_traceback(None) from None
 del _config_error

@@ -16,7 +16,7 @@ import pytest
 import ampguard
 from ampguard.log import logger
 from ampguard.stats.counters import ScalerStats
-from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs import attach as integrations
 from ampguard.trainer_logs.coqui import TRAINER_LOGGER, ToTrainerLogFiles
 
 TRAINER_LIBRARIES = ("trainer", "transformers", "accelerate", "lightning", "pytorch_lightning")

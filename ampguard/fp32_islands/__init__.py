@@ -1,1 +1,14 @@
-"""fp32_islands."""
+"""The fp32_islands patch: a module whose forward pass overflows float16 runs in float32 from then on.
+
+- ``patch``: what the patch switches on (the healing, wired into the SafeGradScaler's steps).
+- ``healing``: what happens at a skipped step: the probe armed, its verdict read with the scaler's own read,
+  an island made, buffers put back; device mode for fused optimizers.
+- ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
+- ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
+- ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.
+- ``tensor_tree``: the floating tensors inside any nesting of containers (torch's pytree, dataclasses).
+- ``model_tree``: the top-level module above a module (the object the script holds), for names that work.
+- ``buffers``: BatchNorm statistics and other buffers put back after an overflowing forward pass.
+
+docs/islands.md describes the behaviour.
+"""

@@ -22,7 +22,7 @@ from typing import Any
 from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
-from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs import attach as integrations
 
 
 def attach(module: ModuleType, bindings: Bindings) -> None:

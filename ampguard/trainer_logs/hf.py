@@ -26,7 +26,7 @@ from typing import Any
 from ampguard import containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
-from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs import attach as integrations
 
 _callback_class: type | None = None
 

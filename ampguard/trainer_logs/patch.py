@@ -2,7 +2,7 @@
 
 The coqui trainer's log file, the HF Trainer's ``state.log_history`` (and so
 TensorBoard, W&B, ...), Lightning's loggers: each as soon as that library is
-imported (see :mod:`ampguard.trainer_logs.records`, docs/trainer-logs.md). ampguard
+imported (see :mod:`ampguard.trainer_logs.attach`, docs/trainer-logs.md). ampguard
 imports none of them. ``AMPGUARD_DISABLE=trainer_logs`` leaves their records
 as they are.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ampguard.config import Config
 from ampguard.patch import Patch
-from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs import attach as integrations
 
 
 class TrainerLogsPatch(Patch):

@@ -27,7 +27,7 @@ from integration_support import OverflowInjector, assert_ran, require, run_pytho
 import ampguard
 from ampguard.stats.counters import stats_line
 from ampguard.syncs import HostReadCounter
-from ampguard.trainer_logs import records as integrations
+from ampguard.trainer_logs import attach as integrations
 
 pytestmark = [
     pytest.mark.integration,
