@@ -59,7 +59,7 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import containment, master, summary
+from ampguard import containment, master_weights, summary
 from ampguard.log import RateLimiter, is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler, live_scalers, params_of, scalers_in_iteration
 from ampguard.stats import process_counters
@@ -389,7 +389,7 @@ def safe_clip_grad_norm_(
     """
     torch_clip = torch_clip_grad_norm_ or _original_clip_grad_norm_()
     params, for_torch = _materialize(parameters)
-    pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
+    pairs = master_weights.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in _PLAIN_TENSOR_TYPES for _, g in pairs):
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ampguard import clip, master
+from ampguard import clip, master_weights
 from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 
 
@@ -73,7 +73,7 @@ def clip_grad_value_wrapper(
     except TypeError:  # torch's own error
         return wrapped(*args, **kwargs)
     params, for_torch = clip._materialize(parameters)
-    pairs = master.gradient_pairs(params)
+    pairs = master_weights.gradient_pairs(params)
     scalers = clip.scalers_in_play()
     if not pairs or not scalers or not _plain(g for _, g in pairs):
         return wrapped(for_torch, clip_value, foreach)
@@ -156,7 +156,7 @@ def _gradients_held(tensors: Sequence[Tensor], scalers: list[SafeGradScaler]) ->
         return _Held(list(tensors), set())
     holder: dict[int, Tensor] = {}
     for _, optimizer, _ in clip.unscaled_optimizers(scalers):
-        for param, grad in master.gradients(optimizer):
+        for param, grad in master_weights.gradients(optimizer):
             if grad is None:
                 continue
             holder[id(grad)] = grad
@@ -188,7 +188,7 @@ def clip_grads_with_norm_wrapper(
     except TypeError:
         return wrapped(*args, **kwargs)
     params, for_torch = clip._materialize(parameters)
-    pairs = master.gradient_pairs(params)
+    pairs = master_weights.gradient_pairs(params)
     scalers = clip.scalers_in_play()
     if not pairs or not scalers or not isinstance(total_norm, Tensor) or not _plain(g for _, g in pairs):
         return wrapped(for_torch, max_norm, total_norm, foreach)

@@ -1,0 +1,308 @@
+"""Which optimizers have masters: the per-optimizer record, built from ``param_groups`` and kept up to date.
+
+An optimizer's ``__dict__`` holds one of: :class:`Masters` (it has
+half-precision parameters), :class:`Plain` (it has none: nothing to do while
+its groups are unchanged), :class:`Excluded` (ampguard cannot wrap it: left as
+torch has it, for good), or, in a copy made by ``copy.deepcopy``/pickle, the
+plain dict :func:`pickled` wrote, from which the copy's record is rebuilt.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampguard.log import logger
+from ampguard.master_weights import storage
+
+STATE_KEY = "ampguard_master_weights"
+ATTRIBUTE = "_ampguard_master_weights"
+_PLAIN_TYPES = (Tensor, torch.nn.Parameter)
+
+KEEPS = "{optimizer} keeps float32 master copies of {counts} ({mib:.1f} MiB)."
+CANNOT_WRAP = (
+    "{optimizer} holds {dtypes} parameters, but ampguard cannot keep float32 master weights for it: {reason}. "
+    "It runs as it would without master weights: its half-precision weights are stepped directly, so small "
+    "updates round away (and AdamW can produce NaN in float16). Keep such weights in float32 for training, "
+    "or use an optimizer ampguard can wrap (see docs/master-weights.md)."
+)
+FAILED = "ampguard's master weights failed for {optimizer} ({error}); it is stepped without master weights from now on."
+
+
+class _State:
+    def __init__(self) -> None:
+        self.active = False
+        self.dtypes: tuple[torch.dtype, ...] = ()
+        self.records: weakref.WeakSet[Masters] = weakref.WeakSet()
+        self.synced: weakref.WeakSet[Masters] = weakref.WeakSet()  # gradients copied, step not taken yet
+        self.wrappers: dict[str, Callable[..., Any]] = {}
+
+
+state = _State()
+
+
+def label(optimizer: Any) -> str:
+    return f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
+
+
+class Unwrappable(Exception):
+    """Why an optimizer cannot have master weights (the message names the reason)."""
+
+
+@dataclass
+class Plain:
+    """An optimizer without trainable half-precision parameters: nothing to do while :func:`quick` is unchanged.
+
+    The per-step check is O(1) (groups added, the last group's list replaced or grown): float32
+    optimizers pay a dict lookup and this, about a microsecond, per step.
+    """
+
+    signature: tuple[Any, ...]
+
+
+@dataclass
+class Excluded:
+    """An optimizer ampguard cannot wrap: left as it is, for good."""
+
+    reason: str
+
+
+@dataclass(eq=False)
+class Masters:
+    """One optimizer's masters and the bookkeeping of its steps."""
+
+    optimizer: weakref.ref[Any]
+    signature: tuple[Any, ...]
+    model_lists: list[list[Tensor]]
+    master_lists: list[list[Tensor]]
+    params: list[Tensor]  # half-precision parameters with a master, in param_groups order
+    masters: list[Tensor]
+    waiting: list[Tensor]  # half-precision parameters without one (frozen when last looked at)
+    master_of: dict[int, Tensor] = field(default_factory=dict)
+    sync_scaler: Any = None  # weakref to the scaler whose unscale_ copied the gradients
+    sync_states: Any = None  # ...and its per-iteration dict at that time (torch's update() replaces it)
+    refresh: str | None = None  # "exact": masters from the parameters; "check": only where they disagree
+    swapped: bool = False  # param_groups hold the masters: from the step pre-hook to the post-hook
+
+    def synced(self) -> bool:
+        """The masters' gradients are this iteration's (copied by a scaler whose iteration is still going on)."""
+        scaler = self.sync_scaler() if self.sync_scaler is not None else None
+        return scaler is not None and getattr(scaler, "_per_optimizer_states", None) is self.sync_states
+
+    def swap(self, optimizer: Any, to_masters: bool) -> None:
+        lists = self.master_lists if to_masters else self.model_lists
+        for group, params in zip(optimizer.param_groups, lists):
+            group["params"] = params
+        self.swapped = to_masters
+
+    def put_back(self, optimizer: Any) -> None:
+        """The model's lists into ``param_groups``, the (rounded) masters into the parameters."""
+        self.swap(optimizer, to_masters=False)
+        with torch.no_grad():
+            torch._foreach_copy_(self.params, self.masters)
+
+    def free_grads(self) -> None:
+        for master in self.masters:
+            master.grad = None
+        self.sync_scaler = self.sync_states = None
+        state.synced.discard(self)
+
+
+def _signature(optimizer: Any) -> tuple[Any, ...]:
+    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+
+
+def quick(optimizer: Any) -> tuple[Any, ...]:
+    groups = optimizer.param_groups
+    last = groups[-1]["params"] if groups else ()
+    return len(groups), id(last), len(last)
+
+
+def _why_not(optimizer: Any) -> str | None:
+    """Why the hooks and wrappers this package relies on do not reach ``optimizer`` (None: they do)."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        return "it is not a torch.optim.Optimizer, so torch's step hooks do not reach it"
+    cls = type(optimizer)
+    if not getattr(cls.step, "hooked", False):
+        return "its step() is not wrapped by torch (Optimizer.__init__ was not called), so step hooks do not reach it"
+    for name in ("state_dict", "load_state_dict"):
+        if state.wrappers.get(name) is not None and getattr(cls, name) is not state.wrappers[name]:
+            return f"{cls.__name__} defines its own {name}(), so the master weights could not be saved with it"
+    return None
+
+
+def _new_master(param: Tensor, where: str) -> Tensor:
+    try:
+        return storage.master_for(param)
+    except storage.PartialOverlap:
+        raise Unwrappable(
+            f"its parameter {where} ({str(param.dtype).replace('torch.', '')}, shape {list(param.shape)}) covers "
+            "part of the memory of another parameter that has a master, so one float32 copy cannot serve both"
+        ) from None
+
+
+def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Masters | Plain:
+    """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep)."""
+    signature = _signature(optimizer)
+    model_lists, master_lists, params, masters, waiting = [], [], [], [], []
+    for index, group in enumerate(optimizer.param_groups):
+        group_params = group["params"]
+        group_masters = []
+        for position, param in enumerate(group_params):
+            if param.dtype in state.dtypes:
+                if type(param) not in _PLAIN_TYPES:
+                    raise Unwrappable(f"its parameters are {type(param).__name__} tensors")
+                if param.requires_grad:
+                    master = kept.get(id(param))
+                    if master is None:
+                        master = _new_master(param, f"param_groups[{index}]['params'][{position}]")
+                    params.append(param)
+                    masters.append(master)
+                    group_masters.append(master)
+                    continue
+                waiting.append(param)
+            group_masters.append(param)
+        model_lists.append(group_params)
+        master_lists.append(group_masters)
+    if not params and not waiting:
+        return Plain(quick(optimizer))
+    record = Masters(weakref.ref(optimizer), signature, model_lists, master_lists, params, masters, waiting)
+    record.master_of = {id(p): m for p, m in zip(params, masters)}
+    record.refresh = refresh
+    return record
+
+
+def pickled(record: Masters) -> dict[str, Any]:
+    """What ``copy.deepcopy``/pickle carry of ``record``: the copy's masters are the copies of these."""
+    return {"pairs": list(zip(record.params, record.masters)), "refresh": record.refresh}
+
+
+def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters | None:
+    """The optimizer's masters, (re)built when ``create`` and its param_groups changed; None: nothing to do.
+
+    A record still ``swapped`` outside a step belongs to a step that raised
+    (the post-hook never ran): it is put back first, as torch's in-place step
+    would have left the optimizer.
+    """
+    entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    if entry.__class__ is Masters and entry.swapped:
+        entry.put_back(optimizer)
+    if isinstance(entry, Excluded):
+        return None
+    if isinstance(entry, Plain) and (not create or entry.signature == quick(optimizer)):
+        return None
+    if isinstance(entry, Masters) and (not create or (entry.signature == _signature(optimizer) and not rebuild)):
+        return entry
+    unpickled = isinstance(entry, dict) and "pairs" in entry
+    if not create and not unpickled:
+        return None
+    previous = entry if isinstance(entry, Masters) else None
+    try:
+        reason = _why_not(optimizer)
+        if reason is not None:
+            raise Unwrappable(reason)
+        if unpickled:
+            assert isinstance(entry, dict)
+            for param, master in entry["pairs"]:
+                storage.adopt(param, master)
+            built = _build(optimizer, {id(p): m for p, m in entry["pairs"]}, entry["refresh"])
+        else:
+            built = _build(optimizer, previous.master_of if previous else {}, previous.refresh if previous else None)
+    except Unwrappable as why:
+        exclude(optimizer, str(why), previous)
+        return None
+    optimizer.__dict__[ATTRIBUTE] = built
+    if not isinstance(built, Masters):
+        return None
+    state.records.add(built)
+    if previous is not None:
+        state.records.discard(previous)
+    if (previous is None or not previous.params) and not unpickled:
+        _announce(optimizer, built)
+    return built
+
+
+def _announce(optimizer: Any, record: Masters) -> None:
+    if not record.params or not logger.isEnabledFor(logging.INFO):
+        return
+    numel: dict[torch.dtype, int] = {}
+    for param in record.params:
+        numel[param.dtype] = numel.get(param.dtype, 0) + param.numel()
+    counts = " and ".join(f"{n:,} {str(dtype).replace('torch.', '')}" for dtype, n in numel.items()) + " parameters"
+    logger.info(KEEPS.format(optimizer=label(optimizer), counts=counts, mib=sum(numel.values()) * 4 / 2**20))
+
+
+def _half_dtypes(optimizer: Any) -> list[str]:
+    found = {
+        str(p.dtype).replace("torch.", "")
+        for group in getattr(optimizer, "param_groups", ())
+        for p in group["params"]
+        if p.dtype in state.dtypes and p.requires_grad
+    }
+    return sorted(found)
+
+
+def exclude(optimizer: Any, reason: str, record: Masters | None) -> None:
+    """Leave ``optimizer`` as torch has it, for good (putting its state back on its parameters), and say so once."""
+    if record is not None:
+        retire(optimizer, record)
+    dtypes = _half_dtypes(optimizer)
+    try:
+        optimizer.__dict__[ATTRIBUTE] = Excluded(reason)
+    except (AttributeError, TypeError):  # not an object we can mark: say it every time it comes back
+        pass
+    if dtypes:
+        logger.warning(CANNOT_WRAP.format(optimizer=label(optimizer), dtypes=" and ".join(dtypes), reason=reason))
+
+
+def retire(optimizer: Any, record: Masters) -> None:
+    """Put the optimizer back as torch would have it: state keyed by the parameters (cast to their dtype)."""
+    record.put_back(optimizer)
+    for param, master in zip(record.params, record.masters):
+        if master in optimizer.state:
+            optimizer.state[param] = {
+                key: value.to(param.dtype)
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point()
+                else value
+                for key, value in optimizer.state.pop(master).items()
+            }
+    record.free_grads()
+    state.records.discard(record)
+    optimizer.__dict__.pop(ATTRIBUTE, None)
+
+
+def fail(optimizer: Any, record: Masters | None, error: Exception) -> None:
+    logger.warning(FAILED.format(optimizer=label(optimizer), error=f"{type(error).__name__}: {error}"))
+    try:
+        if record is not None:
+            retire(optimizer, record)
+        optimizer.__dict__[ATTRIBUTE] = Excluded(f"failed: {error!r}")
+    except Exception as second:
+        logger.debug("ampguard could not put %s back: %r", label(optimizer), second)
+
+
+def activate(dtypes: tuple[torch.dtype, ...]) -> None:
+    state.dtypes = dtypes
+    state.active = True
+
+
+def deactivate() -> None:
+    """Switch off, putting every optimizer that has masters back as torch would have it."""
+    state.active = False
+    for record in list(state.records):
+        optimizer = record.optimizer()
+        if optimizer is not None:
+            try:
+                retire(optimizer, record)
+            except Exception as error:
+                logger.warning("ampguard could not put %s back: %r", label(optimizer), error)
+    state.records = weakref.WeakSet()
+    state.synced = weakref.WeakSet()
+    state.wrappers = {}
+    storage.forget()
