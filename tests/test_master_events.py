@@ -20,6 +20,7 @@ import torch
 from master_events_support import Run, assert_like, model_lists, model_of, sgd
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401
 
+import ampguard
 from ampguard import master_weights
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -218,3 +219,24 @@ def test_a_model_rolled_back_without_its_optimizer_trains_from_what_was_loaded()
         half.steps(count)
         full.steps(count)
         assert_like(half, full)
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
+def test_an_optimizer_saved_whole_with_masters_loads_and_steps_in_plain_torch(optimizer):
+    model = model_of(torch.float16)
+    made = sgd(model.parameters()) if optimizer == "sgd" else torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = Run(model, [made], torch.float16)
+    run.steps(3)
+    saved = io.BytesIO()
+    torch.save((model, made), saved)
+    ampguard.uninstall()
+    try:
+        saved.seek(0)
+        model, loaded = torch.load(saved, weights_only=False)
+        state = loaded.state_dict()["state"]  # keyed by the parameters: torch finds every one
+        assert sorted(state) == [0, 1, 2, 3] and all(len(s) > 0 for s in state.values())
+        assert all(t.dtype == torch.float16 for s in state.values() for k, t in s.items() if k != "step")
+        Run(model, [loaded], torch.float16, step=3).steps(2)  # (AdamW's float16 state then makes NaN, as in torch)
+        assert optimizer == "adamw" or all(torch.isfinite(p).all() for p in model.parameters())
+    finally:
+        ampguard.install()

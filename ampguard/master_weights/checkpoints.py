@@ -4,8 +4,10 @@
   parameters (the state is saved and loaded in float32) and carry the masters
   under :data:`~ampguard.master_weights.records.STATE_KEY`.
 * ``Optimizer.__getstate__`` (``copy.deepcopy``, pickle, ``torch.save`` of the
-  optimizer object) carries which master is whose, so that a copy steps the
-  copied masters and keeps their copied state.
+  optimizer object) carries which master is whose and their float32 state:
+  the copy steps the copied masters with the copied state. Its torch-visible
+  state is keyed by the parameters and cast to their dtype, so that a copy
+  loaded without ampguard steps like a torch optimizer.
 * ``Module.load_state_dict`` marks the optimizers holding the loaded
   parameters: their masters are refreshed at the next step (a rollback to the
   best checkpoint is not undone by the masters of the weights it replaced).
@@ -15,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import functools
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +30,7 @@ from ampguard.master_weights.records import (
     FAILED,
     STATE_KEY,
     Masters,
+    cast_state,
     label,
     pickled,
     record_of,
@@ -112,7 +116,11 @@ def wrap_getstate(original: Callable[..., dict[str, Any]]) -> Callable[..., dict
         try:
             record = _current(self)
             if record is not None and record.params:
-                return {**result, ATTRIBUTE: pickled(record)}
+                keyed = copy.copy(result["state"])  # as torch's own copy would be, see records.pickled
+                for param, master in zip(record.params, record.masters):
+                    if master in keyed:
+                        keyed[param] = cast_state(keyed.pop(master), param.dtype)
+                return {**result, "state": keyed, ATTRIBUTE: pickled(self, record)}
         except Exception as error:  # the copy is torch's: it makes new masters at its first step
             logger.warning(FAILED.format(optimizer=label(self), error=repr(error)))
         return result

@@ -178,9 +178,23 @@ def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Mast
     return record
 
 
-def pickled(record: Masters) -> dict[str, Any]:
-    """What ``copy.deepcopy``/pickle carry of ``record``: the copy's masters are the copies of these."""
-    return {"pairs": list(zip(record.params, record.masters)), "refresh": record.refresh}
+def cast_state(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """A parameter's optimizer state as torch would hold it for a ``dtype`` parameter (``step`` stays as it is)."""
+    return {
+        key: value.to(dtype) if key != "step" and torch.is_tensor(value) and value.is_floating_point() else value
+        for key, value in saved.items()
+    }
+
+
+def pickled(optimizer: Any, record: Masters) -> dict[str, Any]:
+    """What ``copy.deepcopy``/pickle carry of ``record``: which master is whose, and the masters' float32 state.
+
+    The copy's own ``state`` is keyed by the parameters and cast to their
+    dtype, as torch would have it (a copy loaded without ampguard steps with
+    it); :func:`record_of` puts the float32 state back under the masters.
+    """
+    pairs = list(zip(record.params, record.masters))
+    return {"pairs": pairs, "refresh": record.refresh, "state": [optimizer.state.get(m) for _, m in pairs]}
 
 
 def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters | None:
@@ -209,8 +223,11 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
             raise Unwrappable(reason)
         if unpickled:
             assert isinstance(entry, dict)
-            for param, master in entry["pairs"]:
+            for (param, master), saved in zip(entry["pairs"], entry["state"]):
                 storage.adopt(param, master)
+                optimizer.state.pop(param, None)  # the copy torch would have had: the float32 one goes in its place
+                if saved is not None:
+                    optimizer.state[master] = saved
             built = _build(optimizer, {id(p): m for p, m in entry["pairs"]}, entry["refresh"])
         else:
             built = _build(optimizer, previous.master_of if previous else {}, previous.refresh if previous else None)
@@ -266,12 +283,7 @@ def retire(optimizer: Any, record: Masters) -> None:
     record.put_back(optimizer)
     for param, master in zip(record.params, record.masters):
         if master in optimizer.state:
-            optimizer.state[param] = {
-                key: value.to(param.dtype)
-                if key != "step" and torch.is_tensor(value) and value.is_floating_point()
-                else value
-                for key, value in optimizer.state.pop(master).items()
-            }
+            optimizer.state[param] = cast_state(optimizer.state.pop(master), param.dtype)
     record.free_grads()
     state.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)
