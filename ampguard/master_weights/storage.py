@@ -47,6 +47,14 @@ class _Buffer:
 
 
 _buffers: dict[tuple[torch.device, int, torch.dtype], list[_Buffer]] = {}
+_prune_above = 4096  # entries of models gone since are dropped when the registry grows past this
+
+
+def _prune() -> None:
+    global _prune_above
+    for key in list(_buffers):
+        _live(key)
+    _prune_above = max(4096, 2 * len(_buffers))
 
 
 def _key(param: Tensor) -> tuple[torch.device, int, torch.dtype]:
@@ -75,6 +83,8 @@ def master_for(param: Tensor) -> Tensor:
     """
     if param.numel() == 0:
         return torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
+    if len(_buffers) > _prune_above:
+        _prune()
     key = _key(param)
     start, stop = _span(param)
     for buffer, view in _live(key):
