@@ -240,3 +240,24 @@ def test_an_optimizer_saved_whole_with_masters_loads_and_steps_in_plain_torch(op
         assert optimizer == "adamw" or all(torch.isfinite(p).all() for p in model.parameters())
     finally:
         ampguard.install()
+
+
+def test_a_step_captured_before_install_that_raised_is_put_back_at_the_next_call(monkeypatch):
+    """torch's hooked step held from before ``import ampguard`` (an LR scheduler made earlier) has no put-back of
+    its own: the next call into the optimizer (here zero_grad) puts the model's parameters back."""
+    half, full = pair()
+    for run in (half, full):
+        optimizer = run.optimizers[0]
+        hooked = vars(type(optimizer))["step"]
+        torch_hooked = hooked.__wrapped__ if hasattr(hooked, "_ampguard_puts_masters_back") else hooked
+        monkeypatch.setattr(optimizer, "step", torch_hooked.__get__(optimizer))
+        run.steps(5)
+        _raise_in_step_hook(optimizer, "post_hook")
+        with pytest.raises(RuntimeError):
+            run.steps(1)
+        optimizer.zero_grad()
+        assert model_lists(run) == [[id(p) for p in run.model.parameters()]]
+    assert_like(half, full)
+    half.steps(20)
+    full.steps(20)
+    assert_like(half, full)
