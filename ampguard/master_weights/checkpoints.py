@@ -31,6 +31,7 @@ from ampguard.master_weights.records import (
     STATE_KEY,
     Masters,
     cast_state,
+    fail,
     label,
     pickled,
     record_of,
@@ -100,9 +101,13 @@ def wrap_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
 def wrap_zero_grad(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def zero_grad(self: Any, *args: Any, **kwargs: Any) -> None:
-        record = record_of(self, create=False) if state.active else None
-        if record is not None:
-            record.free_grads()
+        record = None
+        try:
+            record = record_of(self, create=False) if state.active else None
+            if record is not None:
+                record.free_grads()
+        except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+            fail(self, record, error)
         return original(self, *args, **kwargs)
 
     state.wrappers["zero_grad"] = zero_grad
