@@ -125,24 +125,28 @@ def test_a_parameter_in_two_optimizers_gets_both_updates_like_torch():
 
 
 class TwoViews(torch.nn.Module):
-    """Two Parameters over the same memory (``view`` is made from ``weight``'s tensor), as some tying code does."""
+    """A second Parameter over the first layer's weight: all of it, or its first 4 rows (``view`` shares its memory)."""
 
-    def __init__(self, dtype: torch.dtype) -> None:
+    def __init__(self, dtype: torch.dtype, rows: bool) -> None:
         super().__init__()
-        inner = model_of(dtype)
-        self.inner = inner
-        self.view = torch.nn.Parameter(inner[0].weight.detach())
+        self.inner = model_of(dtype)
+        weight = self.inner[0].weight.detach()
+        self.rows = rows
+        self.view = torch.nn.Parameter(weight[:4] if rows else weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rows:
+            return self.inner(x) + torch.tanh(x) @ self.view.T * 0.5
         return self.inner(x + torch.tanh(x) @ self.view.T * 0.5)
 
 
+@pytest.mark.parametrize("view", ["whole", "rows"])
 @pytest.mark.parametrize("optimizers", ["one", "two"])
-def test_two_parameters_over_one_tensor_both_update_it_like_torch(optimizers):
+def test_two_parameters_over_one_tensor_both_update_it_like_torch(optimizers, view):
     runs = []
     for dtype in (torch.float16, torch.float32):
-        model = TwoViews(dtype)
-        one = [sgd(model.parameters())] if optimizers == "one" else None
+        model = TwoViews(dtype, rows=view == "rows")
+        one = [sgd([model.view, *model.inner.parameters()])] if optimizers == "one" else None  # the slice first
         made = one or [sgd(model.inner.parameters()), sgd([model.view])]
         runs.append(Run(model, made, dtype))
     half, full = runs

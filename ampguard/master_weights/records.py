@@ -137,31 +137,45 @@ def _why_not(optimizer: Any) -> str | None:
     return None
 
 
-def _new_master(param: Tensor, where: str) -> Tensor:
-    try:
-        return storage.master_for(param)
-    except storage.PartialOverlap:
-        raise Unwrappable(
-            f"its parameter {where} ({str(param.dtype).replace('torch.', '')}, shape {list(param.shape)}) covers "
-            "part of the memory of another parameter that has a master, so one float32 copy cannot serve both"
-        ) from None
+def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
+    """Masters for the trainable half-precision parameters not in ``kept``, the widest first.
+
+    Widest first, so that a Parameter over a slice of another's memory gets a
+    view of the other's float32 copy rather than a copy the wider one would straddle.
+    """
+    found = []
+    for index, group in enumerate(optimizer.param_groups):
+        for position, param in enumerate(group["params"]):
+            if param.dtype in state.dtypes:
+                if type(param) not in _PLAIN_TYPES:
+                    raise Unwrappable(f"its parameters are {type(param).__name__} tensors")
+                if param.requires_grad and id(param) not in kept:
+                    found.append((f"param_groups[{index}]['params'][{position}]", param))
+    made = {}
+    for where, param in sorted(found, key=lambda item: -item[1].numel()):
+        try:
+            made[id(param)] = storage.master_for(param)
+        except storage.PartialOverlap:
+            raise Unwrappable(
+                f"its parameter {where} ({str(param.dtype).replace('torch.', '')}, shape {list(param.shape)}) "
+                "covers part of the memory of another parameter that has a master, so one float32 copy cannot "
+                "serve both"
+            ) from None
+    return made
 
 
 def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Masters | Plain:
     """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep)."""
     signature = _signature(optimizer)
+    kept = {**kept, **_new_masters(optimizer, kept)}
     model_lists, master_lists, params, masters, waiting = [], [], [], [], []
-    for index, group in enumerate(optimizer.param_groups):
+    for group in optimizer.param_groups:
         group_params = group["params"]
         group_masters = []
-        for position, param in enumerate(group_params):
+        for param in group_params:
             if param.dtype in state.dtypes:
-                if type(param) not in _PLAIN_TYPES:
-                    raise Unwrappable(f"its parameters are {type(param).__name__} tensors")
                 if param.requires_grad:
-                    master = kept.get(id(param))
-                    if master is None:
-                        master = _new_master(param, f"param_groups[{index}]['params'][{position}]")
+                    master = kept[id(param)]
                     params.append(param)
                     masters.append(master)
                     group_masters.append(master)

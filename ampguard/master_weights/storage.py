@@ -87,14 +87,15 @@ def master_for(param: Tensor) -> Tensor:
         _prune()
     key = _key(param)
     start, stop = _span(param)
-    for buffer, view in _live(key):
+    live = _live(key)
+    for buffer, view in live:
         if buffer.start <= start and stop <= buffer.stop:
             master = torch.nn.Parameter(view.detach().as_strided(param.shape, param.stride(), start - buffer.origin))
             buffer.views.append(weakref.ref(master))
             buffer.owners.append(weakref.ref(param))
             return master
-        if start < buffer.stop and buffer.start < stop:
-            raise PartialOverlap
+    if any(start < buffer.stop and buffer.start < stop for buffer, _ in live):
+        raise PartialOverlap
     data = torch.empty(stop - start, dtype=torch.float32, device=param.device)
     master = torch.nn.Parameter(data.as_strided(param.shape, param.stride(), 0))
     with torch.no_grad():
