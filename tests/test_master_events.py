@@ -17,7 +17,7 @@ import pickle
 
 import pytest
 import torch
-from master_events_support import Run, assert_like, model_lists, model_of, sgd
+from master_events_support import Run, assert_like, batch, model_lists, model_of, sgd
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401
 
 import ampguard
@@ -122,6 +122,35 @@ def test_a_parameter_in_two_optimizers_gets_both_updates_like_torch():
         half.steps(count)
         full.steps(count)
         assert_like(half, full)
+
+
+def test_a_parameter_in_two_optimizers_is_clipped_once_for_both_under_a_grad_scaler():
+    """unscale_ of each optimizer, then one clip_grad_norm_ over the model, then both steps (torch would unscale the
+    shared p.grad twice: the reference is float32 without a scaler). Both optimizers step the clipped gradient."""
+    runs = {}
+    for dtype in (torch.float16, torch.float32):
+        model = model_of(dtype)
+        optimizers = [sgd([*model[0].parameters(), model[2].weight]), sgd([*model[0].parameters(), model[2].bias])]
+        runs[dtype] = run = Run(model, optimizers, dtype)
+        scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if dtype == torch.float16 else None
+        for _ in range(10):
+            for optimizer in optimizers:
+                optimizer.zero_grad()
+            x, y = batch(run.step, dtype)
+            loss = run.loss_of(model, x, y)
+            if scaler is None:
+                loss.backward()
+            else:
+                scaler.scale(loss).backward()
+                for optimizer in optimizers:
+                    scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            for optimizer in optimizers:
+                optimizer.step() if scaler is None else scaler.step(optimizer)
+            if scaler is not None:
+                scaler.update()
+            run.step += 1
+    assert_like(runs[torch.float16], runs[torch.float32])
 
 
 class TwoViews(torch.nn.Module):

@@ -23,6 +23,7 @@ def sync(optimizer: Any, record: Masters) -> Masters | None:
         if record.refresh is not None:
             _refresh(record)
         sources, targets = [], []
+        shared = record.shared
         for param, master in zip(record.params, record.masters):
             grad = param.grad
             if grad is None:
@@ -31,12 +32,22 @@ def sync(optimizer: Any, record: Masters) -> Masters | None:
             if grad.layout is not torch.strided:
                 raise Unwrappable("it receives sparse gradients")
             if master.grad is None:
-                master.grad = torch.empty_like(master)
+                master.grad = (
+                    _shared_grad(param, master) if shared and id(param) in shared else torch.empty_like(master)
+                )
             sources.append(grad)
             targets.append(master.grad)
         if sources:
             torch._foreach_copy_(targets, sources)
     return record
+
+
+def _shared_grad(param: Tensor, master: Tensor) -> Tensor:
+    """The float32 gradient every optimizer holding ``param`` uses (each copy and unscale writes the same value)."""
+    grad = state.shared_grads.get(id(param))
+    if grad is None or grad.shape != master.shape:
+        grad = state.shared_grads[id(param)] = torch.empty_like(master)
+    return grad
 
 
 def _refresh(record: Masters) -> None:

@@ -41,6 +41,8 @@ class _State:
         self.dtypes: tuple[torch.dtype, ...] = ()
         self.records: weakref.WeakSet[Masters] = weakref.WeakSet()
         self.synced: weakref.WeakSet[Masters] = weakref.WeakSet()  # gradients copied, step not taken yet
+        # a parameter in several optimizers: one float32 gradient for all of their masters (clipped once, seen by all)
+        self.shared_grads: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.wrappers: dict[str, Callable[..., Any]] = {}
 
 
@@ -85,6 +87,7 @@ class Masters:
     masters: list[Tensor]
     waiting: list[Tensor]  # half-precision parameters without one (frozen when last looked at)
     master_of: dict[int, Tensor] = field(default_factory=dict)
+    shared: set[int] = field(default_factory=set)  # ids of its parameters another optimizer's record holds too
     sync_scaler: Any = None  # weakref to the scaler whose unscale_ copied the gradients
     sync_states: Any = None  # ...and its per-iteration dict at that time (torch's update() replaces it)
     refresh: str | None = None  # "exact": masters from the parameters; "check": only where they disagree
@@ -251,9 +254,17 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
     optimizer.__dict__[ATTRIBUTE] = built
     if not isinstance(built, Masters):
         return None
-    state.records.add(built)
     if previous is not None:
         state.records.discard(previous)
+    for other in state.records:
+        common = built.master_of.keys() & other.master_of.keys()
+        other.shared |= common
+        built.shared |= common
+        for key in common:  # a gradient the other optimizer holds already is the one to share
+            grad = other.master_of[key].grad
+            if grad is not None:
+                state.shared_grads[key] = grad
+    state.records.add(built)
     if (previous is None or not previous.params) and not unpickled:
         _announce(optimizer, built)
     return built
@@ -330,5 +341,6 @@ def deactivate() -> None:
                 logger.warning("ampguard could not put %s back: %r", label(optimizer), error)
     state.records = weakref.WeakSet()
     state.synced = weakref.WeakSet()
+    state.shared_grads = weakref.WeakValueDictionary()
     state.wrappers = {}
     storage.forget()
