@@ -294,3 +294,20 @@ def test_a_step_captured_before_install_that_raised_is_put_back_at_the_next_call
     half.steps(20)
     full.steps(20)
     assert_like(half, full)
+
+
+def test_an_optimizers_own_step_post_hook_sees_the_model_after_the_step():
+    """torch runs the optimizer's own post-hooks before the global ones (an EMA update, a logger hooked there)."""
+    seen = {}
+    for run in pair():
+        optimizer, dtype = run.optimizers[0], run.dtype
+
+        def hook(optimizer, args, kwargs, dtype=dtype, model=run.model):
+            params = optimizer.param_groups[0]["params"]
+            assert all(p is q for p, q in zip(params, model.parameters()))
+            seen[dtype] = [p.detach().clone() for p in params]
+
+        optimizer.register_step_post_hook(hook)
+        run.steps(3)
+        assert all(torch.equal(a, b) for a, b in zip(seen[dtype], run.model.parameters()))
+    assert all(torch.allclose(a.float(), b, atol=2e-3) for a, b in zip(seen[torch.float16], seen[torch.float32]))

@@ -23,6 +23,7 @@ from ampguard.master_weights import storage
 
 STATE_KEY = "ampguard_master_weights"
 ATTRIBUTE = "_ampguard_master_weights"
+_POST_HOOK = "_ampguard_master_weights_put_back"
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 KEEPS = "{optimizer} keeps float32 master copies of {counts} ({mib:.1f} MiB)."
@@ -254,6 +255,7 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
     optimizer.__dict__[ATTRIBUTE] = built
     if not isinstance(built, Masters):
         return None
+    _put_back_before_its_own_post_hooks(optimizer)
     if previous is not None:
         state.records.discard(previous)
     for other in state.records:
@@ -268,6 +270,27 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
     if (previous is None or not previous.params) and not unpickled:
         _announce(optimizer, built)
     return built
+
+
+def _put_back_before_its_own_post_hooks(optimizer: Any) -> None:
+    """torch runs an optimizer's own step post-hooks before the global one: put the parameters back first for them."""
+    if _POST_HOOK in optimizer.__dict__:
+        return
+    try:
+        handle = optimizer.register_step_post_hook(_put_back)
+        optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
+    except (AttributeError, KeyError):  # the global post-hook puts them back, after the optimizer's own hooks
+        return
+    optimizer.__dict__[_POST_HOOK] = handle
+
+
+def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
+    record = optimizer.__dict__.get(ATTRIBUTE)
+    if record.__class__ is Masters and record.swapped:
+        try:
+            record.put_back(optimizer)
+        except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+            fail(optimizer, record, error)
 
 
 def _announce(optimizer: Any, record: Masters) -> None:
@@ -312,6 +335,9 @@ def retire(optimizer: Any, record: Masters) -> None:
     record.free_grads()
     state.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)
+    handle = optimizer.__dict__.pop(_POST_HOOK, None)
+    if handle is not None:
+        handle.remove()
 
 
 def fail(optimizer: Any, record: Masters | None, error: Exception) -> None:
