@@ -18,6 +18,7 @@ import pickle
 import pytest
 import torch
 from master_events_support import Run, assert_like, batch, model_lists, model_of, sgd
+from master_support import OwnStateDictSGD
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401
 
 import ampguard
@@ -311,3 +312,31 @@ def test_an_optimizers_own_step_post_hook_sees_the_model_after_the_step():
         run.steps(3)
         assert all(torch.equal(a, b) for a, b in zip(seen[dtype], run.model.parameters()))
     assert all(torch.allclose(a.float(), b, atol=2e-3) for a, b in zip(seen[torch.float16], seen[torch.float32]))
+
+
+@pytest.mark.parametrize("scaler", [False, True], ids=["plain_step", "grad_scaler"])
+def test_a_parameter_also_stepped_by_an_optimizer_without_masters_keeps_its_updates(scaler):
+    """The other optimizer steps between the masters' gradient copy (unscale_) and their step, or after it."""
+    runs = {}
+    for dtype in (torch.float16, torch.float32):
+        model = model_of(dtype)
+        masters, direct = sgd(model.parameters()), OwnStateDictSGD([model[0].weight], lr=0.05)
+        runs[dtype] = run = Run(model, [masters, direct], dtype)
+        grad_scaler = torch.amp.GradScaler("cpu", init_scale=256.0) if scaler and dtype == torch.float16 else None
+        for _ in range(20):
+            masters.zero_grad()
+            direct.zero_grad()
+            x, y = batch(run.step, dtype)
+            loss = run.loss_of(model, x, y)
+            if grad_scaler is None:
+                loss.backward()
+                masters.step()
+                direct.step()
+            else:
+                grad_scaler.scale(loss).backward()
+                grad_scaler.unscale_(masters)
+                grad_scaler.step(direct)
+                grad_scaler.step(masters)
+                grad_scaler.update()
+            run.step += 1
+    assert_like(runs[torch.float16], runs[torch.float32], tolerance=3e-3)  # the float16 optimizer's own rounding

@@ -13,7 +13,7 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from master_support import WIDTH, fine_tune
+from master_support import WIDTH, OwnStateDictSGD, fine_tune
 from scaler_support import ampguard_log, fused_adam_available, one_thread, records  # noqa: F401
 
 import ampguard
@@ -323,11 +323,6 @@ def test_off_leaves_the_patch_unapplied(reinstall):
 
 
 # -- what cannot be wrapped: one message, runs as today -------------------------------
-
-
-class OwnStateDictSGD(torch.optim.SGD):
-    def state_dict(self):  # type: ignore[override]
-        return super().state_dict()
 
 
 def _cannot_wrap(ampguard_log) -> list[logging.LogRecord]:

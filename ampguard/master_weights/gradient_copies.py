@@ -21,7 +21,7 @@ def sync(optimizer: Any, record: Masters) -> Masters | None:
         record = rebuilt
     with torch.no_grad():
         if record.refresh is not None:
-            _refresh(record)
+            refresh(record)
         sources, targets = [], []
         shared = record.shared
         for param, master in zip(record.params, record.masters):
@@ -50,7 +50,8 @@ def _shared_grad(param: Tensor, master: Tensor) -> Tensor:
     return grad
 
 
-def _refresh(record: Masters) -> None:
+@torch.no_grad()
+def refresh(record: Masters) -> None:
     """After a load: masters from the parameters ("exact"), or only where they no longer round to them ("check")."""
     if record.refresh == "exact":
         torch._foreach_copy_(record.masters, record.params)

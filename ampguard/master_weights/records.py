@@ -45,6 +45,7 @@ class _State:
         # a parameter in several optimizers: one float32 gradient for all of their masters (clipped once, seen by all)
         self.shared_grads: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.wrappers: dict[str, Callable[..., Any]] = {}
+        self.excluded: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers marked Excluded
 
 
 state = _State()
@@ -71,9 +72,14 @@ class Plain:
 
 @dataclass
 class Excluded:
-    """An optimizer ampguard cannot wrap: left as it is, for good."""
+    """An optimizer ampguard cannot wrap: left as it is, for good.
+
+    ``shares``: records holding some of its parameters, whose masters must
+    take its in-place updates (refreshed after each of its steps).
+    """
 
     reason: str
+    shares: weakref.WeakSet[Masters] = field(default_factory=weakref.WeakSet)
 
 
 @dataclass(eq=False)
@@ -267,6 +273,8 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
             if grad is not None:
                 state.shared_grads[key] = grad
     state.records.add(built)
+    for other in list(state.excluded):
+        _note_sharing(other)
     if (previous is None or not previous.params) and not unpickled:
         _announce(optimizer, built)
     return built
@@ -313,15 +321,32 @@ def _half_dtypes(optimizer: Any) -> list[str]:
     return sorted(found)
 
 
+def _mark_excluded(optimizer: Any, reason: str) -> None:
+    try:
+        optimizer.__dict__[ATTRIBUTE] = Excluded(reason)
+        state.excluded.add(optimizer)
+    except (AttributeError, TypeError):  # not an object we can mark: say it every time it comes back
+        return
+    _note_sharing(optimizer)
+
+
+def _note_sharing(optimizer: Any) -> None:
+    """The records that hold parameters of the excluded ``optimizer`` (its steps write into their masters' weights)."""
+    entry = optimizer.__dict__.get(ATTRIBUTE)
+    if not isinstance(entry, Excluded):
+        return
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"] if p.dtype in state.dtypes}
+    for record in state.records:
+        if not ids.isdisjoint(record.master_of):
+            entry.shares.add(record)
+
+
 def exclude(optimizer: Any, reason: str, record: Masters | None) -> None:
     """Leave ``optimizer`` as torch has it, for good (putting its state back on its parameters), and say so once."""
     if record is not None:
         retire(optimizer, record)
     dtypes = _half_dtypes(optimizer)
-    try:
-        optimizer.__dict__[ATTRIBUTE] = Excluded(reason)
-    except (AttributeError, TypeError):  # not an object we can mark: say it every time it comes back
-        pass
+    _mark_excluded(optimizer, reason)
     if dtypes:
         logger.warning(CANNOT_WRAP.format(optimizer=label(optimizer), dtypes=" and ".join(dtypes), reason=reason))
 
@@ -345,7 +370,7 @@ def fail(optimizer: Any, record: Masters | None, error: Exception) -> None:
     try:
         if record is not None:
             retire(optimizer, record)
-        optimizer.__dict__[ATTRIBUTE] = Excluded(f"failed: {error!r}")
+        _mark_excluded(optimizer, f"failed: {error!r}")
     except Exception as second:
         logger.debug("ampguard could not put %s back: %r", label(optimizer), second)
 
@@ -367,6 +392,7 @@ def deactivate() -> None:
                 logger.warning("ampguard could not put %s back: %r", label(optimizer), error)
     state.records = weakref.WeakSet()
     state.synced = weakref.WeakSet()
+    state.excluded = weakref.WeakSet()
     state.shared_grads = weakref.WeakValueDictionary()
     state.wrappers = {}
     storage.forget()

@@ -24,6 +24,7 @@ from ampguard.log import logger
 from ampguard.master_weights import gradient_copies
 from ampguard.master_weights.records import (
     ATTRIBUTE,
+    Excluded,
     Masters,
     Plain,
     Unwrappable,
@@ -58,6 +59,8 @@ def before_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> 
             raise Unwrappable("its step() is called with a closure, which re-runs backward inside the step")
         if not record.synced():
             record = gradient_copies.sync(optimizer, record)
+        elif record.refresh is not None:  # weights written since the gradients were copied (another optimizer)
+            gradient_copies.refresh(record)
         if record is not None and record.params:
             record.swap(optimizer, to_masters=True)
     except Unwrappable as why:
@@ -70,6 +73,9 @@ def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> N
     """Global optimizer step post-hook: the model's lists back, the rounded masters into the parameters."""
     record = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
     if record.__class__ is not Masters:
+        if record.__class__ is Excluded and record.shares:  # it stepped weights that have masters elsewhere
+            for other in record.shares:
+                other.refresh = other.refresh or "check"
         return
     try:
         if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)
