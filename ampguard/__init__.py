@@ -13,6 +13,7 @@ its patches to torch (``ampguard patches`` lists them). The public API is small:
 
 from __future__ import annotations
 
+from ampguard import errors as errors  # bound here too when a failed import left it loaded
 from ampguard._version import __version__ as __version__
 from ampguard.errors import ConfigError, ScaleCollapseError
 from ampguard.registry import PatchStatus, install, status, uninstall
@@ -78,8 +79,8 @@ if _config_error is not None:
     # fixed binds them on the new package object (else `ampguard.scaler` would be an AttributeError).
     import sys as _sys
 
-    for _name in [name for name in _sys.modules if name.startswith("ampguard.")]:
-        del _sys.modules[_name]
+    for _name in [name for name in _sys.modules if name.startswith("ampguard.") and name != "ampguard.errors"]:
+        del _sys.modules[_name]  # (ampguard.errors stays: the ConfigError raised is its class)
     # Raised here, without install's frames: the traceback is the user's import line, this line and the message.
     raise _config_error.with_traceback(None) from None
 del _config_error

@@ -31,7 +31,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.bf16_check:Bf16CheckPatch",
     "ampguard.fp32_islands.patch:Fp32IslandsPatch",
     "ampguard.patches.anomaly:AnomalyPatch",
-    "ampguard.patches.master_weights:MasterWeightsPatch",
+    "ampguard.master_weights.patch:MasterWeightsPatch",
     "ampguard.scheduler_hold.patch:SchedulerHoldPatch",
     "ampguard.trainer_logs.patch:TrainerLogsPatch",
 )

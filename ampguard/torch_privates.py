@@ -46,12 +46,14 @@ FP32_ISLANDS: tuple[Private, ...] = (
     Private("torch.nn.modules.module.register_module_forward_pre_hook"),
     Private("torch.nn.modules.module.register_module_forward_hook", keywords=("always_call",)),
     Private("torch._foreach_copy_"),
+    Private("torch.optim.Optimizer.profile_hook_step"),
 )
 
 MASTER_WEIGHTS: tuple[Private, ...] = (
     Private("torch.optim.optimizer.register_optimizer_step_pre_hook"),
     Private("torch.optim.optimizer.register_optimizer_step_post_hook"),
     Private("torch._foreach_copy_"),
+    Private("torch.optim.Optimizer.profile_hook_step"),
 )
 
 CLIP_GRAD: tuple[Private, ...] = (

@@ -40,6 +40,13 @@ class Result:
         return {p.dtype for p in self.model.parameters()}
 
 
+class OwnStateDictSGD(torch.optim.SGD):
+    """ampguard cannot keep masters for it (its own state_dict): it steps its half-precision weights directly."""
+
+    def state_dict(self):  # type: ignore[override]
+        return super().state_dict()
+
+
 def make_optimizer(name: str, params: Any, lr: float) -> torch.optim.Optimizer:
     if name == "adamw":
         return torch.optim.AdamW(params, lr=lr)

@@ -83,7 +83,7 @@ def test_forgotten_unscale_with_float16_params_steps_as_the_recipe_does():
         torch.nn.utils.clip_grad_norm_([param], 10.0)  # the norm is ~0.5: nothing is clipped
         scaler.step(optimizer)
         scaler.update()
-        masters = ampguard.master.masters_of(optimizer)
+        masters = ampguard.master_weights.masters_of(optimizer)
         return masters[0][1].detach().clone() if masters else param.detach().float()
 
     want = run(recipe=True)

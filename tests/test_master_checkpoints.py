@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 import ampguard
-from ampguard import master
+from ampguard import master_weights
 
 WORKER = r"""
 import sys
@@ -113,8 +113,8 @@ def test_resume_in_a_new_process_is_bit_exact_and_loads_in_plain_torch(tmp_path)
     _run(tmp_path, "first")
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     saved = checkpoint["optimizer"]
-    assert set(saved[master.STATE_KEY]) == {0, 1, 2, 3}
-    assert all(t.dtype == torch.float32 for t in saved[master.STATE_KEY].values())
+    assert set(saved[master_weights.STATE_KEY]) == {0, 1, 2, 3}
+    assert all(t.dtype == torch.float32 for t in saved[master_weights.STATE_KEY].values())
     assert saved["state"][0]["exp_avg_sq"].dtype == torch.float32
     resumed = torch.load(_run(tmp_path, "resume"), weights_only=True)
     assert all(p.dtype == torch.float16 for p in full["params"])
@@ -133,7 +133,7 @@ def test_checkpoint_saved_without_ampguard_loads_and_rebuilds_the_masters(stock_
         model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
         optimizer.step()
     saved_model, saved_optimizer = copy.deepcopy(model.state_dict()), copy.deepcopy(optimizer.state_dict())
-    assert master.STATE_KEY not in saved_optimizer
+    assert master_weights.STATE_KEY not in saved_optimizer
     ampguard.install()
 
     torch.manual_seed(1)  # other initial weights: the model is loaded only after the optimizer
@@ -145,7 +145,7 @@ def test_checkpoint_saved_without_ampguard_loads_and_rebuilds_the_masters(stock_
     fresh_optimizer.zero_grad()
     fresh(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
     fresh_optimizer.step()  # lr 0: the parameters stay what was loaded
-    pairs = master.masters_of(fresh_optimizer)
+    pairs = master_weights.masters_of(fresh_optimizer)
     assert len(pairs) == 2
     assert all(torch.equal(m, saved_model[name].float()) for (p, m), name in zip(pairs, ("weight", "bias")))
     assert all(torch.equal(p, saved_model[name]) for p, name in zip(fresh.parameters(), ("weight", "bias")))
@@ -161,7 +161,7 @@ def test_masters_loaded_with_the_optimizer_survive_a_later_model_load():
         optimizer.step()
     state = copy.deepcopy(optimizer.state_dict())
     model_state = copy.deepcopy(model.state_dict())
-    masters = [m.clone() for _, m in master.masters_of(optimizer)]
+    masters = [m.clone() for _, m in master_weights.masters_of(optimizer)]
     assert any(not torch.equal(m, p.float()) for m, p in zip(masters, model.parameters()))  # more than the rounding
 
     other = torch.nn.Linear(8, 8).half()
@@ -172,4 +172,4 @@ def test_masters_loaded_with_the_optimizer_survive_a_later_model_load():
     other(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
     other_optimizer.param_groups[0]["lr"] = 0.0
     other_optimizer.step()
-    assert all(torch.equal(m, n) for m, (_, n) in zip(masters, master.masters_of(other_optimizer)))
+    assert all(torch.equal(m, n) for m, (_, n) in zip(masters, master_weights.masters_of(other_optimizer)))

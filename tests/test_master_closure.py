@@ -16,7 +16,8 @@ import torch.nn.functional as F
 from master_support import fine_tune
 from scaler_support import ampguard_log, records  # noqa: F401
 
-from ampguard import master
+from ampguard import master_weights
+from ampguard.master_weights import gradient_copies
 from ampguard.syncs import HostReadCounter
 
 CASES = [("sgd", 1e-3, 200), ("adamw", 1e-4, 200), ("lbfgs", 1.0, 20)]
@@ -29,10 +30,10 @@ def test_closure_steps_train_a_float16_model_like_float32(optimizer, lr, steps):
     )
     half = fine_tune(torch.float16, optimizer, lr, steps=steps, scaler=False, closure=True)
     assert half.finite() and half.dtypes() == {torch.float16}
-    assert len(master.masters_of(half.optimizer)) == 2
+    assert len(master_weights.masters_of(half.optimizer)) == 2
     assert half.reduction == pytest.approx(reference.reduction, rel=1e-3)
     # Under fp16 autocast the float32 student computes with the same rounded weights: its weights are the masters.
-    masters = {id(p): m for p, m in master.masters_of(half.optimizer)}
+    masters = {id(p): m for p, m in master_weights.masters_of(half.optimizer)}
     for name in ("weight", "bias"):
         stepped = masters[id(getattr(half.model, name))]
         torch.testing.assert_close(stepped, getattr(reference.model, name), rtol=0, atol=1e-7)
@@ -43,9 +44,9 @@ def test_a_closure_step_is_the_step_without_one(optimizer):
     """The closure path gives the masters exactly what ``loss.backward(); opt.step()`` does."""
     plain = fine_tune(torch.float16, optimizer, 1e-3, steps=30, scaler=False)
     stepped = fine_tune(torch.float16, optimizer, 1e-3, steps=30, scaler=False, closure=True)
-    masters = [m for _, m in master.masters_of(stepped.optimizer)]
+    masters = [m for _, m in master_weights.masters_of(stepped.optimizer)]
     assert len(masters) == 2
-    assert all(torch.equal(a, b) for (_, a), b in zip(master.masters_of(plain.optimizer), masters, strict=True))
+    assert all(torch.equal(a, b) for (_, a), b in zip(master_weights.masters_of(plain.optimizer), masters, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(plain.model.parameters(), stepped.model.parameters()))
 
 
@@ -58,7 +59,7 @@ def test_each_lbfgs_evaluation_sees_the_masters_so_far_and_feeds_their_gradients
     last: dict[str, list[torch.Tensor]] = {}
 
     def closure() -> torch.Tensor:
-        pairs = master.masters_of(opt)
+        pairs = master_weights.masters_of(opt)
         assert len(pairs) == 2
         current = all(torch.equal(p, m.to(p.dtype)) for p, m in pairs)
         fed = all(torch.equal(m.grad, g) for (_, m), g in zip(pairs, last["grads"])) if last else None
@@ -79,7 +80,7 @@ def test_each_lbfgs_evaluation_sees_the_masters_so_far_and_feeds_their_gradients
     assert sum(fed is not None for _, fed, _ in seen) >= 2  # evaluations after the first of a step were checked
     params = opt.param_groups[0]["params"]
     assert all(a is b for a, b in zip(params, model.parameters(), strict=True)) and opt._params is params
-    assert opt.state[master.masters_of(opt)[0][1]]["d"].dtype == torch.float32  # its history is the masters'
+    assert opt.state[master_weights.masters_of(opt)[0][1]]["d"].dtype == torch.float32  # its history is the masters'
 
 
 def test_a_closure_step_gets_the_info_line_and_no_cannot_wrap_warning(ampguard_log):
@@ -97,7 +98,7 @@ def test_host_reads_per_closure_step_with_masters_at_most_the_float32_model(opti
         fine_tune(dtype, optimizer, lr, steps=2, scaler=False, closure=True)  # masters made, first-step work done
         with HostReadCounter() as reads:
             run = fine_tune(dtype, optimizer, lr, steps=10, scaler=False, closure=True)
-        assert len(master.masters_of(run.optimizer)) == (2 if dtype == torch.float16 else 0)
+        assert len(master_weights.masters_of(run.optimizer)) == (2 if dtype == torch.float16 else 0)
         with HostReadCounter() as baseline:
             fine_tune(dtype, optimizer, lr, steps=0, scaler=False, closure=True)
         counts[dtype] = reads.total - baseline.total  # the held-out losses are read in both
@@ -123,7 +124,7 @@ def test_a_parameter_unfrozen_between_closure_steps_gets_its_master_at_the_next_
             model[0].requires_grad_(True)
         opt.zero_grad()
         opt.step(closure)
-    assert {id(p) for p, _ in master.masters_of(opt)} == {id(p) for p in model.parameters()}
+    assert {id(p) for p, _ in master_weights.masters_of(opt)} == {id(p) for p in model.parameters()}
     assert all(m.dtype == torch.float32 for m in opt.state) and len(opt.state) == 4
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
 
@@ -133,12 +134,12 @@ def test_a_failure_inside_a_closure_step_falls_back_to_torch_with_one_warning(op
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(master, "_copy_gradients", broken, raising=False)
+    monkeypatch.setattr(gradient_copies, "copy_gradients", broken)
     lr = 1.0 if optimizer == "lbfgs" else 1e-3
     run = fine_tune(torch.float16, optimizer, lr, steps=5, scaler=False, closure=True)
     [warning] = records(ampguard_log, logging.WARNING, "master weights failed")
     assert "RuntimeError: boom" in warning.getMessage()
-    assert not master.masters_of(run.optimizer) and run.dtypes() == {torch.float16}
+    assert not master_weights.masters_of(run.optimizer) and run.dtypes() == {torch.float16}
     params = run.optimizer.param_groups[0]["params"]
     assert all(a is b for a, b in zip(params, run.model.parameters(), strict=True))
     assert set(run.optimizer.state) <= set(params)  # the state is the parameters' again, as torch has it

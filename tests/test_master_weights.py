@@ -13,11 +13,12 @@ import logging
 import pytest
 import torch
 import torch.nn.functional as F
-from master_support import WIDTH, fine_tune
+from master_support import WIDTH, OwnStateDictSGD, fine_tune
 from scaler_support import ampguard_log, fused_adam_available, one_thread, records  # noqa: F401
 
 import ampguard
-from ampguard import master
+from ampguard import master_weights
+from ampguard.master_weights import gradient_copies
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -41,7 +42,7 @@ def test_float16_student_learns_like_float32(optimizer, lr, scaler):
     half = fine_tune(torch.float16, optimizer, lr, scaler=scaler)
     assert half.finite() and half.dtypes() == {torch.float16}
     assert half.reduction >= 0.9 * reference_reduction(optimizer, lr, scaler)
-    for param, copy in master.masters_of(half.optimizer):
+    for param, copy in master_weights.masters_of(half.optimizer):
         assert copy.dtype == torch.float32 and torch.equal(copy.to(torch.float16), param)
     assert all(
         t.dtype == torch.float32 for s in half.optimizer.state.values() for t in s.values() if t.is_floating_point()
@@ -63,7 +64,7 @@ def test_without_masters_the_same_criteria_fail(mode, dtype, reinstall):
     reinstall(AMPGUARD_MASTER_WEIGHTS=mode)
     lr = 1e-4 if dtype == torch.float16 else 1e-5
     half = fine_tune(torch.float16 if mode == "off" else dtype, "adamw", lr, scaler=False)
-    assert not master.masters_of(half.optimizer)
+    assert not master_weights.masters_of(half.optimizer)
     assert not half.finite() or half.reduction < 0.5 * reference_reduction("adamw", lr, False, dtype)
 
 
@@ -91,7 +92,7 @@ def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
         loss = model(torch.randn(8, WIDTH)).float().square().mean()
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
-    grads = [g for _, g in master.gradients(opt)]
+    grads = [g for _, g in master_weights.gradients(opt)]
     assert all(g.dtype == torch.float32 for g in grads)
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(expected) / 2)
@@ -155,7 +156,7 @@ def test_frozen_base_gets_no_float32_copy_and_the_adapter_learns():
     del objects  # the float32 reference's own base must not count below
     start, end, model, opt = _adapter_run(torch.float16)
     assert end < start and (start - end) >= 0.9 * (start32 - end32)
-    copies = master.masters_of(opt)
+    copies = master_weights.masters_of(opt)
     assert {id(p) for p, _ in copies} == {id(model.down.weight), id(model.up.weight)}
     gc.collect()
     float32_base_shaped = [
@@ -168,7 +169,7 @@ def test_frozen_base_gets_no_float32_copy_and_the_adapter_learns():
     assert float32_base_shaped == []
     assert model.base.weight.dtype == torch.float16 and model.base.weight.grad is None
     assert all(id(p) != id(model.base.weight) for p in opt.state)
-    assert set(opt.state_dict()[master.STATE_KEY]) == {2, 3}  # positions of down.weight and up.weight
+    assert set(opt.state_dict()[master_weights.STATE_KEY]) == {2, 3}  # positions of down.weight and up.weight
 
 
 def test_a_frozen_parameter_that_starts_training_gets_its_master_then():
@@ -181,7 +182,7 @@ def test_a_frozen_parameter_that_starts_training_gets_its_master_then():
         opt.zero_grad()
         model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean().backward()
         opt.step()
-    assert {id(p) for p, _ in master.masters_of(opt)} == {id(p) for p in model.parameters()}
+    assert {id(p) for p, _ in master_weights.masters_of(opt)} == {id(p) for p in model.parameters()}
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in model.parameters())
 
 
@@ -211,7 +212,7 @@ def test_param_groups_zero_grad_schedulers_and_add_param_group_keep_working():
         a is b for a, b in zip(opt.param_groups[0]["params"], [model.weight, model.bias])
     )
     assert opt.param_groups[0]["lr"] == 5e-4
-    assert all(m.grad is None for _, m in master.masters_of(opt))  # freed after the step
+    assert all(m.grad is None for _, m in master_weights.masters_of(opt))  # freed after the step
     opt.zero_grad()
     assert model.weight.grad is None
     extra = torch.nn.Linear(8, 8).half()
@@ -222,7 +223,7 @@ def test_param_groups_zero_grad_schedulers_and_add_param_group_keep_working():
     ).float().backward()
     before = extra.weight.detach().clone()
     opt.step()
-    assert len(master.masters_of(opt)) == 4 and not torch.equal(before, extra.weight)
+    assert len(master_weights.masters_of(opt)) == 4 and not torch.equal(before, extra.weight)
     assert all(p is q for p, q in zip(opt.param_groups[1]["params"], extra.parameters()))
 
 
@@ -233,9 +234,9 @@ def test_zero_grad_clears_master_gradients_left_by_a_skipped_step():
     scaler.scale(model(torch.randn(2, 8, dtype=torch.float16)).float().sum() * float("inf")).backward()
     scaler.step(opt)  # skipped: the masters' gradients stay until zero_grad
     scaler.update()
-    assert any(m.grad is not None for _, m in master.masters_of(opt))
+    assert any(m.grad is not None for _, m in master_weights.masters_of(opt))
     opt.zero_grad()
-    assert all(m.grad is None for _, m in master.masters_of(opt)) and model.weight.grad is None
+    assert all(m.grad is None for _, m in master_weights.masters_of(opt)) and model.weight.grad is None
 
 
 def test_float32_optimizers_are_untouched_and_bit_identical_to_torch(stock_torch):
@@ -265,12 +266,12 @@ def test_uninstall_puts_the_state_back_on_the_parameters():
     model = torch.nn.Linear(8, 8).half()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     _half_step(model, opt)
-    assert set(map(id, opt.state)) == {id(m) for _, m in master.masters_of(opt)}
+    assert set(map(id, opt.state)) == {id(m) for _, m in master_weights.masters_of(opt)}
     ampguard.uninstall()
     try:
         assert set(map(id, opt.state)) == {id(p) for p in model.parameters()}
         assert all(s["exp_avg"].dtype == torch.float16 for s in opt.state.values())
-        assert master.STATE_KEY not in opt.state_dict()
+        assert master_weights.STATE_KEY not in opt.state_dict()
     finally:
         ampguard.install()
 
@@ -285,7 +286,7 @@ def test_one_info_record_per_optimizer_with_count_and_memory(ampguard_log):
         _half_step(model, opt, torch.amp.GradScaler("cpu"))
     [record] = records(ampguard_log, logging.INFO, "master copies")
     assert record.getMessage() == (
-        f"{master.label(opt)} keeps float32 master copies of 2 float16 parameter tensors with 1,049,600 values (4.0 MiB)."
+        f"{master_weights.label(opt)} keeps float32 master copies of 2 float16 parameter tensors with 1,049,600 values (4.0 MiB)."
     )
 
 
@@ -324,11 +325,6 @@ def test_off_leaves_the_patch_unapplied(reinstall):
 # -- what cannot be wrapped: one message, runs as today -------------------------------
 
 
-class OwnStateDictSGD(torch.optim.SGD):
-    def state_dict(self):  # type: ignore[override]
-        return super().state_dict()
-
-
 def _cannot_wrap(ampguard_log) -> list[logging.LogRecord]:
     return records(ampguard_log, logging.WARNING, "cannot keep float32 master weights")
 
@@ -344,7 +340,7 @@ def test_sparse_gradients_get_one_message_and_run_as_today(ampguard_log):
         scaler.update()
     [message] = _cannot_wrap(ampguard_log)
     assert "sparse gradients" in message.getMessage()
-    assert not master.masters_of(opt) and embedding.weight.dtype == torch.float16
+    assert not master_weights.masters_of(opt) and embedding.weight.dtype == torch.float16
     assert torch.isfinite(embedding.weight).all() and scaler.stats.steps == 3
 
 
@@ -359,7 +355,7 @@ def test_an_optimizer_with_its_own_state_dict_gets_one_message(ampguard_log):
         opt.step()
     [message] = _cannot_wrap(ampguard_log)
     assert "own state_dict()" in message.getMessage()
-    assert not master.masters_of(opt) and not torch.equal(before, model.weight)
+    assert not master_weights.masters_of(opt) and not torch.equal(before, model.weight)
 
 
 # -- host reads -----------------------------------------------------------------------
@@ -387,7 +383,7 @@ def test_a_failure_inside_falls_back_to_torch_with_one_warning(scaler, monkeypat
     def broken(*args, **kwargs):
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(master, "_sync", broken)
+    monkeypatch.setattr(gradient_copies, "sync", broken)
     model = torch.nn.Linear(8, 8).half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
@@ -396,7 +392,7 @@ def test_a_failure_inside_falls_back_to_torch_with_one_warning(scaler, monkeypat
         _half_step(model, opt, grad_scaler)
     [warning] = records(ampguard_log, logging.WARNING, "master weights failed")
     assert "RuntimeError: boom" in warning.getMessage()
-    assert not master.masters_of(opt) and not torch.equal(before, model.weight)
+    assert not master_weights.masters_of(opt) and not torch.equal(before, model.weight)
 
 
 def test_a_second_unscale_leaves_the_master_gradients_alone():
@@ -405,14 +401,15 @@ def test_a_second_unscale_leaves_the_master_gradients_alone():
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean()).backward()
     scaler.unscale_(opt)
-    once = [g.clone() for _, g in master.gradients(opt)]
+    once = [g.clone() for _, g in master_weights.gradients(opt)]
     scaler.unscale_(opt)  # a library and the user both call it
-    assert all(torch.equal(a, b) for a, b in zip(once, (g for _, g in master.gradients(opt))))
-    before = [m.clone() for _, m in master.masters_of(opt)]
+    assert all(torch.equal(a, b) for a, b in zip(once, (g for _, g in master_weights.gradients(opt))))
+    before = [m.clone() for _, m in master_weights.masters_of(opt)]
     scaler.step(opt)
     scaler.update()
     assert all(
-        torch.equal(m, torch.add(b, g, alpha=-0.1)) for (_, m), b, g in zip(master.masters_of(opt), before, once)
+        torch.equal(m, torch.add(b, g, alpha=-0.1))
+        for (_, m), b, g in zip(master_weights.masters_of(opt), before, once)
     )
 
 

@@ -64,11 +64,11 @@ def run(dtype):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
-    from ampguard import master
+    from ampguard import master_weights
     return {
         "start": start, "end": loss_now(), "skipped": scaler.stats.skipped,
         "dtypes": sorted({str(p.dtype) for p in student.parameters()}),
-        "masters": len(master.masters_of(optimizer)),
+        "masters": len(master_weights.masters_of(optimizer)),
         "finite": all(bool(torch.isfinite(p).all()) for p in student.parameters()),
         "params": [p.detach().double().flatten().tolist() for p in student.parameters()],
     }

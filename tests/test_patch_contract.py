@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import ampguard
 from ampguard import registry
@@ -122,3 +123,26 @@ def test_the_contract_sees_each_wrapping_patch_change_something(stock_torch, mon
         _install_alone(monkeypatch, name)
         assert _changed(stock, _snapshot()), f"{name} changed nothing the contract test looks at"
         ampguard.uninstall()
+
+
+def test_an_optimizer_class_hooked_while_installed_runs_each_step_hook_once_after_uninstall(monkeypatch):
+    """torch hooks an optimizer class's step once; uninstalling must leave it hooked once, not hooked again."""
+
+    class Fresh(torch.optim.SGD):  # a class torch hooks now, while ampguard is installed
+        pass
+
+    calls = []
+    handle = register_optimizer_step_pre_hook(lambda *args: calls.append(1))
+    try:
+        param = torch.nn.Parameter(torch.zeros(2))
+        param.grad = torch.ones(2)
+        Fresh([param], lr=0.1).step()
+        ampguard.uninstall()
+        ampguard.install()
+        Fresh([param], lr=0.1).step()
+        ampguard.uninstall()
+        Fresh([param], lr=0.1).step()
+    finally:
+        handle.remove()
+        ampguard.install()
+    assert calls == [1, 1, 1]

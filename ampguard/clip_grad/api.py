@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ampguard import master
+from ampguard import master_weights
 from ampguard.clip_grad import kernels
 from ampguard.clip_grad.norm import scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
@@ -79,7 +79,7 @@ def clip_grad_value_wrapper(
     except TypeError:  # torch's own error
         return wrapped(*args, **kwargs)
     params, for_torch = kernels.materialize(parameters)
-    pairs = master.gradient_pairs(params)
+    pairs = master_weights.gradient_pairs(params)
     scalers = scalers_in_play()
     if not pairs or not scalers or not _plain(g for _, g in pairs):
         return wrapped(for_torch, clip_value, foreach)
@@ -162,7 +162,7 @@ def _gradients_held(tensors: Sequence[Tensor], scalers: list[SafeGradScaler]) ->
         return _Held(list(tensors), set())
     holder: dict[int, Tensor] = {}
     for _, optimizer, _ in unscaled_optimizers(scalers):
-        for param, grad in master.gradients(optimizer):
+        for param, grad in master_weights.gradients(optimizer):
             if grad is None:
                 continue
             holder[id(grad)] = grad
@@ -194,7 +194,7 @@ def clip_grads_with_norm_wrapper(
     except TypeError:
         return wrapped(*args, **kwargs)
     params, for_torch = kernels.materialize(parameters)
-    pairs = master.gradient_pairs(params)
+    pairs = master_weights.gradient_pairs(params)
     scalers = scalers_in_play()
     if not pairs or not scalers or not isinstance(total_norm, Tensor) or not _plain(g for _, g in pairs):
         return wrapped(for_torch, max_norm, total_norm, foreach)

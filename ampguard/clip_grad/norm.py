@@ -57,7 +57,7 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import containment, master
+from ampguard import containment, master_weights
 from ampguard.clip_grad import kernels
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, idle, original_clip_grad_norm_, state
@@ -148,7 +148,7 @@ def safe_clip_grad_norm_(
     """
     torch_clip = torch_clip_grad_norm_ or original_clip_grad_norm_()
     params, for_torch = kernels.materialize(parameters)
-    pairs = master.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
+    pairs = master_weights.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or any(type(g) not in kernels.PLAIN_TENSOR_TYPES for _, g in pairs):
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()

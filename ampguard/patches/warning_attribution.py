@@ -27,7 +27,7 @@ from typing import Any
 
 from ampguard.bindings import Bindings
 
-_PACKAGE_DIRECTORY = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # ampguard/
 
 
 def _in_ampguard(frame: types.FrameType) -> bool:

@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp import grad_scaler
 
-from ampguard import master
+from ampguard import master_weights
 
 if TYPE_CHECKING:
     from ampguard.scaler import SafeGradScaler
@@ -70,7 +70,7 @@ def _multiply_gradients(optimizer: Any, scale: torch.Tensor) -> None:
     """
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     with torch.no_grad():
-        for param, grad in master.gradients(optimizer):
+        for param, grad in master_weights.gradients(optimizer):
             if grad is None:
                 continue
             if param.grad is not None and grad is not param.grad:

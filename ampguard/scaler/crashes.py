@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import master, messages
+from ampguard import master_weights, messages
 from ampguard.log import event, logger
 
 try:
@@ -65,7 +65,7 @@ def unscale_grads(
     saw_fp16 = False
     with torch.no_grad():
         # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
-        for param, grad in master.gradients(optimizer, None if refuse_fp16 else scaler):
+        for param, grad in master_weights.gradients(optimizer, None if refuse_fp16 else scaler):
             if grad is None:
                 continue
             if grad.dtype == torch.float16:

@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from ampguard import master, messages
+from ampguard import master_weights, messages
 from ampguard.log import ANY_RANK, event_logger
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
@@ -115,7 +115,7 @@ class NonFinite:
 
 
 def _grads(optimizer: Any) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    holders = iter(master.gradients(optimizer))  # a master's float32 gradient once unscale_ copied it there
+    holders = iter(master_weights.gradients(optimizer))  # a master's float32 gradient once unscale_ copied it there
     for g, group in enumerate(optimizer.param_groups):
         for i, _ in enumerate(group["params"]):
             param, grad = next(holders)
@@ -209,7 +209,7 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     counters = counters_of(scaler)
     scale = counters.mirror_scale if counters is not None else None
     at_scale = f" at loss scale {scale:g}" if isinstance(scale, float) else ""
-    label = master.label(optimizer)
+    label = master_weights.label(optimizer)
     state = _states.get(scaler)
     if state is not None:
         state.corrupt = _listed(weights) if weights.total else ""

@@ -15,7 +15,7 @@ import pytest
 import torch
 from integration_support import require
 
-from ampguard import master
+from ampguard import master_weights
 
 require("trainer")
 import coqui_tiny  # noqa: E402
@@ -58,7 +58,7 @@ def test_float16_model_trains_like_float32_and_checkpoints_carry_the_masters(tmp
     half = _fit(tmp_path / "fp16", torch.float16)
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in half.model.parameters())
     [optimizer] = half.optimizer if isinstance(half.optimizer, list) else [half.optimizer]
-    assert len(master.masters_of(optimizer)) == 4
+    assert len(master_weights.masters_of(optimizer)) == 4
     assert half.scaler.stats.steps == full.scaler.stats.steps == STEPS
     assert half.keep_avg_train["avg_loss"] == pytest.approx(full.keep_avg_train["avg_loss"], rel=0.01)
     for ours, theirs in zip(half.model.parameters(), full.model.parameters()):
@@ -67,5 +67,5 @@ def test_float16_model_trains_like_float32_and_checkpoints_carry_the_masters(tmp
     checkpoint = torch.load(checkpoint_path, weights_only=True)
     saved = checkpoint["optimizer"]
     saved = saved[0] if isinstance(saved, list) else saved  # the coqui trainer saves a list of optimizers
-    assert set(saved[master.STATE_KEY]) == {0, 1, 2, 3}
-    assert all(t.dtype == torch.float32 for t in saved[master.STATE_KEY].values())
+    assert set(saved[master_weights.STATE_KEY]) == {0, 1, 2, 3}
+    assert all(t.dtype == torch.float32 for t in saved[master_weights.STATE_KEY].values())

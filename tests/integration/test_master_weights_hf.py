@@ -19,7 +19,7 @@ import torch
 from integration_support import require, stock_torch
 from test_accelerate_hf import _fresh_accelerate_state, hand_cpu_scaler  # noqa: F401
 
-from ampguard import master
+from ampguard import master_weights
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +108,7 @@ def test_float16_loaded_llama_trains_like_float32_under_the_hf_trainer(transform
     assert end32 < start32 - 0.5  # the task is learnt
     assert end16 == pytest.approx(end32, rel=0.05)
     assert all(p.dtype == torch.float16 and torch.isfinite(p).all() for p in trainer.model.parameters())
-    copies = master.masters_of(trainer.optimizer.optimizer)  # accelerate's wrapper steps the inner optimizer
+    copies = master_weights.masters_of(trainer.optimizer.optimizer)  # accelerate's wrapper steps the inner optimizer
     assert len(copies) == sum(1 for p in trainer.model.parameters() if p.requires_grad)
     assert trainer.accelerator.scaler.stats.steps == STEPS
 

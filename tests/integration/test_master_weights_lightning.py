@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from integration_support import require
 
-from ampguard import master
+from ampguard import master_weights
 
 L = require("lightning")
 from lightning.pytorch.plugins.precision import MixedPrecision  # noqa: E402
@@ -88,7 +88,7 @@ def test_float16_student_learns_like_float32_under_lightning(tmp_path):
     trainer, half, half_start = _fit(tmp_path / "fp16", torch.float16)
     assert half.student.weight.dtype == torch.float16 and torch.isfinite(half.student.weight).all()
     assert half_start - half.held_out_loss() >= 0.9 * (full_start - full.held_out_loss()) > 0
-    assert len(master.masters_of(trainer.optimizers[0])) == 2
+    assert len(master_weights.masters_of(trainer.optimizers[0])) == 2
     assert trainer.precision_plugin.scaler.stats.steps == STEPS
 
 
@@ -97,7 +97,7 @@ def test_lightning_checkpoint_carries_the_masters_and_resumes(tmp_path):
     path = tmp_path / "half.ckpt"
     trainer.save_checkpoint(path)
     saved = torch.load(path, weights_only=True)["optimizer_states"][0]
-    assert set(saved[master.STATE_KEY]) == {0, 1}
+    assert set(saved[master_weights.STATE_KEY]) == {0, 1}
     resumed, module, _ = _fit(tmp_path / "resumed", torch.float16, max_steps=40, ckpt_path=path)
     assert resumed.global_step == 40 and torch.isfinite(module.student.weight).all()
     optimizer = resumed.optimizers[0]
@@ -149,6 +149,6 @@ def test_16_true_adamw_trains_like_float32(tmp_path):
     *_, full_start, full_end = _fit_true_precision(tmp_path / "fp32", "32-true")
     trainer, half, half_start, half_end = _fit_true_precision(tmp_path / "fp16", "16-true")
     assert half.student.weight.dtype == torch.float16 and torch.isfinite(half.student.weight).all()
-    assert len(master.masters_of(trainer.optimizers[0])) == 2
+    assert len(master_weights.masters_of(trainer.optimizers[0])) == 2
     assert half_start == full_start and full_start - full_end > 0
     assert half_start - half_end == pytest.approx(full_start - full_end, rel=0.02)

@@ -8,7 +8,7 @@ ampguard from the same weights on the same batches, with the same recipe
   (the usual AMP set-up);
 * **half + masters**: the same model converted to the autocast dtype
   (``model.half()``), its optimizer stepping float32 master copies
-  (:mod:`ampguard.master`; for bfloat16 parameters the masters are switched on
+  (:mod:`ampguard.master_weights`; for bfloat16 parameters the masters are switched on
   for the length of the bench, as ``AMPGUARD_MASTER_WEIGHTS=all`` would).
 
 Reported: the paired per-step time ratio (interleaved blocks, as for the main
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ampguard import master
+from ampguard import master_weights
 from ampguard.commands.bench.counting import count_steps
 from ampguard.commands.bench.runs import COUNTED_STEPS, GROWTH_INTERVAL, INIT_SCALE, LEARNING_RATE, Options, Run
 from ampguard.commands.bench.runs import make_runs as make_bench_runs
@@ -36,14 +36,14 @@ from ampguard.scaler import SafeGradScaler
 
 @contextlib.contextmanager
 def _masters_for(dtype: torch.dtype) -> Iterator[None]:
-    if not master.state.active:
+    if not master_weights.state.active:
         raise RuntimeError("the master_weights patch is not applied (AMPGUARD_MASTER_WEIGHTS=off or disabled)")
-    previous = master.state.dtypes
-    master.state.dtypes = tuple(dict.fromkeys((*previous, dtype)))
+    previous = master_weights.state.dtypes
+    master_weights.state.dtypes = tuple(dict.fromkeys((*previous, dtype)))
     try:
         yield
     finally:
-        master.state.dtypes = previous
+        master_weights.state.dtypes = previous
 
 
 def _bytes(tensors: Any) -> int:
@@ -87,7 +87,7 @@ def run(options: Options) -> dict[str, Any]:
                 lambda: full.steps(block), lambda: half.steps(block), max(1, options.warmup_steps // block), timer
             )
         timed = interleaved_blocks(lambda: full.steps(block), lambda: half.steps(block), pairs, timer)
-        masters = [m for _, m in master.masters_of(half.optimizer)]
+        masters = [m for _, m in master_weights.masters_of(half.optimizer)]
     return {
         "autocast_dtype": options.dtype,
         "float32_ms_per_step": statistics.median(a for a, _ in timed) / block * 1e3,

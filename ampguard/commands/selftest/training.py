@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampguard import master
+from ampguard import master_weights
 from ampguard.commands.selftest.result import CheckResult, Context, seeded, verdict
 from ampguard.commands.selftest.runner import plain_torch
 
@@ -171,7 +171,7 @@ def fp16_model_with_masters(context: Context) -> CheckResult:
     with plain_torch():
         before32, after32, _, _ = fine_tune(context, torch.float32, steps)
     before16, after16, student, optimizer = fine_tune(context, torch.float16, steps)
-    masters = len(master.masters_of(optimizer))
+    masters = len(master_weights.masters_of(optimizer))
     finite = all(bool(torch.isfinite(p).all()) for p in student.parameters())
     reduction32, reduction16 = before32 - after32, before16 - after16
     share = reduction16 / reduction32 if reduction32 > 0 else float("nan")

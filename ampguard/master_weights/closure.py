@@ -4,7 +4,7 @@ SGD, Adam and most optimizers call the closure once, before they read the
 gradients; LBFGS calls it again after each trial update of the weights.
 Lightning steps every optimizer with a closure (``precision="16-true"``, a
 float16 model with no scaler, included). The step pre-hook of
-:mod:`ampguard.master` puts the masters into ``param_groups`` and hands torch a
+:mod:`ampguard.master_weights.step` puts the masters into ``param_groups`` and hands torch a
 :class:`MasterClosure` in place of the user's closure, which on each call:
 
 * copies the masters as updated so far, rounded, into the model's parameters
@@ -32,7 +32,7 @@ __all__ = ["MasterClosure", "begin", "closure_of"]
 
 
 class Record(Protocol):
-    """What a closure step needs of :class:`ampguard.master._Masters`."""
+    """What a closure step needs of :class:`ampguard.master_weights.records.Masters`."""
 
     params: list[Tensor]
     masters: list[Tensor]

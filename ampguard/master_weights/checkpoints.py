@@ -1,0 +1,155 @@
+"""The masters in checkpoints and copies, and masters that follow a model loaded under them.
+
+* ``Optimizer.state_dict`` / ``load_state_dict`` see the masters as the
+  parameters (the state is saved and loaded in float32) and carry the masters
+  under :data:`~ampguard.master_weights.records.STATE_KEY`.
+* ``Optimizer.__getstate__`` (``copy.deepcopy``, pickle, ``torch.save`` of the
+  optimizer object) carries which master is whose and their float32 state:
+  the copy steps the copied masters with the copied state. Its torch-visible
+  state is keyed by the parameters and cast to their dtype, so that a copy
+  loaded without ampguard steps like a torch optimizer.
+* ``Module.load_state_dict`` marks the optimizers holding the loaded
+  parameters: their masters are refreshed at the next step (a rollback to the
+  best checkpoint is not undone by the masters of the weights it replaced).
+  Ordinary steps pay nothing for it.
+* ``Optimizer.zero_grad`` frees the masters' gradients too.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampguard.log import logger
+from ampguard.master_weights.records import (
+    ATTRIBUTE,
+    FAILED,
+    STATE_KEY,
+    Masters,
+    cast_state,
+    fail,
+    label,
+    pickled,
+    record_of,
+    state,
+)
+
+
+def _current(optimizer: Any) -> Masters | None:
+    if not state.active:
+        return None
+    entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    return record_of(optimizer, create=isinstance(entry, Masters))
+
+
+def wrap_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(original)
+    def state_dict(self: Any) -> dict[str, Any]:
+        record = _current(self)
+        if record is None or not record.params:
+            return original(self)
+        record.swap(self, to_masters=True)
+        try:
+            result = original(self)
+        finally:
+            record.swap(self, to_masters=False)
+        position: dict[int, int] = {}
+        for param in (p for params in record.model_lists for p in params):
+            position.setdefault(id(param), len(position))
+        result[STATE_KEY] = {position[id(p)]: m.detach() for p, m in zip(record.params, record.masters)}
+        return result
+
+    state.wrappers["state_dict"] = state_dict
+    return state_dict
+
+
+def wrap_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        try:
+            record = record_of(self, create=True) if state.active else None
+        except Exception as error:
+            logger.warning(FAILED.format(optimizer=label(self), error=repr(error)))
+            record = None
+        if record is None or not record.params:
+            return original(self, state_dict)
+        saved = state_dict.get(STATE_KEY)
+        record.swap(self, to_masters=True)  # torch casts the float state to the masters' float32, not float16
+        try:
+            original(self, state_dict)
+        finally:
+            record.swap(self, to_masters=False)  # torch made new group dicts: the model's lists go into those
+        order = [p for params in record.model_lists for p in params]
+        if saved:
+            with torch.no_grad():
+                for index, tensor in saved.items():
+                    master = record.master_of.get(id(order[int(index)]))
+                    if master is not None:
+                        master.copy_(tensor)
+            record.refresh = "check"  # the model may be loaded after the optimizer, or from elsewhere
+        else:
+            record.refresh = "exact"  # saved without master weights: rebuilt from the parameters at the next step
+
+    state.wrappers["load_state_dict"] = load_state_dict
+    return load_state_dict
+
+
+def wrap_zero_grad(original: Callable[..., None]) -> Callable[..., None]:
+    @functools.wraps(original)
+    def zero_grad(self: Any, *args: Any, **kwargs: Any) -> None:
+        record = None
+        try:
+            record = record_of(self, create=False) if state.active else None
+            if record is not None:
+                record.free_grads()
+        except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+            fail(self, record, error)
+        return original(self, *args, **kwargs)
+
+    state.wrappers["zero_grad"] = zero_grad
+    return zero_grad
+
+
+def wrap_getstate(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+    @functools.wraps(original)
+    def __getstate__(self: Any) -> dict[str, Any]:
+        result = original(self)
+        try:
+            record = _current(self)
+            if record is not None and record.params:
+                keyed = copy.copy(result["state"])  # as torch's own copy would be, see records.pickled
+                for param, master in zip(record.params, record.masters):
+                    if master in keyed:
+                        keyed[param] = cast_state(keyed.pop(master), param.dtype)
+                return {**result, "state": keyed, ATTRIBUTE: pickled(self, record)}
+        except Exception as error:  # the copy is torch's: it makes new masters at its first step
+            logger.warning(FAILED.format(optimizer=label(self), error=repr(error)))
+        return result
+
+    return __getstate__
+
+
+def wrap_module_load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(original)
+    def load_state_dict(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        if state.active and len(state.records):
+            try:
+                _refresh_loaded(self)
+            except Exception as error:
+                logger.warning("ampguard could not refresh the master weights of the loaded model: %r", error)
+        return result
+
+    return load_state_dict
+
+
+def _refresh_loaded(module: torch.nn.Module) -> None:
+    """Every record holding a parameter (or one over the same memory) of ``module`` refreshes its masters."""
+    loaded = {(p.device, p.untyped_storage().data_ptr()) for p in module.parameters()}
+    for record in list(state.records):
+        if record.refresh is None and any((p.device, p.untyped_storage().data_ptr()) in loaded for p in record.params):
+            record.refresh = "check"

@@ -1,0 +1,122 @@
+"""Which tensor holds a parameter's gradient: the float32 master's, from the copy (``unscale_``/step) to the step."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ampguard.master_weights.records import Masters, Unwrappable, exclude, fail, record_of, state
+
+
+def sync(optimizer: Any, record: Masters, gradients: bool = True) -> Masters | None:
+    """Copy the half-precision gradients into the masters' (float32) ``.grad``; the record in use, or None.
+
+    ``gradients=False``: only bring the masters up to date (a closure step copies the gradients after each call).
+    """
+    # A frozen parameter started training: its master now (in a closure step its gradient comes later).
+    if any(p.grad is not None or (not gradients and p.requires_grad) for p in record.waiting):
+        rebuilt = record_of(optimizer, create=True, rebuild=True)
+        if rebuilt is None:  # excluded on the way (and said so)
+            return None
+        record = rebuilt
+    if record.refresh is not None:
+        refresh(record)
+    if gradients:
+        copy_gradients(record)
+    return record
+
+
+@torch.no_grad()
+def copy_gradients(record: Masters) -> None:
+    """The parameters' gradients into the masters' float32 ``.grad``."""
+    sources, targets = [], []
+    shared = record.shared
+    for param, master in zip(record.params, record.masters):
+        grad = param.grad
+        if grad is None:
+            master.grad = None
+            continue
+        if grad.layout is not torch.strided:
+            raise Unwrappable("it receives sparse gradients")
+        if master.grad is None:
+            master.grad = _shared_grad(param, master) if shared and id(param) in shared else torch.empty_like(master)
+        sources.append(grad)
+        targets.append(master.grad)
+    if sources:
+        torch._foreach_copy_(targets, sources)
+
+
+def _shared_grad(param: Tensor, master: Tensor) -> Tensor:
+    """The float32 gradient every optimizer holding ``param`` uses (each copy and unscale writes the same value)."""
+    grad = state.shared_grads.get(id(param))
+    if grad is None or grad.shape != master.shape:
+        grad = state.shared_grads[id(param)] = torch.empty_like(master)
+    return grad
+
+
+@torch.no_grad()
+def refresh(record: Masters) -> None:
+    """After a load: masters from the parameters ("exact"), or only where they no longer round to them ("check")."""
+    if record.refresh == "exact":
+        torch._foreach_copy_(record.masters, record.params)
+    else:  # keep the loaded float32 value wherever it still rounds to the parameter: no host read
+        for param, master in zip(record.params, record.masters):
+            master.copy_(torch.where(master.to(param.dtype) == param, master, param.to(master.dtype)))
+    record.refresh = None
+
+
+def gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+    """``(parameter, the tensor holding its gradient)`` for every parameter of ``optimizer``, in param_groups order.
+
+    With ``scaler`` (called from its ``unscale_``), the half-precision gradients
+    are first copied into the float32 masters, which the scaler then unscales.
+    """
+    record = None
+    try:
+        record = record_of(optimizer, create=scaler is not None) if state.active else None
+        if record is not None and scaler is not None:
+            record = sync(optimizer, record)
+            if record is not None:
+                record.sync_scaler, record.sync_states = weakref.ref(scaler), scaler._per_optimizer_states
+                state.synced.add(record)
+    except Unwrappable as why:
+        exclude(optimizer, str(why), record)
+        record = None
+    except Exception as error:  # never the reason a run dies: the scaler unscales the parameters' gradients
+        fail(optimizer, record, error)
+        record = None
+    if record is None or not record.synced():
+        return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    master_of = record.master_of
+    return [
+        (p, master_of[id(p)].grad if id(p) in master_of else p.grad)
+        for group in optimizer.param_groups
+        for p in group["params"]
+    ]
+
+
+def gradient_pairs(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, gradient)`` for each of ``params`` with a gradient: the master's when it holds this iteration's."""
+    lookup: dict[int, Tensor] = {}
+    for record in list(state.synced):
+        if record.synced():
+            lookup.update(record.master_of)
+    if not lookup:
+        return [(p, p.grad) for p in params if p.grad is not None]
+    pairs = []
+    for p in params:
+        master = lookup.get(id(p))
+        grad = p.grad if master is None else master.grad
+        if grad is not None:
+            pairs.append((p, grad))
+    return pairs
+
+
+def masters_of(optimizer: Any) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, master)`` pairs of ``optimizer`` (empty when it has none)."""
+    record = record_of(optimizer, create=False)
+    return list(zip(record.params, record.masters)) if record is not None else []

@@ -1,0 +1,163 @@
+"""The step: the masters go into ``param_groups`` for the length of ``optimizer.step()``, and always come back.
+
+torch's step wrapper runs the step pre-hooks, the step, then the post-hooks;
+an exception anywhere in between (Ctrl-C, an out-of-memory error while the
+optimizer allocates its state, an error in a step hook) skips the post-hooks.
+The optimizer must then be as torch's in-place step would leave it: the
+model's parameters in ``param_groups``, holding whatever the step wrote before
+it stopped. :func:`put_back_on_error` wraps each optimizer class's hooked
+``step`` (those torch hooks while ampguard is installed through
+``Optimizer.profile_hook_step``, and those it had hooked before) to do that
+at once; any entry into this package finds a record still ``swapped`` and
+does the same (a step function captured earlier, as an LR scheduler does).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from ampguard.log import logger
+from ampguard.master_weights import closure, gradient_copies
+from ampguard.master_weights.records import (
+    ATTRIBUTE,
+    Excluded,
+    Masters,
+    Plain,
+    Unwrappable,
+    exclude,
+    fail,
+    label,
+    quick,
+    record_of,
+    state,
+)
+
+_PUTS_BACK = "_ampguard_puts_masters_back"
+
+
+def before_step(
+    optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """Global optimizer step pre-hook: gradients into the masters, the masters into param_groups.
+
+    A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`closure.MasterClosure` in it.
+    """
+    if not state.active:
+        return None
+    entry = optimizer.__dict__.get(ATTRIBUTE)
+    if entry.__class__ is Plain and entry.signature == quick(optimizer):
+        return None  # the float32 optimizer's path
+    record = None
+    try:
+        record = record_of(optimizer, create=True)
+        if record is None:
+            return None
+        step_closure = closure.closure_of(args, kwargs)
+        if step_closure is not None or not record.synced():
+            record = gradient_copies.sync(optimizer, record, gradients=step_closure is None)
+        elif record.refresh is not None:  # weights written since the gradients were copied (another optimizer)
+            gradient_copies.refresh(record)
+        if record is not None and record.params:
+            if step_closure is not None:
+                return closure.begin(
+                    optimizer,
+                    record,
+                    args,
+                    kwargs,
+                    step_closure,
+                    functools.partial(gradient_copies.copy_gradients, record),
+                    functools.partial(_give_up, optimizer, record),
+                )
+            record.swap(optimizer, to_masters=True)
+    except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+        _give_up(optimizer, record, error)
+    return None
+
+
+def _give_up(optimizer: Any, record: Masters | None, error: Exception) -> None:
+    if isinstance(error, Unwrappable):
+        exclude(optimizer, str(error), record)
+    else:
+        fail(optimizer, record, error)
+
+
+def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+    """Global optimizer step post-hook: the model's lists back, the rounded masters into the parameters."""
+    record = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    if record.__class__ is not Masters:
+        if record.__class__ is Excluded and record.shares:  # it stepped weights that have masters elsewhere
+            for other in record.shares:
+                other.refresh = other.refresh or "check"
+        return
+    try:
+        if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)
+            record.put_back(optimizer)
+        record.free_grads()
+    except Exception as error:
+        fail(optimizer, record, error)
+
+
+def _after_error(optimizer: Any) -> None:
+    record = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    if record.__class__ is Masters and record.swapped:
+        try:
+            record.put_back(optimizer)
+        except Exception as error:  # the step's own exception is the one to see
+            logger.debug("ampguard could not put %s back after its step raised: %r", label(optimizer), error)
+
+
+def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
+    """``step`` (torch's hooked wrapper of an optimizer class's step) that puts the masters back if it raises."""
+    if getattr(step, _PUTS_BACK, False):
+        return step
+
+    @functools.wraps(step)
+    def step_putting_masters_back_on_error(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return step(*args, **kwargs)
+        except BaseException:
+            if args:
+                _after_error(args[0])
+            raise
+
+    setattr(step_putting_masters_back_on_error, _PUTS_BACK, True)
+    return step_putting_masters_back_on_error
+
+
+def wrap_profile_hook_step(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``Optimizer.profile_hook_step``, which torch calls once per optimizer class to hook its step."""
+
+    @functools.wraps(original)
+    def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
+        return put_back_on_error(original(func))
+
+    return profile_hook_step
+
+
+def hooked_classes() -> list[type]:
+    """Every optimizer class whose own ``step`` torch has hooked."""
+    found: list[type] = []
+    stack: list[type] = [torch.optim.Optimizer]
+    while stack:
+        cls = stack.pop()
+        stack.extend(cls.__subclasses__())
+        if getattr(vars(cls).get("step"), "hooked", False):
+            found.append(cls)
+    return found
+
+
+def unwrap_steps() -> None:
+    """Give every optimizer class hooked while ampguard was installed torch's own hooked step back."""
+    for cls in hooked_classes():
+        step = vars(cls)["step"]
+        if getattr(step, _PUTS_BACK, False):
+            hooked = step.__wrapped__  # type: ignore[attr-defined]
+            # torch marks the function it assigned (this wrapper, when it hooked the class while ampguard was
+            # installed): the mark goes with torch's own, else the next optimizer would hook the class again
+            # and every step pre-hook would run twice.
+            hooked.hooked = True
+            cls.step = hooked

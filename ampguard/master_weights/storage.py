@@ -1,0 +1,125 @@
+"""One float32 master storage per half-precision parameter storage, shared by every optimizer that steps it.
+
+torch adds the updates of every optimizer that holds a parameter (a shared
+encoder, a GAN, a second optimizer for a subset), and of every Parameter that
+views the same memory (two Parameters over one tensor). The masters must do
+the same, or the last optimizer to step overwrites the other's update with its
+own stale copy. So the float32 copy is made per *storage*: each master is a
+view of a float32 buffer that mirrors the half-precision parameter's storage
+(same offset and strides), and a second parameter over the same memory, or the
+same parameter in another optimizer, gets a view of that same buffer. Each
+optimizer keeps master objects of its own (its state is keyed by them, its
+gradients are its own copies), while their values are one.
+
+A parameter that covers part of a buffer made for another and part outside it
+cannot be mirrored (views cannot grow); the optimizer is then refused by name
+(:class:`~ampguard.master_weights.records.Unwrappable`), never silently split.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+class PartialOverlap(Exception):
+    """A parameter overlaps, without being inside, the memory another parameter's master mirrors."""
+
+
+@dataclass(eq=False)
+class _Buffer:
+    """A float32 copy of the elements ``[start, stop)`` of one half-precision storage."""
+
+    origin: int  # the element of the half-precision storage at offset 0 of the float32 one
+    start: int
+    stop: int
+    views: list[weakref.ref[Tensor]]  # masters made from it: the buffer lives as long as one of them does
+    owners: list[weakref.ref[Tensor]]  # parameters it was made for: the storage is theirs while one still has it
+
+    def alive(self, pointer: int) -> Tensor | None:
+        """A live master of this buffer, if the storage it mirrors is still the one at ``pointer``; else None."""
+        if not any(o() is not None and o().untyped_storage().data_ptr() == pointer for o in self.owners):  # type: ignore[union-attr]
+            return None
+        return next((v for v in (ref() for ref in self.views) if v is not None), None)
+
+
+_buffers: dict[tuple[torch.device, int, torch.dtype], list[_Buffer]] = {}
+_prune_above = 4096  # entries of models gone since are dropped when the registry grows past this
+
+
+def _prune() -> None:
+    global _prune_above
+    for key in list(_buffers):
+        _live(key)
+    _prune_above = max(4096, 2 * len(_buffers))
+
+
+def _key(param: Tensor) -> tuple[torch.device, int, torch.dtype]:
+    return param.device, param.untyped_storage().data_ptr(), param.dtype
+
+
+def _span(param: Tensor) -> tuple[int, int]:
+    """The elements of its storage ``param`` covers: ``[offset, last + 1)``."""
+    start = int(param.storage_offset())
+    return start, start + 1 + sum((int(size) - 1) * int(stride) for size, stride in zip(param.shape, param.stride()))
+
+
+def _live(key: tuple[torch.device, int, torch.dtype]) -> list[tuple[_Buffer, Tensor]]:
+    found = [(buffer, view) for buffer in _buffers.get(key, ()) for view in [buffer.alive(key[1])] if view is not None]
+    if found:
+        _buffers[key] = [buffer for buffer, _ in found]
+    else:
+        _buffers.pop(key, None)
+    return found
+
+
+def master_for(param: Tensor) -> Tensor:
+    """A float32 master for ``param``: a view of the buffer that already mirrors its memory, or of a new one.
+
+    Raises :class:`PartialOverlap` when ``param`` straddles the edge of such a buffer.
+    """
+    if param.numel() == 0:
+        return torch.nn.Parameter(param.detach().to(torch.float32, copy=True))
+    if len(_buffers) > _prune_above:
+        _prune()
+    key = _key(param)
+    start, stop = _span(param)
+    live = _live(key)
+    for buffer, view in live:
+        if buffer.start <= start and stop <= buffer.stop:
+            master = torch.nn.Parameter(view.detach().as_strided(param.shape, param.stride(), start - buffer.origin))
+            buffer.views.append(weakref.ref(master))
+            buffer.owners.append(weakref.ref(param))
+            return master
+    if any(start < buffer.stop and buffer.start < stop for buffer, _ in live):
+        raise PartialOverlap
+    data = torch.empty(stop - start, dtype=torch.float32, device=param.device)
+    master = torch.nn.Parameter(data.as_strided(param.shape, param.stride(), 0))
+    with torch.no_grad():
+        master.copy_(param)
+    _buffers.setdefault(key, []).append(_Buffer(start, start, stop, [weakref.ref(master)], [weakref.ref(param)]))
+    return master
+
+
+def adopt(param: Tensor, master: Tensor) -> None:
+    """Register ``master`` (made elsewhere: an unpickled optimizer's) as the copy of ``param``'s memory.
+
+    A later optimizer holding ``param`` then shares it. Nothing is done when
+    the memory is mirrored already or ``master`` does not match ``param``'s layout.
+    """
+    if param.numel() == 0 or master.shape != param.shape or master.stride() != param.stride():
+        return
+    key = _key(param)
+    start, stop = _span(param)
+    if any(buffer.start < stop and start < buffer.stop for buffer, _ in _live(key)):
+        return
+    origin = start - int(master.storage_offset())
+    _buffers.setdefault(key, []).append(_Buffer(origin, start, stop, [weakref.ref(master)], [weakref.ref(param)]))
+
+
+def forget() -> None:
+    """Drop every registered buffer (switching off: each optimizer's masters are put back on its parameters)."""
+    _buffers.clear()
