@@ -155,9 +155,9 @@ def unwrap_steps() -> None:
     for cls in hooked_classes():
         step = vars(cls)["step"]
         if getattr(step, _PUTS_BACK, False):
-            hooked = step.__wrapped__  # type: ignore[attr-defined]
+            hooked = step.__wrapped__
             # torch marks the function it assigned (this wrapper, when it hooked the class while ampguard was
             # installed): the mark goes with torch's own, else the next optimizer would hook the class again
             # and every step pre-hook would run twice.
             hooked.hooked = True
-            cls.step = hooked
+            setattr(cls, "step", hooked)  # noqa: B010 (cls is any optimizer class)
