@@ -13,7 +13,7 @@ its patches to torch (``ampguard patches`` lists them). The public API is small:
 
 from __future__ import annotations
 
-from ampguard import errors as errors  # bound here too when a failed import left it loaded
+import ampguard.errors as errors  # noqa: F401 (bound here too when a failed import left it loaded)
 from ampguard._version import __version__ as __version__
 from ampguard.errors import ConfigError, ScaleCollapseError
 from ampguard.registry import PatchStatus, install, status, uninstall

@@ -48,7 +48,8 @@ SHOW_BANNER = ("patches", "doctor")
 
 def config_error() -> ConfigError | None:
     """The ConfigError the environment's ``AMPGUARD_*`` variables give, if any."""
-    from ampguard import config, registry
+    import ampguard.config as config
+    import ampguard.registry as registry
 
     try:
         config.load(patch_names=registry.patch_names())
@@ -70,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     if argv and argv[0] == "run":
         # Everything after the script or module belongs to it, not to us.
-        from ampguard.commands import run
+        import ampguard.commands.run as run
 
         return run.main_from_argv(argv[1:])
     args = parser.parse_args(argv)

@@ -16,13 +16,13 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ampguard import config as config_module
-from ampguard import torch_privates
+import ampguard.config as config_module
+import ampguard.stats.file as stats_file
+import ampguard.torch_privates as torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
 from ampguard.errors import PatchUnavailable
 from ampguard.log import ensure_default_handler, event, is_rank_zero, logger
 from ampguard.patch import Patch, torch_release
-from ampguard.stats import file as stats_file
 
 PATCHES: tuple[str, ...] = (
     "ampguard.patches.autocast:AutocastPatch",

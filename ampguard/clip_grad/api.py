@@ -41,8 +41,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import Tensor
 
-from ampguard import master_weights
-from ampguard.clip_grad import kernels
+import ampguard.clip_grad.kernels as kernels
+import ampguard.master_weights as master_weights
 from ampguard.clip_grad.norm import scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, state

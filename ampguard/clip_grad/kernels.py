@@ -17,7 +17,7 @@ from typing import Any, cast
 import torch
 from torch import Tensor
 
-from ampguard import containment
+import ampguard.containment as containment
 
 try:  # private torch helpers, present 2.3 .. 2.14; clip_grad_norm_ itself uses them
     from torch.utils._foreach_utils import (

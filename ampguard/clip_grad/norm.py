@@ -57,15 +57,16 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import containment, master_weights
-from ampguard.clip_grad import kernels
+import ampguard.clip_grad.kernels as kernels
+import ampguard.containment as containment
+import ampguard.master_weights as master_weights
+import ampguard.stats.summary as summary
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, idle, original_clip_grad_norm_, state
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
 from ampguard.log import is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler
 from ampguard.scaler.counters import counters_of
-from ampguard.stats import summary
 from ampguard.stats.counters import process_counters
 
 SKIPPED_STEP = (

@@ -22,8 +22,12 @@ from __future__ import annotations
 import torch
 import wrapt
 
-from ampguard import torch_privates
-from ampguard.clip_grad import api, norm, scalers, state, wrapping
+import ampguard.clip_grad.api as api
+import ampguard.clip_grad.norm as norm
+import ampguard.clip_grad.scalers as scalers
+import ampguard.clip_grad.state as state
+import ampguard.clip_grad.wrapping as wrapping
+import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
@@ -31,7 +35,7 @@ from ampguard.scaler import TorchGradScaler
 
 
 def _grad_scaler_patch_applied() -> bool:
-    from ampguard.patches import grad_scaler
+    import ampguard.patches.grad_scaler as grad_scaler
 
     return grad_scaler._active_patch is not None
 

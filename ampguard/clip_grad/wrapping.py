@@ -15,7 +15,7 @@ import torch
 import wrapt
 from torch import Tensor
 
-from ampguard import containment
+import ampguard.containment as containment
 
 _WRAPT_DIR = os.path.dirname(wrapt.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)

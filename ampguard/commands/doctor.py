@@ -13,9 +13,9 @@ import platform
 import sys
 from typing import Any
 
-from ampguard import machine
+import ampguard.config.names as variable_names
+import ampguard.machine as machine
 from ampguard.commands.console import print_table
-from ampguard.config import names as variable_names
 
 JSON_SCHEMA_VERSION = 1
 
@@ -29,7 +29,7 @@ def collect() -> dict[str, Any]:
     import torch
 
     import ampguard
-    from ampguard import config as config_module
+    import ampguard.config as config_module
     from ampguard.errors import ConfigError
     from ampguard.registry import active_config
 

@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from ampguard.config import names as variable_names
+import ampguard.config.names as variable_names
 from ampguard.errors import ConfigError
 
 _TRUE = ("1", "true", "yes", "on")

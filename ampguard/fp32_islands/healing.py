@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard.fp32_islands import islands
+import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.buffers import BufferGuard
 from ampguard.fp32_islands.probe import Probe
 from ampguard.log import event_logger

@@ -37,8 +37,9 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard import messages
-from ampguard.fp32_islands import island_io, model_tree
+import ampguard.fp32_islands.island_io as island_io
+import ampguard.fp32_islands.model_tree as model_tree
+import ampguard.messages as messages
 from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger

@@ -12,9 +12,9 @@ docs/islands.md describes it.
 
 from __future__ import annotations
 
-from ampguard import torch_privates
+import ampguard.fp32_islands.healing as healing
+import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
-from ampguard.fp32_islands import healing
 from ampguard.patch import Patch
 
 

@@ -27,10 +27,12 @@ from typing import Any
 
 import torch
 
-from ampguard import torch_privates
+import ampguard.master_weights.checkpoints as checkpoints
+import ampguard.master_weights.step as step
+import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.master_weights import activate, checkpoints, deactivate, step
+from ampguard.master_weights import activate, deactivate
 from ampguard.patch import Patch
 
 DTYPES = {"fp16": (torch.float16,), "all": (torch.float16, torch.bfloat16)}

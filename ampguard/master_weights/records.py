@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import ampguard.master_weights.storage as storage
 from ampguard.log import logger
-from ampguard.master_weights import storage
 
 STATE_KEY = "ampguard_master_weights"
 ATTRIBUTE = "_ampguard_master_weights"

@@ -20,8 +20,9 @@ from typing import Any
 
 import torch
 
+import ampguard.master_weights.closure as closure
+import ampguard.master_weights.gradient_copies as gradient_copies
 from ampguard.log import logger
-from ampguard.master_weights import closure, gradient_copies
 from ampguard.master_weights.records import (
     ATTRIBUTE,
     Excluded,

@@ -91,7 +91,7 @@ class Bf16CheckPatch(Patch):
             requested = _default_cuda_dtype() if dtype is None else dtype
             if requested is not torch.bfloat16:
                 return dtype
-            from ampguard import machine  # here: only a bfloat16 CUDA region needs it (~4 ms at import)
+            import ampguard.machine as machine  # here: only a bfloat16 CUDA region needs it (~4 ms at import)
 
             gpu = machine.current_cuda_gpu()
         except Exception:  # whatever happens here, autocast itself decides

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ampguard import torch_privates
+import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch

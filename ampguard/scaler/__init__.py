@@ -1,15 +1,8 @@
-"""SafeGradScaler: torch's GradScaler with safe defaults, exact accounting and the classic crashes handled.
+"""The SafeGradScaler and everything only it uses.
 
-How it stays free: torch's ``step()`` already reads the optimizer's found_inf
-flag on the host once (``_maybe_opt_step``). SafeGradScaler makes that same
-single read carry one more bit (was the loss itself non-finite?) and keeps all
-of its bookkeeping on the host from there: skip counts, a float32 mirror of the
-scale (the rule of ``torch._amp_update_scale_``, replayed exactly), the floor,
-the cap, collapse and stall detection. Nothing else is read from the device.
-
-This class is the torch-facing part: it overrides torch's methods and hands
-each behaviour to the module that owns it.
-
+* :mod:`~ampguard.scaler.safe`: the class itself, the torch-facing part (its docstring says how it stays free);
+* :mod:`~ampguard.scaler.live`: the scalers in an iteration, torch's own class (a leaf others may import);
+* :mod:`~ampguard.scaler.counters`: what it keeps on the host, one dataclass;
 * :mod:`~ampguard.scaler.settings`: constructor arguments, defaults and environment, resolved once;
 * :mod:`~ampguard.scaler.iteration`: the iteration in progress (the loss check, what step() read, the
   optimizers already unscaled);
@@ -19,35 +12,24 @@ each behaviour to the module that owns it.
   riding on torch's one read, ``stats`` and the periodic stats line;
 * :mod:`~ampguard.scaler.ledger`: device mode, the counters kept on the device for fused
   optimizers, read once when a stats line is due, ``stats`` is asked for or a checkpoint is taken;
+* :mod:`~ampguard.scaler.accumulation`: gradient accumulation across ``unscale_`` and ``scale()``;
 * :mod:`~ampguard.scaler.crashes`: no-gradient optimizers, float16 and bfloat16 gradients,
   a second ``unscale_()``;
+* :mod:`~ampguard.scaler.diagnose`: the skipped-step report (which parameters, why);
 * :mod:`~ampguard.scaler.checkpoint`: ``state_dict()`` extras, ``load_state_dict()``, pickling;
 * :mod:`~ampguard.scaler.sharded`: FSDP's ShardedGradScaler with this class's safety.
 """
 
 from __future__ import annotations
 
-import weakref
-from collections import defaultdict
-from collections.abc import Iterable
 from typing import Any
 
-import torch
-
-try:
-    from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
-except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
-    OptState = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
-
-from ampguard import containment
-from ampguard.scaler import accounting, checkpoint, crashes, ledger, policy, sharded
-from ampguard.scaler.accumulation import rescale_unscaled_gradients
-from ampguard.scaler.counters import Counters
-from ampguard.scaler.iteration import Iteration
+import ampguard.scaler.sharded as sharded
+from ampguard.scaler.live import TorchGradScaler, live_scalers, params_of, scalers_in_iteration
 from ampguard.scaler.policy import next_scale
-from ampguard.scaler.settings import Settings, active_settings, check_device_argument
+from ampguard.scaler.safe import SafeGradScaler
+from ampguard.scaler.settings import Settings
 from ampguard.scaler.sharded import safe_sharded_scaler_class
-from ampguard.stats import summary
 from ampguard.stats.counters import ScalerStats
 
 __all__ = [
@@ -61,302 +43,7 @@ __all__ = [
     "scalers_in_iteration",
 ]
 
-TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever names point to later
-
 _Settings = Settings  # the name scalers pickled before the split into modules refer to
-
-# Scalers that scaled a loss since their last update(); the clip patch reads it
-# through live_scalers().
-scalers_in_iteration: weakref.WeakSet[SafeGradScaler] = weakref.WeakSet()
-
-
-def live_scalers() -> list[SafeGradScaler]:
-    """The scalers in :data:`scalers_in_iteration`, safe while other threads add or discard some.
-
-    Iterating a WeakSet that another thread changes raises "Set changed size
-    during iteration"; copying its set of references is one C call under the GIL.
-    """
-    refs = scalers_in_iteration.data.copy()  # type: ignore[attr-defined]  # WeakSet's set of references
-    return [scaler for scaler in (ref() for ref in refs) if scaler is not None]
-
-
-def params_of(optimizers: Iterable[Any]) -> set[int]:
-    """ids of every parameter the optimizers hold."""
-    return {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
-
-
-class SafeGradScaler(TorchGradScaler):
-    """A drop-in :class:`torch.amp.GradScaler` that is safe for short fp16 fine-tunes.
-
-    Differences from torch's scaler, each visible in the logs:
-
-    * starts at ``init_scale=1024`` and grows every ``growth_interval=100`` steps
-      (torch: 65536 and 2000), unless the caller passes its own values;
-      ``AMPGUARD_INIT_SCALE`` / ``AMPGUARD_GROWTH_INTERVAL`` override even those;
-    * the scale stays within ``[min_scale, max_scale]`` (default ``[1, 2**24]``);
-    * counts steps, skipped steps, no-gradient steps and non-finite losses
-      (:attr:`stats`) without any host-device synchronisation beyond torch's own,
-      and logs a stats line every ``AMPGUARD_STATS_EVERY`` steps; says whether
-      the last step was skipped (:attr:`last_step_skipped`: a forward overflow
-      is skipped without lowering the scale);
-    * logs CRITICAL when the scale collapses or steps stall, or raises
-      :class:`~ampguard.ScaleCollapseError` with ``AMPGUARD_ON_STALL=raise``;
-    * does not crash where torch's does: an optimizer without gradients,
-      float16 parameters, bfloat16 gradients on CUDA, a second ``unscale_()``.
-
-    Example::
-
-        scaler = ampguard.SafeGradScaler("cuda")
-        for batch in loader:
-            optimizer.zero_grad()
-            with torch.autocast("cuda", dtype=torch.float16):
-                loss = model(batch)
-            scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            scaler.step(optimizer)
-            scaler.update()
-        print(scaler.stats)
-
-    Args:
-        device: device type, as for torch's GradScaler ("cuda", "cpu", ...).
-        init_scale: initial scale; None means ampguard's default (1024).
-        growth_factor, backoff_factor, enabled: as torch's.
-        growth_interval: successful steps between growths; None means 100.
-        min_scale: floor (0: none); None means ``AMPGUARD_MIN_SCALE`` (default 1).
-        max_scale: cap; None means ``AMPGUARD_MAX_SCALE`` (default 2**24).
-    """
-
-    # The host replay of the scale update is exact for torch's update(); a
-    # subclass whose update() differs (ShardedGradScaler) sets this False and
-    # always keeps its bookkeeping on the device.
-    _host_mirror_exact = True
-
-    def __init__(
-        self,
-        device: str = "cuda",
-        init_scale: float | None = None,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int | None = None,
-        enabled: bool = True,
-        *,
-        min_scale: float | None = None,
-        max_scale: float | None = None,
-    ) -> None:
-        check_device_argument(device)
-        settings = active_settings(init_scale, growth_interval, min_scale, max_scale)
-        super().__init__(
-            device,
-            init_scale=settings.init_scale,
-            growth_factor=growth_factor,
-            backoff_factor=backoff_factor,
-            growth_interval=settings.growth_interval,
-            enabled=enabled,
-        )
-        self._ampguard_setup(settings)
-
-    def _ampguard_setup(self, settings: Settings) -> None:
-        self._settings = settings
-        self._min_scale = settings.min_scale
-        self._max_scale = settings.max_scale
-        bounded = policy.bounded(self, settings.init_scale)
-        mirror = policy.f32(bounded)  # what the float32 scale tensor will hold
-        self._counters = Counters(
-            mirror_scale=mirror, min_seen=mirror, max_seen=mirror, next_report=settings.stats_every or 0
-        )
-        self._iteration = Iteration()
-        if self._enabled:
-            summary.track(self)
-        if self._enabled and settings.init_scale != bounded:
-            self._init_scale = bounded  # a Python float until scale() makes the tensor, as torch's
-
-    def scale(self, outputs: Any) -> Any:
-        """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
-
-        Called again after ``unscale_()`` in the same iteration (gradient
-        accumulation), it first multiplies the unscaled gradients back by the
-        scale (:mod:`ampguard.scaler.accumulation`).
-        """
-        if self._enabled and self._iteration.unscaled_optimizers:
-            try:
-                rescale_unscaled_gradients(self)
-            except Exception as error:
-                containment.report("re-scaling of gradients unscaled earlier (scale())", error)
-        scaled = super().scale(outputs)
-        if self._enabled:
-            scalers_in_iteration.add(self)
-            try:
-                self._iteration.note_loss(outputs)
-            except Exception as error:
-                containment.report("loss check (scale())", error)
-        return scaled
-
-    def get_scale(self) -> float:
-        """As torch's ``get_scale()`` (one host read)."""
-        if self._enabled and self in scalers_in_iteration:
-            self._iteration.scale_read = True
-        return super().get_scale()
-
-    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
-        """As torch's ``unscale_()``, except that a second call with no ``scale()`` in between is a no-op.
-
-        Libraries and users both call it (accelerate, Lightning manual
-        optimisation); the gradients are divided once. After another
-        ``scale()`` (gradient accumulation) the gradients were multiplied back,
-        and this call unscales and checks all of them (:mod:`ampguard.scaler.accumulation`).
-        """
-        if crashes.unscaled_already(self, optimizer):
-            return
-        super().unscale_(optimizer)
-        if self._enabled:
-            self._iteration.unscaled_optimizers.append(optimizer)
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        # torch's loop, plus float16 and bfloat16 gradients where torch's crashes (ampguard.scaler.crashes).
-        return crashes.unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
-
-    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
-        """As torch's ``step()``; an optimizer without any gradient is stepped as in fp32 instead of raising."""
-        if not self._enabled or self._scale is None or "closure" in kwargs:
-            result = super().step(optimizer, *args, **kwargs)
-            self._counters.steps += 1
-            return result
-        state = self._per_optimizer_states[id(optimizer)]
-        fused = getattr(optimizer, "_step_supports_amp_scaling", False)
-        if not fused and state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
-        if crashes.without_gradients(state, fused):
-            result = crashes.step_without_gradients(self, optimizer, state, *args, **kwargs)
-        else:
-            result = super().step(optimizer, *args, **kwargs)
-            if fused and not state["found_inf_per_device"]:
-                crashes.note_no_gradients(self, optimizer)
-        self._counters.steps += 1
-        return result
-
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        # The single host read torch makes here also carries "was the loss finite?" and the probe's verdict.
-        try:
-            code = accounting.step_code(self, optimizer_state)
-        except Exception as error:
-            containment.report("skip check (step())", error)
-            return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
-        value = int(code.item())
-        try:
-            found = accounting.note_verdict(self, optimizer, value)
-        except Exception as error:
-            containment.report("bookkeeping of a step's verdict (step())", error)
-            found = bool(value & 1)
-        if found:
-            return None
-        return optimizer.step(*args, **kwargs)
-
-    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        """As torch's ``update()``, plus the floor and cap, accounting and reporting.
-
-        An iteration in which no optimizer had gradients leaves the scale as it
-        is (torch raises "No inf checks were recorded prior to update.").
-        With ``AMPGUARD_ON_STALL=raise``, a stall raises
-        :class:`~ampguard.ScaleCollapseError` here, after the iteration is complete
-        (a stall found while folding device counters elsewhere waits for update()).
-        """
-        if not self._enabled or self._scale is None:  # (no scale: torch's error, scale() was never called)
-            return super().update(new_scale)
-        states = self._per_optimizer_states
-        recorded = [s for s in states.values() if s["found_inf_per_device"]]
-        self._torch_updated = False
-        try:
-            if new_scale is None and not recorded:
-                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-                self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
-            elif new_scale is None and accounting.host_saw_everything(self, states):
-                accounting.update_in_host_mode(self)
-            else:
-                ledger.update_in_device_mode(self, states, new_scale)
-        except Exception as error:
-            passing = containment.passes_through(error)
-            if passing is not None:
-                raise passing from None
-            containment.report("scale bookkeeping (update())", error)
-            if not self._torch_updated:  # torch's update if it did not run, then the device's truth
-                super().update(new_scale)
-            accounting.resync_mirror(self)
-        finally:
-            self._end_iteration()
-        stall, self._counters.stall_error = self._counters.stall_error, None
-        if stall is not None:
-            raise stall
-
-    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
-        self._torch_updated = True
-
-    def _end_iteration(self) -> None:
-        scalers_in_iteration.discard(self)
-        self._iteration = Iteration()
-        accounting.report_if_due(self)
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the iteration ended by the last ``update()`` skipped an optimizer step (inf/NaN gradients).
-
-        True for every skip, a forward overflow's included, which keeps the scale:
-        ``get_scale() < scale_before`` misses those. Free after a non-fused step;
-        after a fused one it reads the device once, as :attr:`stats` does.
-        """
-        return accounting.last_step_skipped(self)
-
-    @property
-    def stats(self) -> ScalerStats:
-        """A snapshot of the counters (reads the device only after fused-optimizer iterations)."""
-        return accounting.snapshot(self)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five keys, plus ``ampguard``: the counters, as plain Python numbers."""
-        return checkpoint.add_counters(self, super().state_dict())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this class or by torch's GradScaler.
-
-        torch's five keys keep torch's meaning (a stock checkpoint's 65536 loads
-        as 65536), bounded by the floor and cap; ``AMPGUARD_GROWTH_INTERVAL``, when
-        set, still overrides the checkpoint's growth interval. ampguard's counters
-        are restored from the ``ampguard`` entry; a checkpoint without one (torch's)
-        leaves the counters this scaler already holds.
-        """
-        if self._enabled:
-            ledger.fold_device_ledger(self)  # counters the checkpoint may not replace
-        super().load_state_dict(state_dict)
-        if not self._enabled:
-            return
-        checkpoint.load_counters(self, state_dict)
-
-    def __del__(self) -> None:
-        try:  # the exit summary keeps this scaler's tally (host counters only)
-            summary.remember(self)
-        except Exception:  # at interpreter exit modules may be half torn down
-            pass
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._enabled:
-            ledger.fold_device_ledger(self)
-        return checkpoint.without_iteration(super().__getstate__())
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        super().__setstate__(state)
-        if "_settings" not in state:  # pickled by torch's own GradScaler
-            checkpoint.adopt_torch_pickle(self, state)
-        else:
-            checkpoint.restore_iteration(self)
 
 
 def __getattr__(name: str) -> Any:

@@ -17,15 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import containment
-from ampguard.fp32_islands import healing
+import ampguard.containment as containment
+import ampguard.fp32_islands.healing as healing
+import ampguard.scaler.diagnose as diagnose
+import ampguard.scaler.ledger as ledger
+import ampguard.scaler.policy as policy
+import ampguard.scheduler_hold.hold as scheduler_hold
 from ampguard.log import logger
-from ampguard.scaler import diagnose, ledger, policy
-from ampguard.scheduler_hold import hold as scheduler_hold
 from ampguard.stats.counters import ScalerStats, log_stats
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 
 def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> torch.Tensor:
@@ -139,7 +141,7 @@ def snapshot(scaler: SafeGradScaler) -> ScalerStats:
     ledger.fold_device_ledger(scaler)
     scale = scaler._counters.mirror_scale if scaler._enabled else 1.0
     if scale is None:
-        from ampguard.scaler import TorchGradScaler
+        from ampguard.scaler.live import TorchGradScaler
 
         scale = TorchGradScaler.get_scale(scaler)
     return ScalerStats(

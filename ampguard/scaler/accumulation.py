@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.amp import grad_scaler
 
-from ampguard import master_weights
+import ampguard.master_weights as master_weights
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 
 def rescale_unscaled_gradients(scaler: SafeGradScaler) -> None:

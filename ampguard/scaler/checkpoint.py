@@ -11,16 +11,16 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ampguard import messages
-from ampguard.fp32_islands import healing
+import ampguard.fp32_islands.healing as healing
+import ampguard.messages as messages
+import ampguard.scaler.policy as policy
 from ampguard.log import logger
-from ampguard.scaler import policy
 from ampguard.scaler.counters import from_earlier_attributes
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.settings import resolve_settings
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 COUNTER_KEYS = (
     "steps",

@@ -20,7 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard import master_weights, messages
+import ampguard.master_weights as master_weights
+import ampguard.messages as messages
 from ampguard.log import event, logger
 
 try:
@@ -29,7 +30,7 @@ except ImportError:  # a torch that renamed them: the grad_scaler patch reports 
     OptState = _MultiDeviceReplicator = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 # Device types whose _amp_foreach_non_finite_check_and_unscale_ kernel has no
 # bfloat16 implementation (pytorch issue 127176).

@@ -30,7 +30,8 @@ from typing import Any
 
 import torch
 
-from ampguard import master_weights, messages
+import ampguard.master_weights as master_weights
+import ampguard.messages as messages
 from ampguard.log import ANY_RANK, event_logger
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host

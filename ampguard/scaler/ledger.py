@@ -28,9 +28,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampguard.fp32_islands import healing
+import ampguard.fp32_islands.healing as healing
+import ampguard.scaler.policy as policy
 from ampguard.log import logger
-from ampguard.scaler import policy
 from ampguard.syncs import read_to_host
 
 try:
@@ -39,7 +39,7 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
     OptState = None  # type: ignore[assignment, misc]
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 
 @dataclass

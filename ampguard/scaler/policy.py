@@ -14,13 +14,13 @@ import ctypes
 import math
 from typing import TYPE_CHECKING
 
-from ampguard import messages
+import ampguard.messages as messages
+import ampguard.scaler.diagnose as diagnose
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import event, logger
-from ampguard.scaler import diagnose
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 
 def f32(value: float) -> float:

@@ -22,7 +22,7 @@ def safe_sharded_scaler_class(sharded: Any) -> type:
     """A subclass of FSDP's ``ShardedGradScaler`` with SafeGradScaler's safety (one per class)."""
     if sharded in _sharded_classes:
         return _sharded_classes[sharded]
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
     class SafeShardedGradScaler(SafeGradScaler, sharded):  # type: ignore[misc]
         """FSDP's ``ShardedGradScaler`` under ampguard: its cross-rank found_inf all-reduce, SafeGradScaler's safety."""

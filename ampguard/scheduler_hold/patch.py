@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+import ampguard.scheduler_hold.hold as scheduler_hold
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
 from ampguard.patches.warning_attribution import attribute_past_ampguard
-from ampguard.scheduler_hold import hold as scheduler_hold
 
 
 class SchedulerHoldPatch(Patch):

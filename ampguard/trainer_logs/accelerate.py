@@ -19,10 +19,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment
+import ampguard.containment as containment
+import ampguard.trainer_logs.attach as integrations
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
-from ampguard.trainer_logs import attach as integrations
 
 
 def attach(module: ModuleType, bindings: Bindings) -> None:
@@ -39,7 +39,7 @@ def _step_was_skipped(accelerate_s: Any) -> Any:
         if accelerate_s(self):
             return True
         try:
-            from ampguard.scaler import accounting  # (late: the scaler package imports much of ampguard)
+            import ampguard.scaler.accounting as accounting  # (late: the scaler package imports much of ampguard)
 
             scaler = integrations.safe_scaler(getattr(self, "scaler", None))
             return scaler is not None and accounting.known_skip(scaler, self.optimizer)

@@ -21,14 +21,14 @@ import sys
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from ampguard import containment
+import ampguard.containment as containment
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
 from ampguard.stats.counters import ScalerStats
 
 if TYPE_CHECKING:
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
 # The module whose import means a trainer is there -> ampguard's integration for it.
 INTEGRATIONS: dict[str, str] = {

@@ -23,10 +23,10 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment
+import ampguard.containment as containment
+import ampguard.trainer_logs.attach as integrations
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
-from ampguard.trainer_logs import attach as integrations
 
 _callback_class: type | None = None
 

@@ -24,10 +24,10 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
-from ampguard import containment
+import ampguard.containment as containment
+import ampguard.trainer_logs.attach as integrations
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
-from ampguard.trainer_logs import attach as integrations
 
 _callback_classes: dict[str, type] = {}  # package ("lightning.pytorch", "pytorch_lightning") -> its callback class
 

@@ -9,9 +9,9 @@ as they are.
 
 from __future__ import annotations
 
+import ampguard.trainer_logs.attach as integrations
 from ampguard.config import Config
 from ampguard.patch import Patch
-from ampguard.trainer_logs import attach as integrations
 
 
 class TrainerLogsPatch(Patch):

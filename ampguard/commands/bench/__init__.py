@@ -85,7 +85,8 @@ def _at_least(option: str, value: int, minimum: int) -> None:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ampguard.commands.bench import report, runs
+    import ampguard.commands.bench.report as report
+    import ampguard.commands.bench.runs as runs
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
@@ -123,7 +124,7 @@ def main(args: argparse.Namespace) -> int:
         _check_markers(args.markdown)  # before minutes of measuring
     result = report.run(options)
     if args.markdown:
-        from ampguard.commands.bench import markdown
+        import ampguard.commands.bench.markdown as markdown
 
         markdown.rewrite(args.markdown, markdown.render(result, _command(options, args)))
         print(f"ampguard bench: wrote the measurements into {args.markdown}", file=sys.stderr)
@@ -148,7 +149,7 @@ def main(args: argparse.Namespace) -> int:
 
 
 def _check_markers(path: str) -> None:
-    from ampguard.commands.bench import markdown
+    import ampguard.commands.bench.markdown as markdown
 
     try:
         with open(path, encoding="utf-8") as file:
@@ -179,7 +180,7 @@ def _command(options: Any, args: argparse.Namespace) -> str:
 
 
 def _half_params(options: object, as_json: bool) -> int:
-    from ampguard.commands.bench import half
+    import ampguard.commands.bench.half as half
     from ampguard.commands.console import print_table
 
     result = half.run(options)  # type: ignore[arg-type]

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ampguard import master_weights
+import ampguard.master_weights as master_weights
 from ampguard.commands.bench.counting import count_steps
 from ampguard.commands.bench.runs import COUNTED_STEPS, GROWTH_INTERVAL, INIT_SCALE, LEARNING_RATE, Options, Run
 from ampguard.commands.bench.runs import make_runs as make_bench_runs

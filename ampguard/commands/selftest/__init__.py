@@ -48,7 +48,7 @@ def resolve_device(name: str | None) -> object:
 def main(args: argparse.Namespace) -> int:
     import torch
 
-    from ampguard.commands.selftest import report
+    import ampguard.commands.selftest.report as report
     from ampguard.commands.selftest.checks import CHECKS
     from ampguard.commands.selftest.result import Context
     from ampguard.commands.selftest.runner import run_checks

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from ampguard.commands.selftest import clipping, device, scaling, training
+import ampguard.commands.selftest.clipping as clipping
+import ampguard.commands.selftest.device as device
+import ampguard.commands.selftest.scaling as scaling
+import ampguard.commands.selftest.training as training
 from ampguard.commands.selftest.runner import Check
 
 CHECKS: list[Check] = [

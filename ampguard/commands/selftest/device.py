@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ampguard import machine
+import ampguard.machine as machine
 from ampguard.commands.selftest.result import CheckResult, Context, not_applicable, seeded, verdict
 from ampguard.commands.selftest.runner import patch_states, plain_torch
 from ampguard.scaler import SafeGradScaler

@@ -9,7 +9,7 @@ from typing import Any, TextIO
 import torch
 
 import ampguard
-from ampguard import machine
+import ampguard.machine as machine
 from ampguard.commands.selftest.result import CheckResult
 from ampguard.commands.selftest.runner import patch_states
 

@@ -52,7 +52,7 @@ def not_applicable(name: str, why: str, measured: Any = None, reference: Any = N
 
 def not_ampguards(name: str, scaler: Any) -> CheckResult | None:
     """A failure when ``scaler`` (an instance, or the class ``torch.amp.GradScaler`` is now) is not ampguard's."""
-    from ampguard.scaler import SafeGradScaler
+    from ampguard.scaler.safe import SafeGradScaler
 
     cls = scaler if isinstance(scaler, type) else type(scaler)
     if issubclass(cls, SafeGradScaler):

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 import ampguard
+import ampguard.stats.summary as summary
 from ampguard.commands.selftest.result import CheckResult, Context, not_applicable
-from ampguard.stats import summary
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ampguard import master_weights
+import ampguard.master_weights as master_weights
 from ampguard.commands.selftest.result import CheckResult, Context, seeded, verdict
 from ampguard.commands.selftest.runner import plain_torch
 

@@ -1,0 +1,36 @@
+"""Which SafeGradScalers are in an iteration (scaled a loss since their last update), and torch's own class.
+
+A leaf module: the clip patch and the scaler's own modules read these without importing the scaler class.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from ampguard.scaler.safe import SafeGradScaler
+
+TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever names point to later
+
+# Scalers that scaled a loss since their last update(); the clip patch reads it
+# through live_scalers().
+scalers_in_iteration: weakref.WeakSet[SafeGradScaler] = weakref.WeakSet()
+
+
+def live_scalers() -> list[SafeGradScaler]:
+    """The scalers in :data:`scalers_in_iteration`, safe while other threads add or discard some.
+
+    Iterating a WeakSet that another thread changes raises "Set changed size
+    during iteration"; copying its set of references is one C call under the GIL.
+    """
+    refs = scalers_in_iteration.data.copy()  # type: ignore[attr-defined]  # WeakSet's set of references
+    return [scaler for scaler in (ref() for ref in refs) if scaler is not None]
+
+
+def params_of(optimizers: Iterable[Any]) -> set[int]:
+    """ids of every parameter the optimizers hold."""
+    return {id(p) for optimizer in optimizers for group in optimizer.param_groups for p in group["params"]}
