@@ -7,15 +7,17 @@ bit-identical parameters.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
 
+import ampguard
 import ampguard.scaler
 from ampguard.scaler import SafeGradScaler
 
@@ -157,6 +159,24 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def stock(**kwargs: Any) -> Any:
     """torch's own GradScaler on CPU (the class ampguard captured before patching)."""
     return ampguard.scaler.TorchGradScaler("cpu", **kwargs)
+
+
+@contextlib.contextmanager
+def plain_torch() -> Iterator[None]:
+    """torch exactly as without ampguard inside the block (uninstalled), installed again afterwards."""
+    ampguard.uninstall()
+    try:
+        yield
+    finally:
+        ampguard.install()
+
+
+@pytest.fixture
+def no_scaler_left_mid_iteration() -> Iterator[None]:
+    """A scaler that scaled a loss and never reached update() would put the next test's clip "in play"."""
+    ampguard.scaler.scalers_in_iteration.clear()
+    yield
+    ampguard.scaler.scalers_in_iteration.clear()
 
 
 def safe(**kwargs: Any) -> SafeGradScaler:

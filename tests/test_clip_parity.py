@@ -8,33 +8,16 @@ are compared with ``torch.equal``.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import torch
-
-import ampguard
-import ampguard.registry
-import ampguard.scaler
+from scaler_support import no_scaler_left_mid_iteration, plain_torch  # noqa: F401 (a fixture)
 
 SCALE = 1024.0
 
 
-@contextlib.contextmanager
-def stock() -> Iterator[None]:
-    ampguard.uninstall()
-    try:
-        yield
-    finally:
-        ampguard.install()
-
-
-@pytest.fixture(autouse=True)
-def _no_scaler_left_mid_iteration() -> Iterator[None]:
-    ampguard.scaler.scalers_in_iteration.clear()
-    yield
-    ampguard.scaler.scalers_in_iteration.clear()
+pytestmark = pytest.mark.usefixtures("no_scaler_left_mid_iteration")
 
 
 def _params(values: list[list[float]]) -> list[torch.nn.Parameter]:
@@ -80,7 +63,7 @@ def test_an_infinite_scaled_threshold_returns_torchs_norm():
     def clip(params, scaler):
         return torch.nn.utils.clip_grad_norm_(params, float("inf") * scaler.get_scale())
 
-    with stock():
+    with plain_torch():
         want = _run(clip, VALUES)
     _assert_same(_run(clip, VALUES), want)
 
@@ -100,7 +83,7 @@ def test_a_scaled_threshold_for_one_optimizer_after_another_was_unscaled_is_torc
         norm = torch.nn.utils.clip_grad_norm_(params_b, 0.1 * scaler.get_scale())
         return norm, _unscaled_grads(scaler, optimizer_b, params_b)
 
-    with stock():
+    with plain_torch():
         want = run()
     _assert_same(run(), want)
 
@@ -123,7 +106,7 @@ def _forgotten_unscale(max_norm: float, norm_type: float) -> Callable:
 @pytest.mark.parametrize("values", [[[1e20 / SCALE, 3.0]], [[2.0**-70, -(2.0**-72)], [2.0**-71]]])
 def test_a_forgotten_unscale_gives_the_recipes_norm_at_both_ends_of_float32(values):
     """Scaled gradient 1e20 at scale 1024: the recipe returns 9.77e16 and steps (the scaled norm overflowed)."""
-    with stock():
+    with plain_torch():
         want = _recipe(values, 1.0, 2.0)
     got = _run(_forgotten_unscale(1.0, 2.0), values)
     assert torch.isfinite(got[0])
@@ -133,7 +116,7 @@ def test_a_forgotten_unscale_gives_the_recipes_norm_at_both_ends_of_float32(valu
 @pytest.mark.parametrize("norm_type", [1.0, 2.0, 3.0, 0.5, float("inf")])
 def test_a_forgotten_unscale_gives_the_recipes_bits_for_every_p_norm(norm_type):
     values = [[0.25, -0.125, 0.2, 1e-3], [0.3, 0.01, -7.5]]
-    with stock():
+    with plain_torch():
         want = _recipe(values, 0.5, norm_type)
     _assert_same(_run(_forgotten_unscale(0.5, norm_type), values), want)
 
@@ -146,7 +129,7 @@ def test_before_the_first_scale_the_scale_is_the_python_float_torch_gives(init_s
     def read(scaler):
         return scaler.get_scale(), scaler.state_dict()["scale"], pickle.loads(pickle.dumps(scaler)).get_scale()
 
-    with stock():
+    with plain_torch():
         want = read(torch.amp.GradScaler("cpu", init_scale=init_scale))
     reinstall(AMPGUARD_MIN_SCALE="0", AMPGUARD_MAX_SCALE="3.4028234663852886e38")
     got = read(torch.amp.GradScaler("cpu", init_scale=init_scale))

@@ -9,11 +9,9 @@ clip would see them unscaled and unscale_ would divide them again).
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import pytest
 import torch
+from scaler_support import no_scaler_left_mid_iteration, plain_torch  # noqa: F401 (a fixture)
 
 import ampguard
 import ampguard.scaler
@@ -22,20 +20,7 @@ import ampguard.scaler
 SMALL = [1e-4, 3e-6, 1e-7, 2e-8, 0.5]
 
 
-@contextlib.contextmanager
-def stock() -> Iterator[None]:
-    ampguard.uninstall()
-    try:
-        yield
-    finally:
-        ampguard.install()
-
-
-@pytest.fixture(autouse=True)
-def _no_scaler_left_mid_iteration() -> Iterator[None]:
-    ampguard.scaler.scalers_in_iteration.clear()
-    yield
-    ampguard.scaler.scalers_in_iteration.clear()
+pytestmark = pytest.mark.usefixtures("no_scaler_left_mid_iteration")
 
 
 def _half_iteration(values: list[float]):
@@ -54,7 +39,7 @@ def test_measuring_the_norm_with_max_norm_inf_leaves_float16_scaled_gradients_as
         torch.nn.utils.clip_grad_norm_([param], float("inf"))
         return param.grad.clone()
 
-    with stock():
+    with plain_torch():
         want = run()
     got = run()
     assert torch.equal(got, want), (got, want)
@@ -67,7 +52,7 @@ def test_error_if_nonfinite_leaves_float16_gradients_untouched_as_torch_does():
             torch.nn.utils.clip_grad_norm_([param], 1.0, error_if_nonfinite=True)
         return param.grad.clone()
 
-    with stock():
+    with plain_torch():
         want = run()
     got = run()
     assert torch.equal(got, want), (got, want)
@@ -103,7 +88,7 @@ def test_error_if_nonfinite_with_a_scale_of_3_leaves_float32_gradients_untouched
             torch.nn.utils.clip_grad_norm_([param], 1.0, error_if_nonfinite=True)
         return param.grad.clone()
 
-    with stock():
+    with plain_torch():
         want = run()
     got = run()
     assert torch.equal(got, want), (got != want).sum()
@@ -132,7 +117,7 @@ def test_a_failure_after_the_in_place_unscale_falls_back_to_torchs_gradients(mon
         scaler.unscale_(optimizer)
         return param.grad.clone()
 
-    with stock():
+    with plain_torch():
         want = run()
     assert torch.equal(want, torch.tensor(values))
 
@@ -164,7 +149,7 @@ def test_a_parameter_listed_twice_gets_the_recipes_norm_and_gradients():
             scaler.unscale_(optimizer)
         return norm, [a.grad.clone(), b.grad.clone()]
 
-    with stock():
+    with plain_torch():
         want = run(recipe=True)
     _assert_close(run(recipe=False), want)
 
