@@ -24,7 +24,8 @@ import ampguard
 import ampguard.clip_grad.api
 import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
-from ampguard import machine, master, registry
+import ampguard.master_weights.patch
+from ampguard import machine, master_weights, registry
 from ampguard.commands.selftest import checks, device, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
 from ampguard.scaler import SafeGradScaler
@@ -138,7 +139,9 @@ def test_kernels_check_fails_for_five_more_ops_per_step(monkeypatch):
 
 
 def test_masters_check_fails_with_the_master_path_turned_off(monkeypatch):
-    monkeypatch.setattr(master, "_record", lambda optimizer, **kwargs: None)  # the patch applied, no masters made
+    # the patch applied, no masters made (also after the reference run's uninstall/install)
+    monkeypatch.setattr(ampguard.master_weights.patch, "activate", lambda dtypes: None)
+    monkeypatch.setattr(master_weights.state, "active", False)
     result = run("fp16_model_with_masters")
     assert result.status == "failed" and result.measured["masters"] == 0
     assert not result.measured["finite"] or result.measured["share_of_float32"] < 0.9
