@@ -20,7 +20,7 @@ import ampguard.config as config_module
 import ampguard.stats.file as stats_file
 import ampguard.torch_privates as torch_privates
 from ampguard.bindings import rebind_queued, restore_imported_since
-from ampguard.errors import PatchUnavailable
+from ampguard.errors import ConfigError, PatchUnavailable
 from ampguard.log import ensure_default_handler, event, is_rank_zero, logger
 from ampguard.patch import Patch, torch_release
 
@@ -127,6 +127,20 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
                 verdict = _apply(patch, config)
             statuses[patch.name] = PatchStatus(patch.name, verdict[0], verdict[1], patch.summary)
         applied = [p for p in _registry.patches if statuses[p.name].state == "applied"]
+        refused = [statuses[name] for name in sorted(config.enable) if statuses[name].state == "unavailable"]
+        if refused:  # asked for by name: an error with the reason, not a quiet skip (sentry-sdk's DidNotEnable)
+            for patch in reversed(applied):
+                _revert_quietly(patch)
+            stats_file.attach(None)
+            raise ConfigError(
+                "AMPGUARD_ENABLE",
+                ",".join(sorted(config.enable)),
+                "patches that can apply here",
+                message="; ".join(
+                    f"AMPGUARD_ENABLE names {s.name}, which cannot apply here: {s.reason}" for s in refused
+                )
+                + ". Remove it from AMPGUARD_ENABLE (`ampguard patches` lists what applies on this machine).",
+            )
         try:
             rebind_queued([p.bindings for p in applied])
         except Exception as error:  # never the cause of a crash: report and go on

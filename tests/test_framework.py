@@ -119,6 +119,20 @@ def test_old_torch_reports_unavailable_with_reason(stock_torch, monkeypatch):
     assert torch.amp.GradScaler is not ampguard.SafeGradScaler
 
 
+def test_a_patch_asked_for_by_name_that_cannot_apply_is_an_error_with_the_reason(stock_torch, monkeypatch):
+    """sentry-sdk's DidNotEnable: a default patch that cannot apply is skipped quietly; one named is an error."""
+    monkeypatch.setattr(torch, "__version__", "2.1.2+cu118")
+    monkeypatch.setenv("AMPGUARD_ENABLE", "grad_scaler")
+    with pytest.raises(ampguard.ConfigError) as raised:
+        ampguard.install()
+    message = str(raised.value)
+    assert "AMPGUARD_ENABLE names grad_scaler, which cannot apply here: needs torch >=2.3, this is 2.1.2" in message
+    assert "ampguard patches" in message
+    assert not ampguard.registry.is_installed() and torch.amp.GradScaler is not ampguard.SafeGradScaler
+    monkeypatch.delenv("AMPGUARD_ENABLE")
+    assert {e.state for e in ampguard.install()} <= {"unavailable", "disabled"}  # not named: skipped quietly
+
+
 class _Exploding(Patch):
     name = "exploding"
     summary = "fails half way through apply"
