@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ampguard.log import logger
+from ampguard.log import event_logger
 from ampguard.master_weights.records import (
     ATTRIBUTE,
     FAILED,
@@ -37,6 +37,8 @@ from ampguard.master_weights.records import (
     record_of,
     state,
 )
+
+logger = event_logger("masters")
 
 
 def _current(optimizer: Any) -> Masters | None:

@@ -19,7 +19,9 @@ import torch
 from torch import Tensor
 
 import ampguard.master_weights.storage as storage
-from ampguard.log import logger
+from ampguard.log import event_logger
+
+logger = event_logger("masters")
 
 STATE_KEY = "ampguard_master_weights"
 ATTRIBUTE = "_ampguard_master_weights"
@@ -307,10 +309,16 @@ def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
 def _announce(optimizer: Any, record: Masters) -> None:
     if not record.params or not logger.isEnabledFor(logging.INFO):
         return
+    tensors: dict[torch.dtype, int] = {}
     numel: dict[torch.dtype, int] = {}
     for param in record.params:
+        tensors[param.dtype] = tensors.get(param.dtype, 0) + 1
         numel[param.dtype] = numel.get(param.dtype, 0) + param.numel()
-    counts = " and ".join(f"{n:,} {str(dtype).replace('torch.', '')}" for dtype, n in numel.items()) + " parameters"
+    counts = " and ".join(
+        f"{tensors[dtype]:,} {str(dtype).replace('torch.', '')} parameter tensor{'s' if tensors[dtype] != 1 else ''} "
+        f"with {n:,} value{'s' if n != 1 else ''}"
+        for dtype, n in numel.items()
+    )
     logger.info(KEEPS.format(optimizer=label(optimizer), counts=counts, mib=sum(numel.values()) * 4 / 2**20))
 
 

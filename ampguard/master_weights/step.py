@@ -22,7 +22,7 @@ import torch
 
 import ampguard.master_weights.closure as closure
 import ampguard.master_weights.gradient_copies as gradient_copies
-from ampguard.log import logger
+from ampguard.log import event_logger
 from ampguard.master_weights.records import (
     ATTRIBUTE,
     Excluded,
@@ -36,6 +36,8 @@ from ampguard.master_weights.records import (
     record_of,
     state,
 )
+
+logger = event_logger("masters")
 
 _PUTS_BACK = "_ampguard_puts_masters_back"
 
