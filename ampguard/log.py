@@ -83,6 +83,11 @@ def event_logger(kind: str) -> EventLogger:
     return EventLogger(logger, event(kind))
 
 
+def label(obj: object) -> str:
+    """How a log line names an optimizer or a scaler: its class and the low bits of its id (``AdamW#1a2b``)."""
+    return f"{type(obj).__name__}#{id(obj) & 0xFFFF:04x}"
+
+
 # ``logger.info(..., extra=ANY_RANK)``: a fact only this rank knows (its own loss was inf/NaN), which
 # the other ranks' records cannot say; logged on any rank, tagged with it.
 ANY_RANK = {"ampguard_any_rank": True}

@@ -22,7 +22,7 @@ import torch
 
 import ampguard.master_weights as master_weights
 import ampguard.messages as messages
-from ampguard.log import event, logger
+from ampguard.log import event, label, logger
 
 try:
     from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
@@ -37,14 +37,10 @@ if TYPE_CHECKING:
 DEVICES_WITHOUT_BF16_UNSCALE = frozenset({"cuda"})
 
 
-def optimizer_label(optimizer: Any) -> str:
-    return f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
-
-
 def unscaled_already(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """Whether this ``unscale_()`` is a second one with no ``scale()`` in between (then ignored)."""
     if scaler._enabled and scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-        logger.debug("unscale_() called again for %s in one iteration: ignored.", optimizer_label(optimizer))
+        logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
         return True
     return False
 
@@ -88,7 +84,7 @@ def unscale_grads(
                     )
     if saw_fp16 and not allow_fp16 and not scaler._counters.warned_fp16:
         scaler._counters.warned_fp16 = True
-        logger.warning(messages.FP16_GRADIENTS.format(optimizer=optimizer_label(optimizer)))
+        logger.warning(messages.FP16_GRADIENTS.format(optimizer=label(optimizer)))
     return per_device_found_inf._per_device_tensors
 
 
@@ -121,4 +117,4 @@ def note_no_gradients(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) 
     scaler._counters.no_grad_steps += 1
     if id(optimizer) not in scaler._counters.warned_no_grad:
         scaler._counters.warned_no_grad.add(id(optimizer))
-        logger.warning(messages.NO_GRADIENTS.format(optimizer=optimizer_label(optimizer)), extra=event("no_grad"))
+        logger.warning(messages.NO_GRADIENTS.format(optimizer=label(optimizer)), extra=event("no_grad"))

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from ampguard.log import event_logger, is_rank_zero
+from ampguard.log import event_logger, is_rank_zero, label
 from ampguard.stats.counters import process_counters
 
 logger = event_logger("summary")
@@ -61,7 +61,7 @@ def _line(scaler: Any, steps: int, skipped: int, nonfinite: int, no_grad: int, s
         return None
     final = f", final scale {scale:g}" if scale is not None else ""
     return (
-        f"{type(scaler).__name__}#{id(scaler) & 0xFFFF:04x}: {skipped} of {steps} steps skipped "
+        f"{label(scaler)}: {skipped} of {steps} steps skipped "
         f"({100.0 * skipped / steps:.1f}%), {nonfinite} with a non-finite loss, {no_grad} without gradients{final}"
     )
 
