@@ -75,3 +75,20 @@ def test_an_optimizer_that_has_state_when_ampguard_is_installed_again_keeps_it()
     half.steps(3)
     full.steps(3)
     assert_like(half, full)
+
+
+def test_a_model_reset_for_a_new_optimizer_while_the_old_one_lives_trains_from_what_was_loaded():
+    """A sweep: ``model.load_state_dict(init)``, a new optimizer, the previous one still held (a results list)."""
+    finals = []
+    for dtype in (torch.float16, torch.float32):
+        model = model_of(dtype)
+        start = {name: value.clone() for name, value in model.state_dict().items()}
+        kept = []
+        for lr in (0.05, 0.02):
+            model.load_state_dict(start)
+            optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+            Run(model, [optimizer], dtype).steps(3)
+            kept.append(optimizer)
+        finals.append(model)
+    for (name, p), q in zip(finals[0].named_parameters(), finals[1].parameters()):
+        torch.testing.assert_close(p.float(), q, atol=2e-3, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
