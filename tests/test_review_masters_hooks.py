@@ -1,0 +1,37 @@
+"""Review of the fp32 masters (issue 20): what a user's optimizer step pre-hook sees, against the float32 run.
+
+torch runs an optimizer's step pre-hooks with the model's parameters in
+``param_groups``; a hook that masks gradients (pruning) looks them up by
+identity. The masked weights must stay where they are, as in torch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from master_events_support import Run, model_of, sgd
+from scaler_support import one_thread  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_a_gradient_mask_applied_by_a_step_pre_hook_keeps_pruned_weights_like_torch():
+    finals = []
+    for dtype in (torch.float16, torch.float32):
+        model = model_of(dtype)
+        optimizer = sgd(model.parameters())
+        masks = {model[0].weight: (torch.arange(16) % 2 == 0).to(dtype).expand(16, 16)}
+
+        def mask_gradients(optimizer, args, kwargs, masks=masks):
+            for group in optimizer.param_groups:
+                for param in group["params"]:
+                    if param in masks:
+                        param.grad.mul_(masks[param])
+
+        optimizer.register_step_pre_hook(mask_gradients)
+        start = model[0].weight.detach().clone()
+        Run(model, [optimizer], dtype).steps(5)
+        pruned = (torch.arange(16) % 2 == 1).expand(16, 16)
+        assert torch.equal(model[0].weight[pruned], start[pruned]), f"{dtype}: pruned weights moved"
+        finals.append(model)
+    torch.testing.assert_close(finals[0][0].weight.float(), finals[1][0].weight, atol=2e-3, rtol=0)
