@@ -92,3 +92,21 @@ def test_a_model_reset_for_a_new_optimizer_while_the_old_one_lives_trains_from_w
         finals.append(model)
     for (name, p), q in zip(finals[0].named_parameters(), finals[1].parameters()):
         torch.testing.assert_close(p.float(), q, atol=2e-3, rtol=0, msg=lambda m, name=name: f"{name}: {m}")
+
+
+def test_a_parameter_taken_out_of_param_groups_and_put_back_keeps_its_momentum():
+    """torch keeps ``state[p]`` while ``p`` is out of ``param_groups``: put back, it resumes its momentum."""
+    half, full = pair()
+    half.steps(3)
+    full.steps(3)
+    for run in (half, full):
+        group = run.optimizers[0].param_groups[0]
+        group["params"] = group["params"][1:]
+    half.steps(2)
+    full.steps(2)
+    for run in (half, full):
+        group = run.optimizers[0].param_groups[0]
+        group["params"] = [next(run.model.parameters()), *group["params"]]
+    half.steps(3)
+    full.steps(3)
+    assert_like(half, full)
