@@ -1,4 +1,4 @@
-"""Review of the fp32 masters (issue 20, items 2 and 3 together): a copy of two optimizers sharing a parameter.
+"""fp32 masters (issue 20): a copy of two optimizers sharing a parameter.
 
 The originals step one float32 copy of the shared memory, so both updates are
 kept; a ``copy.deepcopy`` or pickle of the model with both optimizers must go

@@ -1,4 +1,4 @@
-"""Review of the fp32 masters (issue 20): what a user's optimizer step pre-hook sees, against the float32 run.
+"""fp32 masters (issue 20): what a user's optimizer step pre-hook sees, against the float32 run.
 
 torch runs an optimizer's step pre-hooks with the model's parameters in
 ``param_groups``; a hook that masks gradients (pruning) looks them up by

@@ -1,4 +1,4 @@
-"""Review of the fp32 masters (issue 20): optimizer state kept exactly as torch keeps it, against the float32 run.
+"""fp32 masters (issue 20): optimizer state kept exactly as torch keeps it, against the float32 run.
 
 Each test puts the same event in the float16 run (with masters) and in the
 float32 run from the same rounded start, and compares parameters and

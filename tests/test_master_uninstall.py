@@ -1,4 +1,4 @@
-"""Review of the fp32 masters (issue 20): ``ampguard.uninstall()`` with masters live, against the float32 run.
+"""fp32 masters (issue 20): ``ampguard.uninstall()`` with masters live, against the float32 run.
 
 After ``scaler.unscale_(optimizer)`` the unscaled gradients are the masters'
 (the parameters' ``.grad`` keep the scaled float16 values). Switched off before
