@@ -20,6 +20,7 @@ from torch import Tensor
 
 import ampguard.master_weights.storage as storage
 from ampguard.log import event_logger
+from ampguard.master_weights.state_moves import cast_state, earlier_masters, move_state_to_masters
 
 logger = event_logger("masters")
 
@@ -102,6 +103,9 @@ class Masters:
     refresh: str | None = None  # "exact": masters from the parameters; "check": only where they disagree
     swapped: bool = False  # param_groups hold the masters: from the step pre-hook to the post-hook
     aliases: tuple[tuple[str, int], ...] = ()  # (optimizer attribute, group) holding a group's list (LBFGS)
+    # every master made for this optimizer, by id(param), with a weak reference to its parameter: a parameter
+    # frozen or taken out of param_groups and back gets its master again, so the state keyed by it goes on
+    earlier: dict[int, tuple[weakref.ref[Tensor], Tensor]] = field(default_factory=dict)
 
     def synced(self) -> bool:
         """The masters' gradients are this iteration's (copied by a scaler whose iteration is still going on)."""
@@ -179,10 +183,26 @@ def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
     return made
 
 
-def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Masters | Plain:
-    """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep)."""
+def _build(
+    optimizer: Any,
+    kept: dict[int, Tensor],
+    refresh: str | None,
+    earlier: dict[int, tuple[weakref.ref[Tensor], Tensor]] | None = None,
+) -> Masters | Plain:
+    """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep).
+
+    ``earlier``: the masters made before for this optimizer; those of parameters back in
+    training are used again (checked against the parameters first: they were not stepped meanwhile).
+    """
     signature = _signature(optimizer)
-    kept = {**kept, **_new_masters(optimizer, kept)}
+    earlier = dict(earlier or {})
+    revived = {key: master for key, master in earlier_masters(optimizer, earlier).items() if key not in kept}
+    if revived:
+        refresh = refresh or "check"
+    kept = {**kept, **revived}
+    made = _new_masters(optimizer, kept)
+    move_state_to_masters(optimizer, made)
+    kept = {**kept, **made}
     model_lists, master_lists, params, masters, waiting = [], [], [], [], []
     for group in optimizer.param_groups:
         group_params = group["params"]
@@ -203,16 +223,11 @@ def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Mast
         return Plain(quick(optimizer))
     record = Masters(weakref.ref(optimizer), signature, model_lists, master_lists, params, masters, waiting)
     record.master_of = {id(p): m for p, m in zip(params, masters)}
+    earlier = {key: made for key, made in earlier.items() if made[0]() is not None}
+    earlier.update((id(p), (weakref.ref(p), m)) for p, m in zip(params, masters))
+    record.earlier = earlier
     record.refresh = refresh
     return record
-
-
-def cast_state(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """A parameter's optimizer state as torch would hold it for a ``dtype`` parameter (``step`` stays as it is)."""
-    return {
-        key: value.to(dtype) if key != "step" and torch.is_tensor(value) and value.is_floating_point() else value
-        for key, value in saved.items()
-    }
 
 
 def pickled(optimizer: Any, record: Masters) -> dict[str, Any]:
@@ -259,7 +274,11 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
                     optimizer.state[master] = saved
             built = _build(optimizer, {id(p): m for p, m in entry["pairs"]}, entry["refresh"])
         else:
-            built = _build(optimizer, previous.master_of if previous else {}, previous.refresh if previous else None)
+            built = (
+                _build(optimizer, previous.master_of, previous.refresh, previous.earlier)
+                if previous is not None
+                else _build(optimizer, {}, None)
+            )
     except Unwrappable as why:
         exclude(optimizer, str(why), previous)
         return None
