@@ -93,6 +93,9 @@ def master_for(param: Tensor) -> Tensor:
             master = torch.nn.Parameter(view.detach().as_strided(param.shape, param.stride(), start - buffer.origin))
             buffer.views.append(weakref.ref(master))
             buffer.owners.append(weakref.ref(param))
+            # the parameter may have been written since (model.load_state_dict before a new optimizer, the old
+            # one still alive): take it where the float32 value no longer rounds to it (no host read)
+            take_where_changed(master, param)
             return master
     if any(start < buffer.stop and buffer.start < stop for buffer, _ in live):
         raise PartialOverlap
@@ -102,6 +105,12 @@ def master_for(param: Tensor) -> Tensor:
         master.copy_(param)
     _buffers.setdefault(key, []).append(_Buffer(start, start, stop, [weakref.ref(master)], [weakref.ref(param)]))
     return master
+
+
+@torch.no_grad()
+def take_where_changed(master: Tensor, param: Tensor) -> None:
+    """``param``'s value into ``master`` wherever ``master`` no longer rounds to it (the float32 value kept elsewhere)."""
+    master.copy_(torch.where(master.to(param.dtype) == param, master, param.to(master.dtype)))
 
 
 def adopt(param: Tensor, master: Tensor) -> None:
