@@ -401,6 +401,11 @@ def retire(optimizer: Any, record: Masters) -> None:
     for param, master in zip(record.params, record.masters):
         if master in optimizer.state:
             optimizer.state[param] = cast_state(optimizer.state.pop(master), param.dtype)
+    if record.synced():  # unscaled (maybe clipped) by the scaler since: the step torch takes next must use them
+        with torch.no_grad():
+            for param, master in zip(record.params, record.masters):
+                if master.grad is not None and param.grad is not None:
+                    param.grad.copy_(master.grad)
     record.free_grads()
     state.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)
