@@ -273,12 +273,12 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
             raise Unwrappable(reason)
         if unpickled:
             assert isinstance(entry, dict)
-            for (param, master), saved in zip(entry["pairs"], entry["state"]):
-                storage.adopt(param, master)
+            pairs = [(param, storage.adopt(param, master)) for param, master in entry["pairs"]]
+            for (param, master), saved in zip(pairs, entry["state"]):
                 optimizer.state.pop(param, None)  # the copy torch would have had: the float32 one goes in its place
                 if saved is not None:
                     optimizer.state[master] = saved
-            built = _build(optimizer, {id(p): m for p, m in entry["pairs"]}, entry["refresh"])
+            built = _build(optimizer, {id(p): m for p, m in pairs}, entry["refresh"])
         else:
             built = (
                 _build(optimizer, previous.master_of, previous.refresh, previous.earlier)
