@@ -15,6 +15,11 @@ from scaler_support import one_thread  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="a user's step pre-hook runs after ampguard's global one and sees the masters in param_groups, "
+    "so a lookup by the model's parameters finds nothing (docs/master-weights.md, Limits)",
+)
 def test_a_gradient_mask_applied_by_a_step_pre_hook_keeps_pruned_weights_like_torch():
     finals = []
     for dtype in (torch.float16, torch.float32):
