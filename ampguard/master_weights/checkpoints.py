@@ -30,13 +30,13 @@ from ampguard.master_weights.records import (
     FAILED,
     STATE_KEY,
     Masters,
-    cast_state,
     fail,
     label,
     pickled,
     record_of,
     state,
 )
+from ampguard.master_weights.state_moves import cast_state
 
 logger = event_logger("masters")
 

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+import ampguard.master_weights.storage as storage
 from ampguard.master_weights.records import Masters, Unwrappable, exclude, fail, record_of, state
 
 
@@ -65,7 +66,7 @@ def refresh(record: Masters) -> None:
         torch._foreach_copy_(record.masters, record.params)
     else:  # keep the loaded float32 value wherever it still rounds to the parameter: no host read
         for param, master in zip(record.params, record.masters):
-            master.copy_(torch.where(master.to(param.dtype) == param, master, param.to(master.dtype)))
+            storage.take_where_changed(master, param)
     record.refresh = None
 
 

@@ -20,6 +20,7 @@ from torch import Tensor
 
 import ampguard.master_weights.storage as storage
 from ampguard.log import event_logger
+from ampguard.master_weights.state_moves import cast_state, earlier_masters, move_state_to_masters
 
 logger = event_logger("masters")
 
@@ -48,6 +49,8 @@ class _State:
         self.shared_grads: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.wrappers: dict[str, Callable[..., Any]] = {}
         self.excluded: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers marked Excluded
+        # id(optimizer) -> how many of its hooked steps are running (a subclass's step calling super().step())
+        self.step_depth: dict[int, int] = {}
 
 
 state = _State()
@@ -102,6 +105,9 @@ class Masters:
     refresh: str | None = None  # "exact": masters from the parameters; "check": only where they disagree
     swapped: bool = False  # param_groups hold the masters: from the step pre-hook to the post-hook
     aliases: tuple[tuple[str, int], ...] = ()  # (optimizer attribute, group) holding a group's list (LBFGS)
+    # every master made for this optimizer, by id(param), with a weak reference to its parameter: a parameter
+    # frozen or taken out of param_groups and back gets its master again, so the state keyed by it goes on
+    earlier: dict[int, tuple[weakref.ref[Tensor], Tensor]] = field(default_factory=dict)
 
     def synced(self) -> bool:
         """The masters' gradients are this iteration's (copied by a scaler whose iteration is still going on)."""
@@ -130,7 +136,11 @@ class Masters:
 
 
 def _signature(optimizer: Any) -> tuple[Any, ...]:
-    return tuple((id(group["params"]), len(group["params"])) for group in optimizer.param_groups)
+    """Which lists ``param_groups`` hold and which parameters are in them (``group["params"][i] = new`` included).
+
+    Host-side only: a tuple of ids, compared each step (a few microseconds per thousand parameters).
+    """
+    return tuple((id(group["params"]), tuple(map(id, group["params"]))) for group in optimizer.param_groups)
 
 
 def quick(optimizer: Any) -> tuple[Any, ...]:
@@ -179,10 +189,26 @@ def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
     return made
 
 
-def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Masters | Plain:
-    """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep)."""
+def _build(
+    optimizer: Any,
+    kept: dict[int, Tensor],
+    refresh: str | None,
+    earlier: dict[int, tuple[weakref.ref[Tensor], Tensor]] | None = None,
+) -> Masters | Plain:
+    """Scan ``param_groups``: masters for the trainable half-precision parameters (``kept``: id -> master to keep).
+
+    ``earlier``: the masters made before for this optimizer; those of parameters back in
+    training are used again (checked against the parameters first: they were not stepped meanwhile).
+    """
     signature = _signature(optimizer)
-    kept = {**kept, **_new_masters(optimizer, kept)}
+    earlier = dict(earlier or {})
+    revived = {key: master for key, master in earlier_masters(optimizer, earlier).items() if key not in kept}
+    if revived:
+        refresh = refresh or "check"
+    kept = {**kept, **revived}
+    made = _new_masters(optimizer, kept)
+    move_state_to_masters(optimizer, made)
+    kept = {**kept, **made}
     model_lists, master_lists, params, masters, waiting = [], [], [], [], []
     for group in optimizer.param_groups:
         group_params = group["params"]
@@ -203,16 +229,11 @@ def _build(optimizer: Any, kept: dict[int, Tensor], refresh: str | None) -> Mast
         return Plain(quick(optimizer))
     record = Masters(weakref.ref(optimizer), signature, model_lists, master_lists, params, masters, waiting)
     record.master_of = {id(p): m for p, m in zip(params, masters)}
+    earlier = {key: made for key, made in earlier.items() if made[0]() is not None}
+    earlier.update((id(p), (weakref.ref(p), m)) for p, m in zip(params, masters))
+    record.earlier = earlier
     record.refresh = refresh
     return record
-
-
-def cast_state(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """A parameter's optimizer state as torch would hold it for a ``dtype`` parameter (``step`` stays as it is)."""
-    return {
-        key: value.to(dtype) if key != "step" and torch.is_tensor(value) and value.is_floating_point() else value
-        for key, value in saved.items()
-    }
 
 
 def pickled(optimizer: Any, record: Masters) -> dict[str, Any]:
@@ -252,14 +273,18 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
             raise Unwrappable(reason)
         if unpickled:
             assert isinstance(entry, dict)
-            for (param, master), saved in zip(entry["pairs"], entry["state"]):
-                storage.adopt(param, master)
+            pairs = [(param, storage.adopt(param, master)) for param, master in entry["pairs"]]
+            for (param, master), saved in zip(pairs, entry["state"]):
                 optimizer.state.pop(param, None)  # the copy torch would have had: the float32 one goes in its place
                 if saved is not None:
                     optimizer.state[master] = saved
-            built = _build(optimizer, {id(p): m for p, m in entry["pairs"]}, entry["refresh"])
+            built = _build(optimizer, {id(p): m for p, m in pairs}, entry["refresh"])
         else:
-            built = _build(optimizer, previous.master_of if previous else {}, previous.refresh if previous else None)
+            built = (
+                _build(optimizer, previous.master_of, previous.refresh, previous.earlier)
+                if previous is not None
+                else _build(optimizer, {}, None)
+            )
     except Unwrappable as why:
         exclude(optimizer, str(why), previous)
         return None
@@ -299,11 +324,19 @@ def _put_back_before_its_own_post_hooks(optimizer: Any) -> None:
 
 def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
     record = optimizer.__dict__.get(ATTRIBUTE)
-    if record.__class__ is Masters and record.swapped:
+    if record.__class__ is Masters and record.swapped and not inner_step(optimizer):
         try:
             record.put_back(optimizer)
         except Exception as error:  # never the reason a run dies: torch's behaviour from here on
             fail(optimizer, record, error)
+
+
+def inner_step(optimizer: Any) -> bool:
+    """A hooked step of ``optimizer`` runs inside another (``super().step()``): its hooks leave the masters as they are.
+
+    The outer step's pre-hook put them in place, and the outer step may have edited their gradients.
+    """
+    return state.step_depth.get(id(optimizer), 0) > 1
 
 
 def _announce(optimizer: Any, record: Masters) -> None:
@@ -368,6 +401,11 @@ def retire(optimizer: Any, record: Masters) -> None:
     for param, master in zip(record.params, record.masters):
         if master in optimizer.state:
             optimizer.state[param] = cast_state(optimizer.state.pop(master), param.dtype)
+    if record.synced():  # unscaled (maybe clipped) by the scaler since: the step torch takes next must use them
+        with torch.no_grad():
+            for param, master in zip(record.params, record.masters):
+                if master.grad is not None and param.grad is not None:
+                    param.grad.copy_(master.grad)
     record.free_grads()
     state.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)

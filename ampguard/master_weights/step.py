@@ -31,6 +31,7 @@ from ampguard.master_weights.records import (
     Unwrappable,
     exclude,
     fail,
+    inner_step,
     label,
     quick,
     record_of,
@@ -54,6 +55,8 @@ def before_step(
     entry = optimizer.__dict__.get(ATTRIBUTE)
     if entry.__class__ is Plain and entry.signature == quick(optimizer):
         return None  # the float32 optimizer's path
+    if entry.__class__ is Masters and entry.swapped and inner_step(optimizer):
+        return None
     record = None
     try:
         record = record_of(optimizer, create=True)
@@ -96,6 +99,8 @@ def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> N
             for other in record.shares:
                 other.refresh = other.refresh or "check"
         return
+    if record.swapped and inner_step(optimizer):
+        return
     try:
         if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)
             record.put_back(optimizer)
@@ -120,12 +125,20 @@ def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(step)
     def step_putting_masters_back_on_error(*args: Any, **kwargs: Any) -> Any:
+        key = id(args[0]) if args else 0
+        depth = state.step_depth
+        depth[key] = depth.get(key, 0) + 1
         try:
             return step(*args, **kwargs)
         except BaseException:
-            if args:
+            if args and depth[key] == 1:  # an inner step's error goes on through the outer step, which puts back
                 _after_error(args[0])
             raise
+        finally:
+            if depth[key] == 1:
+                del depth[key]
+            else:
+                depth[key] -= 1
 
     setattr(step_putting_masters_back_on_error, _PUTS_BACK, True)
     return step_putting_masters_back_on_error

@@ -93,6 +93,9 @@ def master_for(param: Tensor) -> Tensor:
             master = torch.nn.Parameter(view.detach().as_strided(param.shape, param.stride(), start - buffer.origin))
             buffer.views.append(weakref.ref(master))
             buffer.owners.append(weakref.ref(param))
+            # the parameter may have been written since (model.load_state_dict before a new optimizer, the old
+            # one still alive): take it where the float32 value no longer rounds to it (no host read)
+            take_where_changed(master, param)
             return master
     if any(start < buffer.stop and buffer.start < stop for buffer, _ in live):
         raise PartialOverlap
@@ -104,20 +107,39 @@ def master_for(param: Tensor) -> Tensor:
     return master
 
 
-def adopt(param: Tensor, master: Tensor) -> None:
+@torch.no_grad()
+def take_where_changed(master: Tensor, param: Tensor) -> None:
+    """``param``'s value into ``master`` wherever ``master`` no longer rounds to it (the float32 value kept elsewhere)."""
+    master.copy_(torch.where(master.to(param.dtype) == param, master, param.to(master.dtype)))
+
+
+def adopt(param: Tensor, master: Tensor) -> Tensor:
     """Register ``master`` (made elsewhere: an unpickled optimizer's) as the copy of ``param``'s memory.
 
-    A later optimizer holding ``param`` then shares it. Nothing is done when
-    the memory is mirrored already or ``master`` does not match ``param``'s layout.
+    A later optimizer holding ``param`` then shares it. When the memory is
+    mirrored already (the same parameter in another optimizer of the copy:
+    ``copy.deepcopy`` copies each master on its own), the master to use is a
+    view of that copy, returned with ``master``'s values; else ``master``
+    itself (also when it does not match ``param``'s layout, or straddles a copy).
     """
     if param.numel() == 0 or master.shape != param.shape or master.stride() != param.stride():
-        return
+        return master
     key = _key(param)
     start, stop = _span(param)
-    if any(buffer.start < stop and start < buffer.stop for buffer, _ in _live(key)):
-        return
+    live = _live(key)
+    if any(view.untyped_storage().data_ptr() == master.untyped_storage().data_ptr() for _, view in live):
+        return master  # one pickle of both optimizers: already a view of the same copy
+    if any(buffer.start < stop and start < buffer.stop for buffer, _ in live):
+        try:
+            shared = master_for(param)
+        except PartialOverlap:
+            return master
+        with torch.no_grad():
+            shared.copy_(master)
+        return shared
     origin = start - int(master.storage_offset())
     _buffers.setdefault(key, []).append(_Buffer(origin, start, stop, [weakref.ref(master)], [weakref.ref(param)]))
+    return master
 
 
 def forget() -> None:
