@@ -20,6 +20,7 @@ from torch import Tensor
 
 import ampguard.master_weights.storage as storage
 from ampguard.log import event_logger
+from ampguard.log import label as label  # re-exported: the name the package and its modules use
 from ampguard.master_weights.state_moves import cast_state, earlier_masters, move_state_to_masters
 
 logger = event_logger("masters")
@@ -54,10 +55,6 @@ class _State:
 
 
 state = _State()
-
-
-def label(optimizer: Any) -> str:
-    return f"{type(optimizer).__name__}#{id(optimizer) & 0xFFFF:04x}"
 
 
 class Unwrappable(Exception):
