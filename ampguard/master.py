@@ -223,12 +223,27 @@ def _record(optimizer: Any, *, create: bool, rebuild: bool = False) -> _Masters 
     optimizer.__dict__[_ATTRIBUTE] = built
     if not isinstance(built, _Masters):
         return None
+    _move_eager_state(optimizer, built)
     state.records.add(built)
     if previous is not None:
         state.records.discard(previous)
     if previous is None or not previous.params:
         _announce(optimizer, built)
     return built
+
+
+def _move_eager_state(optimizer: Any, record: _Masters) -> None:
+    """State an optimizer made for a parameter before it had a master (Adagrad's ``sum``, made in
+    ``__init__``) goes to the master, in float32: left on the parameter it would be stepped past and
+    break ``state_dict()`` (a key that is no parameter of ``param_groups``)."""
+    for param, master in zip(record.params, record.masters):
+        if param in optimizer.state and master not in optimizer.state:
+            optimizer.state[master] = {
+                key: value.to(torch.float32)
+                if key != "step" and torch.is_tensor(value) and value.is_floating_point()
+                else value
+                for key, value in optimizer.state.pop(param).items()
+            }
 
 
 def _announce(optimizer: Any, record: _Masters) -> None:
