@@ -179,7 +179,8 @@ def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: 
     else:
         params = [p for trainee in members for p in trainee.stepped]
     norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=clip["norm_type"], foreach=clip["foreach"])
-    recipe_case = mode == "unscaled" and len(members) == 1
+    recipe_case = mode != "scaled_threshold" and clip["optimizers"] == [i for i in clip["optimizers"] if i in unscaled]
+    recipe_case = recipe_case and len(members) == 1
     if not UNDER_AMPGUARD and not recipe_case and not bool(torch.isfinite(norm)):
         for trainee in members:
             flag = _found_inf(scaler, trainee)

@@ -303,7 +303,7 @@ def test_unscale_every_micro_step_with_float16_master_weights():
 def test_a_non_finite_loss_keeps_the_scale_with_growth_interval_one():
     """docs/torch-parity.md: a non-finite loss skips the step and keeps the scale (torch halves it).
 
-    Found by tests/test_differential.py (AMPGUARD_DIFFERENTIAL_EXAMPLES=1500): with growth_interval=1 the
+    Found by tests/test_differential.py (the seeded CI count): with growth_interval=1 the
     skipped step grows the scale instead (8 -> 16; torch 8 -> 4, the documented difference says 8).
     """
     param = torch.nn.Parameter(torch.ones(3))
