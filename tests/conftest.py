@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 
 os.environ["AMPGUARD_QUIET"] = "1"
-for _variable in [v for v in os.environ if v.startswith("AMPGUARD") and v != "AMPGUARD_QUIET"]:
+for _variable in [
+    v for v in os.environ if v.startswith("AMPGUARD") and v not in ("AMPGUARD_QUIET", "AMPGUARD_DIFFERENTIAL_EXAMPLES")
+]:
     del os.environ[_variable]
 
 import pytest  # noqa: E402

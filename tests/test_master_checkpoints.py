@@ -173,3 +173,41 @@ def test_masters_loaded_with_the_optimizer_survive_a_later_model_load():
     other_optimizer.param_groups[0]["lr"] = 0.0
     other_optimizer.step()
     assert all(torch.equal(m, n) for m, (_, n) in zip(masters, master_weights.masters_of(other_optimizer)))
+
+
+def test_adagrad_state_made_in_its_constructor_moves_to_the_masters():
+    """Adagrad makes its ``sum`` in ``__init__``, before any master exists: that state goes with the masters.
+
+    Found by tests/test_differential.py: ``state_dict()`` raised KeyError (state keyed by a float16 parameter
+    that is not among the masters the state is saved by). The reference is the master-weight recipe in plain
+    torch: Adagrad over a float32 copy of the float16 weight, fed the float16 gradient of the scaled loss, in
+    float32, times the inverse scale; the weight receives the rounded master after each step.
+    """
+    generator = torch.Generator().manual_seed(0)
+    start = torch.randn(3, 4, generator=generator).half()
+    data = [torch.randn(3, 4, generator=generator) for _ in range(3)]
+
+    weight = start.clone().requires_grad_()
+    optimizer = torch.optim.Adagrad([weight], lr=0.1, initial_accumulator_value=0.5)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    for x in data:
+        scaler.scale(torch.tanh(weight.float() * x).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    state = optimizer.state_dict()["state"][0]
+
+    model_weight = start.clone().requires_grad_()
+    master_weight = start.float().requires_grad_()
+    reference = torch.optim.Adagrad([master_weight], lr=0.1, initial_accumulator_value=0.5)
+    for x in data:
+        (torch.tanh(model_weight.float() * x).sum() * 1024.0).backward()
+        master_weight.grad = model_weight.grad.float() * (1 / 1024.0)
+        model_weight.grad = None
+        reference.step()
+        with torch.no_grad():
+            model_weight.copy_(master_weight)
+    want = reference.state_dict()["state"][0]
+    assert torch.equal(state["sum"], want["sum"]) and state["sum"].dtype == torch.float32
+    assert torch.equal(state["step"], want["step"])
+    assert torch.equal(weight, model_weight)
