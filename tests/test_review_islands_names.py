@@ -104,3 +104,36 @@ def test_the_printed_permanent_line_works_for_a_module_called_with_keyword_argum
     exec(line, {"model": model, "torch": torch})
     run = train(3 * EVERY, model=model, scaler=stock_scaler())  # before: IndexError: tuple index out of range
     assert run.nonfinite_losses == 0
+
+
+class SharingTeacher(nn.Module):
+    """A teacher that shares the student's blocks (a shared encoder); no optimizer trains its own head."""
+
+    def __init__(self, encoder: nn.ModuleList) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.proj = nn.Linear(DIM, CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.encoder:
+            x = block(x)
+        return self.proj(x.mean(1))
+
+
+def test_a_block_shared_with_a_teacher_is_named_from_the_student_the_loop_calls_and_the_optimizer_trains(reinstall):
+    """The loop calls the student, the optimizer trains all of the student's parameters; a teacher that is never
+    called holds the student's blocks. The island is named from the teacher (encoder.1.attn, "model: your
+    SharingTeacher"), and so its checkpoint does not re-attach when the run resumes: "the models being trained
+    have no such module: not re-applied", and 2 more batches are lost.
+    """
+    student = make_net()
+    teacher = SharingTeacher(student.blocks)
+    optimizer = torch.optim.SGD(student.parameters(), lr=0.01)
+    state = train(2 * EVERY, model=student, optimizer=optimizer).scaler.state_dict()
+    assert islands.names() == ("blocks.1.attn",)
+    reinstall()  # a new process
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(state)
+    resumed = train(2 * EVERY, model=student, optimizer=optimizer, scaler=scaler, start=2 * EVERY)
+    assert resumed.nonfinite_losses == 0
+    assert teacher.encoder is student.blocks
