@@ -49,3 +49,28 @@ def test_a_teacher_under_inference_mode_neither_stops_the_probe_nor_leaves_a_sta
     assert scaler.stats.buffers_restored == 1
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
+
+
+def test_an_evaluation_under_inference_mode_after_the_first_step_does_not_stop_the_probe(ampguard_log):
+    """The everyday loop "evaluate every N steps, from the first" (Lightning validates under inference_mode):
+    the evaluation runs in the discovery iteration, the model's buffers are first copied under inference
+    mode, and from step 2 on the probe is off for the whole run ("stopped after an error ... does not arm
+    again"): no forward overflow of this run can be healed."""
+    model = conv_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(3):
+        model.train()
+        x, y = batch(step)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        if step % 100 == 0:
+            model.eval()
+            with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
+                model(batch(99)[0])
+    assert not records(ampguard_log, logging.WARNING, "probe stopped after an error")
+    assert not healing._active.stopped
