@@ -265,7 +265,7 @@ def restore(saved: Any, outputs: Any = None, *, full_names: bool) -> None:
     then; such a name is looked up as the end of a full name, and re-applied only
     where it names exactly one module.
     """
-    wanted = [str(name) for name in saved or () if str(name) and str(name) not in islands]
+    wanted = [str(name) for name in saved or () if str(name) and str(name) not in names()]
     if not wanted:
         return
     _pending["names"] = wanted
