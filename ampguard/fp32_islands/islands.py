@@ -115,6 +115,8 @@ class Island:
     handles: list[Any] = field(default_factory=list)
     # The dtypes its floating outputs had under autocast (ampguard.fp32_islands.island_io.output_kinds); None: not known.
     outputs: tuple[str, ...] | None = None
+    # It overflowed again in float32 (the probe named it again): said once.
+    unhelpful_reported: bool = False
 
 
 islands: dict[str, Island] = {}
@@ -198,14 +200,15 @@ def decide(
     mode: str,
     max_islands: int,
 ) -> bool:
-    """Make ``module`` an island, or report why not (each name once). True when the probe's work is done.
+    """Make ``module`` an island, or report why not (each name once). True when a new island was made.
 
     ``root`` is the outermost module the forward pass called; the name is
     qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
     """
     if holds(module):
-        return True
+        _report_unhelpful(module, step)
+        return False
     top = _top_level(module, root)
     name = None if module is root or module is unwrap(root) else qualified_name(module, top)
     label = name or type(unwrap(root)).__name__
@@ -217,26 +220,34 @@ def decide(
         _report_once(label, messages.ISLAND_ROOT.format(**what))
         if is_compiled(root):
             _report_once(label + " (compiled)", messages.ISLAND_COMPILED.format(**what))
-        return True
+        return False
     low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in _LOW_PRECISION})
     if low:
         _report_once(name, messages.ISLAND_LOW_PRECISION.format(dtypes="/".join(low), **what))
-        return True
+        return False
     if is_compiled(root):
         _report_once(name, messages.ISLAND_COMPILED.format(**what))
-        return True
+        return False
     if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
-        return True
+        return False
     if mode == "report":
         _report_once(name, messages.ISLAND_REPORT.format(**what))
-        return True
+        return False
     if len(names()) >= max_islands:
         _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
-        return True
+        return False
     make(module, name, outputs)
     logger.warning(messages.ISLAND_MADE.format(**what))
     return True
+
+
+def _report_unhelpful(module: torch.nn.Module, step: int) -> None:
+    """The probe named an island again: float32 does not fix its overflow (said once per island)."""
+    for name, island in islands.items():
+        if island.module() is module and not island.unhelpful_reported:
+            island.unhelpful_reported = True
+            logger.warning(messages.ISLAND_UNHELPFUL.format(name=name, cls=type(module).__name__, step=step))
 
 
 def _top_level(module: torch.nn.Module, root: torch.nn.Module) -> torch.nn.Module:
