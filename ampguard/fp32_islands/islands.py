@@ -111,10 +111,13 @@ def clear() -> None:
 def permanent_line(name: str, device_type: str) -> str:
     """The one line that makes an island permanent without ampguard (``model`` is the user's model)."""
     get = f'model.get_submodule("{name}")'
+    # custom_fwd sets attributes on args[0]: wrapping the class's forward and binding it makes that the module,
+    # so that a call with keyword arguments only (or a first argument that is not a tensor) works too.
     if hasattr(torch.amp, "custom_fwd"):  # torch >= 2.4
-        wrapped = f'torch.amp.custom_fwd(m.forward, device_type="{device_type}", cast_inputs=torch.float32)'
+        wrapped = f'torch.amp.custom_fwd(type(m).forward, device_type="{device_type}", cast_inputs=torch.float32)'
+        wrapped += ".__get__(m)"
     elif device_type == "cuda":
-        wrapped = "torch.cuda.amp.custom_fwd(m.forward, cast_inputs=torch.float32)"
+        wrapped = "torch.cuda.amp.custom_fwd(type(m).forward, cast_inputs=torch.float32).__get__(m)"
     else:  # no custom_fwd for this device: autocast off inside, and the caller passes float32 inputs
         wrapped = f'torch.autocast("{device_type}", enabled=False)(m.forward)'
     return f"m = {get}; m.forward = {wrapped}"
