@@ -185,7 +185,7 @@ def _report_unhelpful(module: torch.nn.Module, step: int) -> None:
 def _top_level(module: torch.nn.Module, root: torch.nn.Module) -> torch.nn.Module:
     """The module the user holds above ``module`` (one scan of live objects: a verdict is the failure path)."""
     try:
-        return model_tree.scan().top_level(module)
+        return model_tree.scan().top_level(module, called=root)
     except Exception:  # the names of before: relative to the outermost module called
         return root
 
@@ -211,33 +211,44 @@ def restore(saved: Any, outputs: Any = None, *, full_names: bool) -> None:
     wanted = [str(name) for name in saved or () if str(name) and str(name) not in names()]
     if not wanted:
         return
+    if _pending["handle"] is not None:  # another scaler's checkpoint (a GAN's): both are looked up
+        full_names = full_names and _pending["full_names"]
+        wanted = list(dict.fromkeys([*_pending["names"], *wanted]))
+    else:
+        _pending["outputs"] = {}
     _pending["names"] = wanted
-    _pending["outputs"] = {
-        str(name): tuple(str(kind) for kind in kinds)
+    _pending["outputs"].update(
+        (str(name), tuple(str(kind) for kind in kinds))
         for name, kinds in (outputs.items() if isinstance(outputs, dict) else ())
         if isinstance(kinds, (list, tuple))
-    }
+    )
     _pending["full_names"] = full_names
     if _pending["handle"] is None:
         _pending["handle"] = nn_module.register_module_forward_pre_hook(_restore_into)
 
 
 def _restore_into(module: torch.nn.Module, args: Any) -> None:
-    """At the first module call after loading: each name in the model being trained.
+    """At the first module call after loading: each name in the models being trained.
 
-    That is the top-level module above the module called, when an optimizer
-    trains its parameters; else (the first call is to a module outside it: data
-    augmentation, a loss) every top-level module whose parameters an optimizer trains.
+    Looked up first in the top-level module above the module called, when an
+    optimizer trains its parameters, then in every other top-level module whose
+    parameters an optimizer trains (a GAN's other model; the first call may be
+    to a module outside the models: data augmentation, a loss).
     """
     names, outputs, legacy = _pending["names"], _pending["outputs"], not _pending["full_names"]
     _stop_restoring()
     try:
         tree = model_tree.scan()
         called = tree.top_level(module)
-        tops = [called] if tree.holds_trained(called) else tree.trained_tops() or [called]
+        first = [called] if tree.holds_trained(called) else []
+        others = [top for top in tree.trained_tops() if top is not called] or ([] if first else [called])
         left = []
         for saved in names:
-            found = _find(saved, tops, legacy)
+            tops = first
+            found = _find(saved, first, legacy)
+            if not found:
+                tops = others
+                found = _find(saved, others, legacy)
             if not found:
                 left.append(saved)
                 continue
@@ -245,7 +256,7 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
                 _ambiguous(saved, found, tops)
                 continue
             target = found[0]
-            name = qualified_name(target, tree.top_level(target)) or saved
+            name = qualified_name(target, tree.top_level(target, called=called)) or saved
             make(target, name, outputs.get(saved))
             logger.info("fp32 island %s (%s) re-applied from the checkpoint.", name, type(target).__name__)
         _report_unresolved(left)
