@@ -19,6 +19,11 @@ from ampguard.fp32_islands import islands
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="torch.compile skips an island's hooks (they are torch._dynamo.disable'd so that tracing cannot crash): "
+    "the compiled model computes the island in float16 (docs/islands.md, Limits)",
+)
 def test_a_compiled_model_with_an_island_computes_as_the_eager_model_does():
     model = make_net()
     islands.make(model.blocks[1].attn, "blocks.1.attn", outputs=("autocast",))
@@ -32,6 +37,7 @@ def test_a_compiled_model_with_an_island_computes_as_the_eager_model_does():
 
 
 def test_a_compiled_moe_with_an_island_runs():
+    """Before: dynamo raised tracing the island's pre-hook (InternalTorchDynamoError, AutocastModeVariable)."""
     model = make_moe()
     islands.make(model.experts[1], "experts.1", outputs=("autocast",))
     x, _ = batch(9)
