@@ -61,7 +61,7 @@ _fallback_warned = False
 class EnterFloat32:
     """Forward pre-hook (with kwargs): float32 inputs, autocast off, for a module that is an island."""
 
-    @torch._dynamo.disable  # type: ignore[misc]
+    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if island_of(module) is None:
             return None
@@ -86,7 +86,7 @@ class EnterFloat32:
 class LeaveFloat32:
     """Forward hook (``always_call``): leaves the region :class:`EnterFloat32` entered, outputs in their dtypes."""
 
-    @torch._dynamo.disable  # type: ignore[misc]
+    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         stack = _regions.__dict__.get("stack")
         if not stack or stack[-1][0] is not module:  # this call never entered (not an island, a pre-hook raised)
