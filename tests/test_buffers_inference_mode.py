@@ -1,4 +1,4 @@
-"""Review of the buffer guard: a teacher called under torch.inference_mode() in the training step."""
+"""The buffer guard with modules called under torch.inference_mode(): a teacher, an evaluation."""
 
 from __future__ import annotations
 

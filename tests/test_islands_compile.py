@@ -1,10 +1,10 @@
-"""Review of fp32 islands under torch.compile: a model with an island, compiled (as a resumed run is).
+"""fp32 islands under torch.compile: a model with an island, compiled (as a resumed run is).
 
 A resumed run re-applies its islands at the first forward pass, which with ``torch.compile(model)``
 is the compiled model's; any island made before ``torch.compile`` is in the same position. Dynamo
-then traces the island's hooks (``_enter`` opens a ``torch.autocast`` region without a ``with``):
-the compiled model computes the block under float16 anyway (NaN where eager is finite), or
-dynamo raises. backend="eager" keeps the test cheap; the default inductor backend fails the same way.
+used to trace the island's hooks (the pre-hook opens a ``torch.autocast`` region without a ``with``)
+and raise; they are now excluded from tracing, and the compiled model computes the island's module
+in float16 (a documented limit: docs/islands.md). backend="eager" keeps the tests cheap.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Review of the fp32 islands' naming (issue 20, item 10): failures found against plain torch.
+"""fp32 islands with several models and checkpoints: a deepcopy'd teacher, a shared block, a GAN, a rebuilt model.
 
-Each test fails on the code it was written against; see the docstrings for the symptom.
+Against plain torch's loss counts; each docstring gives the failure of earlier versions.
 """
 
 from __future__ import annotations

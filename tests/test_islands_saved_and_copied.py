@@ -1,4 +1,4 @@
-"""Review of fp32 islands: a model with an island, saved whole or copied, against plain torch."""
+"""fp32 islands: a model with an island, saved whole or copied, against plain torch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Review of the fp32 islands' probe: an island that does not help (it overflows float32 too)."""
+"""The fp32 islands' probe with an island that does not help (it overflows float32 too): it backs off."""
 
 from __future__ import annotations
 
@@ -29,9 +29,9 @@ class Storm(nn.Module):
 
 def test_an_island_that_keeps_overflowing_makes_the_probe_back_off_not_re_arm_at_every_overflow(ampguard_log):
     """docs/islands.md: "Overflows that fp32 does not fix ... the steps stay skipped", and verdicts that make
-    no island back the probe off (2, 4, 8 overflows let pass). A verdict naming a module that already is an
-    island counts as one that made an island (healing._after_verdict: made_island=islands.holds(module)):
-    the probe arms again at every other overflow for the whole run (here armed 6 times in 12 overflows, an INFO
+    no island back the probe off (2, 4, 8 overflows let pass). Earlier, a verdict naming a module that already
+    was an island counted as one that made an island (healing._after_verdict: made_island=islands.holds(module)):
+    the probe armed again at every other overflow for the whole run (here armed 6 times in 12 overflows, an INFO
     line each time, its hooks on every module call for half the run; with a fused optimizer a host read per step
     while armed), and nothing says the island did not help.
     """
