@@ -61,7 +61,6 @@ _fallback_warned = False
 class EnterFloat32:
     """Forward pre-hook (with kwargs): float32 inputs, autocast off, for a module that is an island."""
 
-    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if island_of(module) is None:
             return None
@@ -86,7 +85,6 @@ class EnterFloat32:
 class LeaveFloat32:
     """Forward hook (``always_call``): leaves the region :class:`EnterFloat32` entered, outputs in their dtypes."""
 
-    @torch._dynamo.disable  # type: ignore[untyped-decorator]
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         stack = _regions.__dict__.get("stack")
         if not stack or stack[-1][0] is not module:  # this call never entered (not an island, a pre-hook raised)
@@ -107,9 +105,22 @@ class LeaveFloat32:
 def attach(module: torch.nn.Module, island: Island) -> None:
     """Give ``module`` the island's hooks (any copied onto it before are taken off first)."""
     strip(module)
+    _exclude_from_tracing()
     island.handles.append(module.register_forward_pre_hook(EnterFloat32(), with_kwargs=True))
     # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
     island.handles.append(module.register_forward_hook(LeaveFloat32(), prepend=True, always_call=True))
+
+
+def _exclude_from_tracing() -> None:
+    """torch.compile does not trace the hooks (their open autocast region made dynamo raise): they run eagerly.
+
+    Done at the first island, not at import: importing torch._dynamo takes over a second.
+    """
+    for hook in (EnterFloat32, LeaveFloat32):
+        if not getattr(hook.__call__, "_ampguard_untraced", False):
+            untraced = torch._dynamo.disable(hook.__call__)
+            untraced._ampguard_untraced = True
+            setattr(hook, "__call__", untraced)  # noqa: B010 (mypy: a method cannot be assigned)
 
 
 def strip(module: torch.nn.Module) -> bool:
