@@ -85,6 +85,12 @@ ISLAND_MADE = (
     "To make this permanent without ampguard (model: your {owner}): {line}"
 )
 
+ISLAND_UNHELPFUL = (
+    "fp32 island {name} ({cls}) overflowed again at step {step}, in float32: float32 does not fix this overflow "
+    "(inf/NaN from finite inputs in any precision), so these steps stay skipped. Look at the data reaching it or "
+    "at its computation; ampguard watches for new forward overflows less and less often. This message is shown once."
+)
+
 ISLAND_REPORT = (
     "forward overflow located: {name} ({cls}) turned finite inputs into inf/NaN (step {step}). "
     "AMPGUARD_FP32_ISLANDS=report: nothing changed. To run it in float32 (model: your {owner}): {line} "

@@ -73,7 +73,7 @@ def test_the_island_has_one_name_whichever_module_the_loop_calls(reinstall, call
     task = Task(model)
     train(2 * EVERY, model=task if called == "task" else model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
     assert islands.names() == ("trainable_module.blocks.1.attn",)
-    assert islands.islands["trainable_module.blocks.1.attn"].module() is task.get_submodule(islands.names()[0])
+    assert islands.holds(task.get_submodule(islands.names()[0]))
 
 
 def trained_recipe(saved_names: list[str], full_names: bool):
@@ -105,7 +105,7 @@ def test_a_checkpointed_island_re_attaches_by_its_full_name_not_to_a_module_shar
     recipe, optimizer, state = trained_recipe(["xtts.gpt.blocks.1.attn"], full_names=True)
     run = resume(reinstall, recipe, optimizer, state)
     assert islands.names() == ("xtts.gpt.blocks.1.attn",)
-    assert islands.islands["xtts.gpt.blocks.1.attn"].module() is recipe.xtts.gpt.blocks[1].attn
+    assert islands.holds(recipe.xtts.gpt.blocks[1].attn)
     assert run.nonfinite_losses == 0
 
 

@@ -38,7 +38,7 @@ from torch import nn
 
 import ampguard
 import ampguard.scaler
-from ampguard.fp32_islands import island_io, islands
+from ampguard.fp32_islands import island_hooks, island_io, islands
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -205,7 +205,7 @@ def test_a_container_that_cannot_be_rebuilt_runs_that_call_under_autocast(ampgua
     """Never the reason a run dies: one WARNING, the call runs as without the island, autocast stays on after it."""
     from torch.utils import _pytree
 
-    monkeypatch.setattr(islands, "_fallback_warned", False)
+    monkeypatch.setattr(island_hooks, "_fallback_warned", False)
     _pytree.register_pytree_node(_Unbuildable, lambda box: ([box.hidden], None), _rebuild)
     try:
         linear = nn.Linear(DIM, DIM)

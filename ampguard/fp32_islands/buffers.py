@@ -34,6 +34,7 @@ position tables and masks are larger).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -114,7 +115,7 @@ class BufferGuard:
         if module._buffers and id(module) not in self._modules:
             self._modules[id(module)] = weakref.ref(module)
             if not is_compiling():  # the copy is what an overflow in this very iteration is put back to
-                with torch.no_grad():
+                with _ordinary_tensors():
                     for _, buffer in _guardable(module):
                         self._before.setdefault(id(buffer), buffer.detach().clone())
 
@@ -171,16 +172,16 @@ class BufferGuard:
         """
         if not self.buffers:
             return
-        if self.snapshot is None:
-            self.snapshot = [b.detach().clone() for b in self.buffers]
-        elif finite_only:
-            with torch.no_grad():
+        with _ordinary_tensors():
+            if self.snapshot is None:
+                self.snapshot = [b.detach().clone() for b in self.buffers]
+            elif finite_only:
                 for kept, buffer in zip(self.snapshot, self.buffers):
                     kept.copy_(
                         torch.where(torch.isfinite(buffer), buffer, kept) if buffer.is_floating_point() else buffer
                     )
-        else:
-            torch._foreach_copy_(self.snapshot, self.buffers)
+            else:
+                torch._foreach_copy_(self.snapshot, self.buffers)
         self.snapshot_step = step
 
     def on_stats_read(self, overflowed: bool, step: int) -> None:
@@ -244,19 +245,30 @@ class BufferGuard:
         self.buffers = [buffer for buffer, _ in found.values()]
         self.labels = [label for _, label in found.values()]
         # A buffer without a copy from before (a module first called inside compiled code) starts from its value now.
-        self.snapshot = [
-            self._before[key] if key in self._before else buffer.detach().clone() for key, (buffer, _) in found.items()
-        ]
+        with _ordinary_tensors():
+            self.snapshot = [
+                self._before[key] if key in self._before else buffer.detach().clone()
+                for key, (buffer, _) in found.items()
+            ]
         self._modules, self._before = {}, {}
 
     def _restore(self, message: str) -> None:
         assert self.snapshot is not None
-        with torch.no_grad():
+        with _ordinary_tensors():
             torch._foreach_copy_(self.buffers, self.snapshot)
         self.restores += 1
         if not self._reported:
             self._reported = True
             logger.warning(message)
+
+
+def _ordinary_tensors() -> contextlib.ExitStack:
+    """No autograd, and not inference mode: copies taken inside ``torch.inference_mode()`` (a teacher, an
+    evaluation) would be inference tensors, which a later in-place refresh outside it may not write."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.inference_mode(False))
+    stack.enter_context(torch.no_grad())
+    return stack
 
 
 def _guardable(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:

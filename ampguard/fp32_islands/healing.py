@@ -268,9 +268,10 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
                 _warn_once("unlocated", UNLOCATED.format(step=step))
                 _after_verdict(active, made_island=False)
             else:
-                islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
+                again = islands.holds(call[0])  # an island that overflows in float32 too
+                made = islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
                 probe.disarm()
-                _after_verdict(active, made_island=islands.holds(call[0]))
+                _after_verdict(active, made_island=made, conclusive=again)
                 return
         elif probe.armed:
             active.quiet_steps += 1
@@ -303,8 +304,13 @@ def _arm(active: _Healing) -> None:
     active.armed_since_update = True
 
 
-def _after_verdict(active: _Healing, made_island: bool) -> None:
-    """After the probe named a module (or found none): back off while verdicts keep making no island."""
+def _after_verdict(active: _Healing, made_island: bool, conclusive: bool = False) -> None:
+    """After the probe named a module (or found none): back off while verdicts keep making no island.
+
+    ``conclusive``: the verdict named an existing island (float32 does not fix it): back off at once.
+    """
+    if conclusive:
+        active.fruitless = max(active.fruitless, FRUITLESS_VERDICTS - 1)
     active.fruitless = 0 if made_island else active.fruitless + 1
     if active.fruitless >= FRUITLESS_VERDICTS:
         active.probe.disarm()

@@ -1,6 +1,6 @@
 """fp32 islands: a module that overflowed float16 in the forward pass runs in float32 from then on.
 
-An island is one module *instance* with two hooks of its own: a forward
+An island is one module *instance* with two hooks (:mod:`ampguard.fp32_islands.island_hooks`): a forward
 pre-hook that casts the floating-point inputs on the autocast device to float32
 (in any nesting: namedtuples, dataclasses, ``ModelOutput``) and enters
 ``torch.autocast(device, enabled=False)``, and a forward hook (``always_call=True``,
@@ -18,7 +18,9 @@ TorchScript module (it takes no hooks), the
 ``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
 
 Islands are process state (they belong to modules, not to a scaler), keyed by
-their name qualified from the top-level module (the object the user holds, with
+module instance (:mod:`ampguard.fp32_islands.island_hooks`: a deepcopy'd EMA or
+teacher and its student have islands of their own). Each is named from the
+top-level module (the object the user holds, with
 the parameters the optimizer trains: :mod:`ampguard.fp32_islands.model_tree`), so that the
 printed ``model.get_submodule(name)`` works on it. The names ride in the
 scaler's ``state_dict()["ampguard"]["fp32_islands"]`` (their output dtypes in
@@ -28,20 +30,17 @@ name, at the next forward after loading.
 
 from __future__ import annotations
 
-import threading
 import weakref
-from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
 from torch.nn.modules import module as nn_module
 
-import ampguard.fp32_islands.island_io as island_io
+import ampguard.fp32_islands.island_hooks as island_hooks
 import ampguard.fp32_islands.model_tree as model_tree
 import ampguard.messages as messages
+from ampguard.fp32_islands.island_hooks import Island, device_type_of
 from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
-from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 
 logger = event_logger("island")
@@ -49,130 +48,62 @@ logger = event_logger("island")
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def _device_type(module: torch.nn.Module, args: Any) -> str:
-    for tensor in module.parameters():
-        return tensor.device.type
-    for value in tensors(args):
-        return value.device.type
-    return "cuda" if torch.cuda.is_available() else "cpu"
-
-
-# Per thread, the island calls in progress: (module, autocast region left or None, autocast's dtype outside).
-_regions = threading.local()
-_fallback_warned = False
-
-
-def _enter(module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
-    stack = _regions.__dict__.setdefault("stack", [])
-    try:
-        device_type = _device_type(module, args)
-        if not island_io.autocast_enabled(device_type):
-            stack.append((module, None, None))
-            return None
-        outside = island_io.autocast_dtype(device_type)
-        cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
-        region = torch.autocast(device_type, enabled=False)
-        region.__enter__()  # last: whatever raised before it leaves no region open
-        stack.append((module, region, outside))
-        return cast
-    except Exception as error:  # never the reason a run dies: this call runs as without the island
-        stack.append((module, None, None))
-        _warn_fallback(error)
-        return None
-
-
-def _exit(island: Island, module: torch.nn.Module, args: Any, output: Any) -> Any:
-    stack = _regions.__dict__.get("stack")
-    if not stack or stack[-1][0] is not module:  # a pre-hook before ours raised: this call never entered
-        return None
-    _, region, outside = stack.pop()
-    if region is None:
-        return None
-    try:
-        region.__exit__(None, None, None)
-        if island.outputs is not None and output is not None:
-            return island_io.outputs_as_recorded(output, island.outputs, outside)
-    except Exception as error:
-        _warn_fallback(error)
-    return None
-
-
-def _warn_fallback(error: Exception) -> None:
-    global _fallback_warned
-    if not _fallback_warned:
-        _fallback_warned = True
-        logger.warning(
-            "an fp32 island could not run in float32 (%s: %s); it runs under autocast as before.",
-            type(error).__name__,
-            error,
-        )
-
-
-@dataclass
-class Island:
-    name: str
-    module: weakref.ref[torch.nn.Module]
-    handles: list[Any] = field(default_factory=list)
-    # The dtypes its floating outputs had under autocast (ampguard.fp32_islands.island_io.output_kinds); None: not known.
-    outputs: tuple[str, ...] | None = None
-
-
-islands: dict[str, Island] = {}
+islands = island_hooks.islands
 reported: set[str] = set()
 _pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
 
+def _live() -> list[Island]:
+    return [island for key, island in islands.items() if island.module() is not None and id(island.module()) == key]
+
+
 def names() -> tuple[str, ...]:
-    """The islands whose module is alive, in the order they were made."""
-    return tuple(name for name, island in islands.items() if island.module() is not None)
+    """The names of the islands whose module is alive, in the order they were made (a model and its copy: once)."""
+    return tuple(dict.fromkeys(island.name for island in _live()))
 
 
 def holds(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an island."""
-    return any(island.module() is module for island in islands.values())
+    return island_hooks.island_of(module) is not None
 
 
 def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = None) -> Island:
-    """Run ``module`` in float32 from its next call on (idempotent per name).
+    """Run ``module`` in float32 from its next call on (idempotent per module instance).
 
+    ``name``: its name from the top-level module, for messages and checkpoints
+    (a deepcopy of the model has the same names, and islands of its own).
     ``outputs``: the dtypes its floating outputs had under autocast, which the
     island gives them again (see :mod:`ampguard.fp32_islands.island_io`); None leaves them float32.
     """
-    existing = islands.get(name)
-    if existing is not None and existing.module() is module:
+    existing = island_hooks.island_of(module)
+    if existing is not None:
         if outputs is not None:
             existing.outputs = outputs
         return existing
-    if existing is not None:
-        remove(name)
+    _remove(islands.pop(id(module), None))  # a dead module's entry under a reused id
     island = Island(name, weakref.ref(module), outputs=outputs)
-    island.handles.append(module.register_forward_pre_hook(_enter, with_kwargs=True))
-    # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
-    island.handles.append(module.register_forward_hook(partial(_exit, island), prepend=True, always_call=True))
-    islands[name] = island
+    island_hooks.attach(module, island)
+    islands[id(module)] = island
     return island
 
 
 def recorded_outputs() -> dict[str, list[str]]:
     """The output dtypes recorded for the live islands, by name (plain strings, for checkpoints)."""
-    return {
-        name: list(island.outputs)
-        for name, island in islands.items()
-        if island.module() is not None and island.outputs is not None
-    }
+    return {island.name: list(island.outputs) for island in _live() if island.outputs is not None}
 
 
-def remove(name: str) -> None:
-    island = islands.pop(name, None)
+def _remove(island: Island | None) -> None:
     if island is not None:
         for handle in island.handles:
             handle.remove()
 
 
 def clear() -> None:
-    """Remove every island and forget what was reported (uninstall)."""
-    for name in list(islands):
-        remove(name)
+    """Remove every island, the hooks copies of the models carry, and forget what was reported (uninstall)."""
+    for island in list(islands.values()):
+        _remove(island)
+    islands.clear()
+    island_hooks.strip_everywhere()
     reported.clear()
     _stop_restoring()
 
@@ -180,10 +111,13 @@ def clear() -> None:
 def permanent_line(name: str, device_type: str) -> str:
     """The one line that makes an island permanent without ampguard (``model`` is the user's model)."""
     get = f'model.get_submodule("{name}")'
+    # custom_fwd sets attributes on args[0]: wrapping the class's forward and binding it makes that the module,
+    # so that a call with keyword arguments only (or a first argument that is not a tensor) works too.
     if hasattr(torch.amp, "custom_fwd"):  # torch >= 2.4
-        wrapped = f'torch.amp.custom_fwd(m.forward, device_type="{device_type}", cast_inputs=torch.float32)'
+        wrapped = f'torch.amp.custom_fwd(type(m).forward, device_type="{device_type}", cast_inputs=torch.float32)'
+        wrapped += ".__get__(m)"
     elif device_type == "cuda":
-        wrapped = "torch.cuda.amp.custom_fwd(m.forward, cast_inputs=torch.float32)"
+        wrapped = "torch.cuda.amp.custom_fwd(type(m).forward, cast_inputs=torch.float32).__get__(m)"
     else:  # no custom_fwd for this device: autocast off inside, and the caller passes float32 inputs
         wrapped = f'torch.autocast("{device_type}", enabled=False)(m.forward)'
     return f"m = {get}; m.forward = {wrapped}"
@@ -198,18 +132,19 @@ def decide(
     mode: str,
     max_islands: int,
 ) -> bool:
-    """Make ``module`` an island, or report why not (each name once). True when the probe's work is done.
+    """Make ``module`` an island, or report why not (each name once). True when a new island was made.
 
     ``root`` is the outermost module the forward pass called; the name is
     qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
     """
     if holds(module):
-        return True
+        _report_unhelpful(module, step)
+        return False
     top = _top_level(module, root)
     name = None if module is root or module is unwrap(root) else qualified_name(module, top)
     label = name or type(unwrap(root)).__name__
-    device_type = _device_type(module, ())
+    device_type = device_type_of(module, ())
     cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
     line = permanent_line(name or "", device_type)
     what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__}
@@ -217,32 +152,40 @@ def decide(
         _report_once(label, messages.ISLAND_ROOT.format(**what))
         if is_compiled(root):
             _report_once(label + " (compiled)", messages.ISLAND_COMPILED.format(**what))
-        return True
+        return False
     low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in _LOW_PRECISION})
     if low:
         _report_once(name, messages.ISLAND_LOW_PRECISION.format(dtypes="/".join(low), **what))
-        return True
+        return False
     if is_compiled(root):
         _report_once(name, messages.ISLAND_COMPILED.format(**what))
-        return True
+        return False
     if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
-        return True
+        return False
     if mode == "report":
         _report_once(name, messages.ISLAND_REPORT.format(**what))
-        return True
+        return False
     if len(names()) >= max_islands:
         _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
-        return True
+        return False
     make(module, name, outputs)
     logger.warning(messages.ISLAND_MADE.format(**what))
     return True
 
 
+def _report_unhelpful(module: torch.nn.Module, step: int) -> None:
+    """The probe named an island again: float32 does not fix its overflow (said once per island)."""
+    island = island_hooks.island_of(module)
+    if island is not None and not island.unhelpful_reported:
+        island.unhelpful_reported = True
+        logger.warning(messages.ISLAND_UNHELPFUL.format(name=island.name, cls=type(module).__name__, step=step))
+
+
 def _top_level(module: torch.nn.Module, root: torch.nn.Module) -> torch.nn.Module:
     """The module the user holds above ``module`` (one scan of live objects: a verdict is the failure path)."""
     try:
-        return model_tree.scan().top_level(module)
+        return model_tree.scan().top_level(module, called=root)
     except Exception:  # the names of before: relative to the outermost module called
         return root
 
@@ -265,36 +208,47 @@ def restore(saved: Any, outputs: Any = None, *, full_names: bool) -> None:
     then; such a name is looked up as the end of a full name, and re-applied only
     where it names exactly one module.
     """
-    wanted = [str(name) for name in saved or () if str(name) and str(name) not in islands]
+    wanted = [str(name) for name in saved or () if str(name) and str(name) not in names()]
     if not wanted:
         return
+    if _pending["handle"] is not None:  # another scaler's checkpoint (a GAN's): both are looked up
+        full_names = full_names and _pending["full_names"]
+        wanted = list(dict.fromkeys([*_pending["names"], *wanted]))
+    else:
+        _pending["outputs"] = {}
     _pending["names"] = wanted
-    _pending["outputs"] = {
-        str(name): tuple(str(kind) for kind in kinds)
+    _pending["outputs"].update(
+        (str(name), tuple(str(kind) for kind in kinds))
         for name, kinds in (outputs.items() if isinstance(outputs, dict) else ())
         if isinstance(kinds, (list, tuple))
-    }
+    )
     _pending["full_names"] = full_names
     if _pending["handle"] is None:
         _pending["handle"] = nn_module.register_module_forward_pre_hook(_restore_into)
 
 
 def _restore_into(module: torch.nn.Module, args: Any) -> None:
-    """At the first module call after loading: each name in the model being trained.
+    """At the first module call after loading: each name in the models being trained.
 
-    That is the top-level module above the module called, when an optimizer
-    trains its parameters; else (the first call is to a module outside it: data
-    augmentation, a loss) every top-level module whose parameters an optimizer trains.
+    Looked up first in the top-level module above the module called, when an
+    optimizer trains its parameters, then in every other top-level module whose
+    parameters an optimizer trains (a GAN's other model; the first call may be
+    to a module outside the models: data augmentation, a loss).
     """
     names, outputs, legacy = _pending["names"], _pending["outputs"], not _pending["full_names"]
     _stop_restoring()
     try:
         tree = model_tree.scan()
         called = tree.top_level(module)
-        tops = [called] if tree.holds_trained(called) else tree.trained_tops() or [called]
+        first = [called] if tree.holds_trained(called) else []
+        others = [top for top in tree.trained_tops() if top is not called] or ([] if first else [called])
         left = []
         for saved in names:
-            found = _find(saved, tops, legacy)
+            tops = first
+            found = _find(saved, first, legacy)
+            if not found:
+                tops = others
+                found = _find(saved, others, legacy)
             if not found:
                 left.append(saved)
                 continue
@@ -302,7 +256,7 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
                 _ambiguous(saved, found, tops)
                 continue
             target = found[0]
-            name = qualified_name(target, tree.top_level(target)) or saved
+            name = qualified_name(target, tree.top_level(target, called=called)) or saved
             make(target, name, outputs.get(saved))
             logger.info("fp32 island %s (%s) re-applied from the checkpoint.", name, type(target).__name__)
         _report_unresolved(left)

@@ -31,11 +31,13 @@ class ModelTree:
     trained: set[int] = field(default_factory=set)  # id() of every parameter some live optimizer holds
     tops: list[torch.nn.Module] = field(default_factory=list)  # modules no other module holds
 
-    def top_level(self, module: torch.nn.Module) -> torch.nn.Module:
+    def top_level(self, module: torch.nn.Module, called: torch.nn.Module | None = None) -> torch.nn.Module:
         """The outermost module holding ``module`` (``module`` itself when none does).
 
-        A module held by several trees (a shared encoder) has several; the first
-        one that holds trained parameters is taken.
+        A module held by several trees (a block shared with a teacher) has
+        several: ``called`` (the module the training loop called) when it is one
+        of them and holds trained parameters, else the one holding the most
+        parameters an optimizer trains (the student, not a teacher that only shares its blocks).
         """
         tops: list[torch.nn.Module] = []
         seen: set[int] = set()
@@ -51,7 +53,11 @@ class ModelTree:
             else:
                 tops.append(current)
         trained = [top for top in tops if self.holds_trained(top)]
-        return (trained or tops or [module])[0]
+        if called is not None and any(top is called for top in trained):
+            return called
+        if trained:
+            return max(trained, key=self.trained_count)  # the first of the largest
+        return (tops or [module])[0]
 
     def trained_tops(self) -> list[torch.nn.Module]:
         """The top-level modules that hold parameters some optimizer trains (the models being trained)."""
@@ -59,6 +65,9 @@ class ModelTree:
 
     def holds_trained(self, module: torch.nn.Module) -> bool:
         return any(id(p) in self.trained for p in module.parameters())
+
+    def trained_count(self, module: torch.nn.Module) -> int:
+        return sum(id(p) in self.trained for p in module.parameters())
 
 
 def scan() -> ModelTree:

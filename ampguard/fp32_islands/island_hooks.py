@@ -1,0 +1,158 @@
+"""The two hooks of an fp32 island, and the islands they serve, keyed by module instance.
+
+The hooks are small callable objects with no state of their own: each call
+looks its island up by the module it is called on. So a model holding them can
+be saved whole (``torch.save(model)`` pickles its hooks) and copied
+(``copy.deepcopy``: an EMA or a mean teacher), and a hook whose module is not an
+island (a copy, a model loaded from such a file, ampguard uninstalled) does nothing.
+:func:`strip` takes them off a module they were copied onto.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import weakref
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import ampguard.fp32_islands.island_io as island_io
+from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.log import event_logger
+
+logger = event_logger("island")
+
+
+@dataclass
+class Island:
+    name: str  # qualified from the top-level module: for messages and checkpoints only
+    module: weakref.ref[torch.nn.Module]
+    handles: list[Any] = field(default_factory=list)
+    # The dtypes its floating outputs had under autocast (ampguard.fp32_islands.island_io.output_kinds); None: not known.
+    outputs: tuple[str, ...] | None = None
+    # It overflowed again in float32 (the probe named it again): said once.
+    unhelpful_reported: bool = False
+
+
+# By id() of the module; an entry whose module is dead (or whose id was reused) is no island.
+islands: dict[int, Island] = {}
+
+
+def island_of(module: torch.nn.Module) -> Island | None:
+    island = islands.get(id(module))
+    return island if island is not None and island.module() is module else None
+
+
+def device_type_of(module: torch.nn.Module, args: Any) -> str:
+    for tensor in module.parameters():
+        return tensor.device.type
+    for value in tensors(args):
+        return value.device.type
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+# Per thread, the island calls in progress: (module, autocast region left or None, autocast's dtype outside).
+_regions = threading.local()
+_fallback_warned = False
+
+
+class EnterFloat32:
+    """Forward pre-hook (with kwargs): float32 inputs, autocast off, for a module that is an island."""
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if island_of(module) is None:
+            return None
+        stack = _regions.__dict__.setdefault("stack", [])
+        try:
+            device_type = device_type_of(module, args)
+            if not island_io.autocast_enabled(device_type):
+                stack.append((module, None, None))
+                return None
+            outside = island_io.autocast_dtype(device_type)
+            cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
+            region = torch.autocast(device_type, enabled=False)
+            region.__enter__()  # last: whatever raised before it leaves no region open
+            stack.append((module, region, outside))
+            return cast
+        except Exception as error:  # never the reason a run dies: this call runs as without the island
+            stack.append((module, None, None))
+            _warn_fallback(error)
+            return None
+
+
+class LeaveFloat32:
+    """Forward hook (``always_call``): leaves the region :class:`EnterFloat32` entered, outputs in their dtypes."""
+
+    def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        stack = _regions.__dict__.get("stack")
+        if not stack or stack[-1][0] is not module:  # this call never entered (not an island, a pre-hook raised)
+            return None
+        _, region, outside = stack.pop()
+        if region is None:
+            return None
+        try:
+            region.__exit__(None, None, None)
+            island = island_of(module)
+            if island is not None and island.outputs is not None and output is not None:
+                return island_io.outputs_as_recorded(output, island.outputs, outside)
+        except Exception as error:
+            _warn_fallback(error)
+        return None
+
+
+def attach(module: torch.nn.Module, island: Island) -> None:
+    """Give ``module`` the island's hooks (any copied onto it before are taken off first)."""
+    strip(module)
+    _exclude_from_tracing()
+    island.handles.append(module.register_forward_pre_hook(EnterFloat32(), with_kwargs=True))
+    # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
+    island.handles.append(module.register_forward_hook(LeaveFloat32(), prepend=True, always_call=True))
+
+
+def _exclude_from_tracing() -> None:
+    """torch.compile does not trace the hooks (their open autocast region made dynamo raise): they run eagerly.
+
+    Done at the first island, not at import: importing torch._dynamo takes over a second.
+    """
+    for hook in (EnterFloat32, LeaveFloat32):
+        if not getattr(hook.__call__, "_ampguard_untraced", False):
+            untraced = torch._dynamo.disable(hook.__call__)
+            untraced._ampguard_untraced = True
+            setattr(hook, "__call__", untraced)  # noqa: B010 (mypy: a method cannot be assigned)
+
+
+def strip(module: torch.nn.Module) -> bool:
+    """Take island hooks off ``module`` (those a deepcopy or a pickle carried too). True if it had any."""
+    found = False
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, EnterFloat32):
+            found = True
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+    for key, hook in list(module._forward_hooks.items()):
+        if isinstance(hook, LeaveFloat32):
+            found = True
+            del module._forward_hooks[key]
+            module._forward_hooks_with_kwargs.pop(key, None)
+            module._forward_hooks_always_called.pop(key, None)
+    return found
+
+
+def _warn_fallback(error: Exception) -> None:
+    global _fallback_warned
+    if not _fallback_warned:
+        _fallback_warned = True
+        logger.warning(
+            "an fp32 island could not run in float32 (%s: %s); it runs under autocast as before.",
+            type(error).__name__,
+            error,
+        )
+
+
+def strip_everywhere() -> None:
+    """Take island hooks off every live module (copies of a model made while it had islands): at uninstall only."""
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.nn.Module) and (obj._forward_pre_hooks or obj._forward_hooks):
+            strip(obj)
