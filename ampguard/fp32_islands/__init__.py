@@ -3,8 +3,10 @@
 - ``patch``: what the patch switches on (the healing, wired into the SafeGradScaler's steps).
 - ``healing``: what happens at a skipped step: the probe armed, its verdict read with the scaler's own read,
   an island made, buffers put back; device mode for fused optimizers.
+- ``ranks``: whether the ranks of a distributed job train one model (then the verdict is exchanged).
 - ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
 - ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
+- ``island_hooks``: the hooks an island carries (stateless: a saved or copied model keeps working; torch.compile does not trace them).
 - ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.
 - ``tensor_tree``: the floating tensors inside any nesting of containers (torch's pytree, dataclasses).
 - ``model_tree``: the top-level module above a module (the object the script holds), for names that work.

@@ -37,7 +37,6 @@ whose gradients are all-reduced), never on a healthy one.
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -47,6 +46,7 @@ import torch
 import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.buffers import BufferGuard
 from ampguard.fp32_islands.probe import Probe
+from ampguard.fp32_islands.ranks import distributed
 from ampguard.log import event_logger
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
@@ -150,7 +150,7 @@ _last_exchange: torch.Tensor | None = None
 def agreed_forward_overflow(local: bool) -> bool:
     """On a skipped step: was a loss non-finite, on any rank? (one all-reduce under torch.distributed, else free)."""
     global _last_exchange
-    dist = _distributed()
+    dist = distributed()
     if dist is None:
         return local
     verdict = _active.verdict if _active is not None else 0
@@ -172,49 +172,6 @@ def agreed_forward_overflow(local: bool) -> bool:
     return bool(agreed)
 
 
-def _distributed() -> Any:
-    """torch.distributed when ranks train one model together and so skip the same steps, else None.
-
-    Only then is the exchange on a skipped step safe: ranks that train models of
-    their own (or pipeline stages) skip different steps, and a collective called
-    by some ranks only would hang the job.
-    """
-    dist = sys.modules.get("torch.distributed")
-    try:
-        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            return dist if _ranks_share_gradients() else None
-    except Exception:
-        pass
-    return None
-
-
-_shared_gradients: bool | None = None
-
-
-def _ranks_share_gradients() -> bool:
-    """Whether a DDP, FSDP or FSDP2 module exists in this process: its gradients are all-reduced across ranks.
-
-    Looked up once, at the first skipped step (a scan of live objects: a cost
-    after a failure only, never on a healthy step), and kept for the process.
-    """
-    global _shared_gradients
-    if _shared_gradients is None:
-        import gc
-
-        wrappers = tuple(
-            cls
-            for module_name, name in (
-                ("torch.nn.parallel", "DistributedDataParallel"),
-                ("torch.distributed.fsdp", "FullyShardedDataParallel"),
-                ("torch.distributed.fsdp", "FSDPModule"),
-                ("torch.distributed._composable.fsdp", "FSDPModule"),
-            )
-            if isinstance(cls := getattr(sys.modules.get(module_name), name, None), type)
-        )
-        _shared_gradients = bool(wrappers) and any(isinstance(obj, wrappers) for obj in gc.get_objects())
-    return _shared_gradients
-
-
 def write_scale(scaler: Any, scale: float, tracker: int) -> None:
     """Write the host's scale and growth tracker over the back-off torch's ``update()`` just made (no read)."""
     scaler._scale.fill_(scale)
@@ -226,7 +183,7 @@ def holds_in_device_mode() -> bool:
 
     Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
     """
-    return _distributed() is None
+    return distributed() is None
 
 
 # -- the end of each host-mode update ---------------------------------------------------------
@@ -362,7 +319,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return None
     try:
-        if active.probe.armed and check is not None and row is not None and _distributed() is None:
+        if active.probe.armed and check is not None and row is not None and distributed() is None:
             verdict = active.probe.verdict
             zero = check.new_zeros(())
             values = [check.float(), zero if verdict is None else verdict.to(check.device), row[0].to(check.device)]
@@ -389,7 +346,7 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     can ask the others (this read is not collective).
     """
     active = _active
-    if active is None or _distributed() is not None:
+    if active is None or distributed() is not None:
         return
     unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
     step = _steps_of(scaler)
