@@ -7,7 +7,6 @@ bit-identical parameters.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
 from collections.abc import Callable, Iterable, Iterator
@@ -19,6 +18,7 @@ import torch
 
 import ampguard
 import ampguard.scaler
+from ampguard.commands.selftest.runner import plain_torch as plain_torch  # torch exactly as without ampguard
 from ampguard.scaler import SafeGradScaler
 
 # torch's class is looked up on ampguard.scaler at each call: a module global bound to it
@@ -159,16 +159,6 @@ def same_parameters(a: torch.nn.Module, b: torch.nn.Module) -> bool:
 def stock(**kwargs: Any) -> Any:
     """torch's own GradScaler on CPU (the class ampguard captured before patching)."""
     return ampguard.scaler.TorchGradScaler("cpu", **kwargs)
-
-
-@contextlib.contextmanager
-def plain_torch() -> Iterator[None]:
-    """torch exactly as without ampguard inside the block (uninstalled), installed again afterwards."""
-    ampguard.uninstall()
-    try:
-        yield
-    finally:
-        ampguard.install()
 
 
 @pytest.fixture

@@ -16,17 +16,16 @@ and the list loss are in tests/test_torch_parity.py.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import pickle
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 import pytest
 import torch
-from scaler_support import DeviceSkipSGD
+from scaler_support import DeviceSkipSGD, plain_torch
 from torch.amp.grad_scaler import _refresh_per_optimizer_state
 
 import ampguard
@@ -40,16 +39,6 @@ CAP = 2.0**24  # AMPGUARD_MAX_SCALE's default
 
 
 # -- running the same code under plain torch and under ampguard ------------------------------------
-
-
-@contextlib.contextmanager
-def plain_torch() -> Iterator[None]:
-    """torch exactly as without ampguard (what the ``stock_torch`` fixture gives a whole test)."""
-    ampguard.uninstall()
-    try:
-        yield
-    finally:
-        ampguard.install()
 
 
 @dataclass
