@@ -15,11 +15,13 @@ from islands_support import batch, fresh_islands, make_moe, make_net  # noqa: F4
 from scaler_support import one_thread  # noqa: F401  (fixture)
 
 from ampguard.fp32_islands import islands
+from ampguard.patch import torch_release
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
 @pytest.mark.xfail(
+    torch_release().release >= (2, 4),  # seen on 2.14.1; torch 2.3.1's dynamo still calls the hooks (a graph break)
     strict=True,
     reason="torch.compile skips an island's hooks (they are torch._dynamo.disable'd so that tracing cannot crash): "
     "the compiled model computes the island in float16 (docs/islands.md, Limits)",
