@@ -109,16 +109,19 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     scale_before = scaler._counters.mirror_scale
     assert scale_before is not None
     scaler._torch_update()
-    # A forward overflow (the loss itself inf/NaN) was not the scale's doing: for the scale it is an iteration
-    # without overflow, as in device mode (ampguard.scaler.ledger), written over torch's back-off.
-    scale, tracker = policy.next_scale(
-        scale_before,
-        scaler._counters.mirror_tracker,
-        found and not forward_overflow,
-        scaler._growth_factor,
-        scaler._backoff_factor,
-        scaler._growth_interval,
-    )
+    # A forward overflow (the loss itself inf/NaN) was not the scale's doing, and its step taught nothing about
+    # the gradients: the scale and the growth tracker stay as they were, written over torch's back-off.
+    if forward_overflow:
+        scale, tracker = scale_before, scaler._counters.mirror_tracker
+    else:
+        scale, tracker = policy.next_scale(
+            scale_before,
+            scaler._counters.mirror_tracker,
+            found,
+            scaler._growth_factor,
+            scaler._backoff_factor,
+            scaler._growth_interval,
+        )
     if forward_overflow:  # the host's scale and growth tracker over the back-off torch just made (no read)
         assert scaler._scale is not None and scaler._growth_tracker is not None
         scaler._scale.fill_(scale)
