@@ -270,14 +270,20 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
 
 
 def _find(name: str, tops: list[torch.nn.Module], legacy: bool) -> list[torch.nn.Module]:
-    """The modules ``name`` names in ``tops``: the full name, or (``legacy``) a full name ending with it."""
+    """The modules ``name`` names in ``tops``: the full name, or (``legacy``) a full name ending with it.
+
+    A full name is looked up in the model inside a wrapper, then in the wrapper
+    itself (names saved before :func:`unwrap` saw through it: Fabric's ``_forward_module.``).
+    """
     found: dict[int, torch.nn.Module] = {}
     for top in tops:
-        try:
-            target = unwrap(top).get_submodule(name)
-        except AttributeError:
-            continue
-        found[id(target)] = target
+        for holder in (unwrap(top), top):
+            try:
+                target = holder.get_submodule(name)
+            except AttributeError:
+                continue
+            found[id(target)] = target
+            break
     if not found and legacy:
         for top in tops:
             for full, target in unwrap(top).named_modules():
