@@ -112,6 +112,12 @@ def test_a_half_precision_block_in_a_float32_model_becomes_an_island(ampguard_lo
         expected = reference(hidden)
     assert island.dtype == torch.float16 and torch.isfinite(island).all()
     assert torch.equal(island, expected.half())
+    # The printed line, on a fresh model of the same kind (no island): its weights kept in float32, finite.
+    fresh = two_blocks()
+    fresh.blocks[1].attn.to(dtype)
+    exec(made.split("(model: your Net): ")[1], {"model": fresh, "torch": torch})
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        assert torch.isfinite(fresh(hidden)).all() and not torch.isfinite(two_blocks().half()(hidden)).all()
 
 
 class SharedAndNormed(nn.Module):
