@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -29,13 +30,13 @@ from ampguard.fp32_islands import islands  # noqa: E402
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("fresh_islands")]
 
 
-def fabric_run(steps: int, state: dict | None = None, start: int = 0):
+def fabric_run(steps: int, state: dict | None = None, start: int = 0, make: Any = islands_support.make_net):
     """Fabric's 16-mixed on CPU (float16 autocast) with a handed-in scaler, the recipe loop, every 10th batch hot."""
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
     if state is not None:
         scaler.load_state_dict(state)
     fabric = L.Fabric(accelerator="cpu", devices=1, plugins=MixedPrecision("16-mixed", "cpu", scaler=scaler))
-    net = islands_support.make_net()
+    net = make()
     model, optimizer = fabric.setup(net, torch.optim.SGD(net.parameters(), lr=0.01))
     lost = 0
     for step in range(start, start + steps):
@@ -72,3 +73,21 @@ def test_a_checkpointed_island_re_attaches_under_fabric_by_either_name(reinstall
     assert lost == 0 and islands.holds(net.blocks[1].attn)
     assert resumed.stats.fp32_islands == ("blocks.1.attn",)
     assert len(records(ampguard_log, logging.INFO, "fp32 island blocks.1.attn (Attention) re-applied")) == 1
+
+
+class OverflowsInItsOwnCode(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(islands_support.DIM, islands_support.DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) * 25.0
+        return (h @ h.transpose(-1, -2)).mean(-1)[..., : islands_support.CLASSES]  # overflows outside any submodule
+
+
+def test_an_overflow_in_the_model_s_own_code_under_fabric_is_reported_not_made_a_whole_model_island(ampguard_log):
+    """The wrapper's only child is the model itself: it is the root, not a submodule to run in float32."""
+    net, _, scaler, _ = fabric_run(3 * EVERY, make=OverflowsInItsOwnCode)
+    assert scaler.stats.fp32_islands == () and not islands.holds(net)
+    assert len(records(ampguard_log, logging.WARNING, "forward overflow located in OverflowsInItsOwnCode itself")) == 1
