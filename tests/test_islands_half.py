@@ -40,7 +40,7 @@ def two_blocks() -> Net:
     return Net(blocks=2, hot=1, sharpness=SHARPNESS)
 
 
-def recipe(model: nn.Module, *, half: bool) -> tuple[int, torch.optim.Optimizer]:
+def recipe(model: nn.Module, *, half: bool) -> tuple[int, torch.optim.Optimizer, torch.amp.GradScaler]:
     """torch's recipe loop (fp16 autocast, unscale_, clip, step, update) or, ``half=False``, plain float32."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100, enabled=half)
@@ -56,7 +56,7 @@ def recipe(model: nn.Module, *, half: bool) -> tuple[int, torch.optim.Optimizer]
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(optimizer)
         scaler.update()
-    return lost, optimizer
+    return lost, optimizer, scaler
 
 
 def evaluation_loss(model: nn.Module) -> float:
@@ -70,7 +70,7 @@ def test_a_model_loaded_in_float16_gets_its_overflowing_attention_block_as_an_is
     model = two_blocks().half()
     params = list(model.parameters())
     state = {key: (value.dtype, value.shape) for key, value in model.state_dict().items()}
-    lost, optimizer = recipe(model, half=True)
+    lost, optimizer, scaler = recipe(model, half=True)
 
     assert lost <= 3  # the probe arms at the first loud batch and names the block at the second (before: all 20)
     assert islands.names() == ("blocks.1.attn",)
@@ -81,10 +81,24 @@ def test_a_model_loaded_in_float16_gets_its_overflowing_attention_block_as_an_is
     assert optimizer.param_groups[0]["params"] == params  # the optimizer steps them
     assert {key: (value.dtype, value.shape) for key, value in model.state_dict().items()} == state
     assert all(torch.isfinite(p).all() for p in params)
-    assert ampguard.master_weights.masters_of(optimizer)  # the gradients reached the float32 masters
+    # A loud batch now trains the island: its float16 gradients reach the float32 masters, which step.
+    masters = {id(p): master for p, master in ampguard.master_weights.masters_of(optimizer)}
+    weight = model.blocks[1].attn.q.weight
+    before = masters[id(weight)].clone()
+    optimizer.zero_grad(set_to_none=True)
+    x, y = loud_batch(EVERY - 1)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.unscale_(optimizer)
+    assert torch.isfinite(loss) and weight.grad is not None and weight.grad.dtype == torch.float16
+    assert torch.isfinite(masters[id(weight)].grad).all() and masters[id(weight)].grad.abs().sum() > 0
+    scaler.step(optimizer)
+    scaler.update()
+    assert not torch.equal(masters[id(weight)], before) and torch.equal(weight, masters[id(weight)].half())
 
     reference = two_blocks()
-    reference_lost, _ = recipe(reference, half=False)
+    reference_lost, _, _ = recipe(reference, half=False)
     assert reference_lost == 0
     trained, expected = evaluation_loss(model), evaluation_loss(reference)
     assert abs(trained - expected) <= 0.1 * expected, (trained, expected)
@@ -96,7 +110,7 @@ def test_a_half_precision_block_in_a_float32_model_becomes_an_island(ampguard_lo
     """One block in float16 or bfloat16, the rest float32 (whose modules are islanded as before, untouched)."""
     model = two_blocks()
     attn = model.blocks[1].attn.to(dtype)
-    lost, _ = recipe(model, half=True)
+    lost, _, _ = recipe(model, half=True)
     assert lost <= 3 and islands.names() == ("blocks.1.attn",)
     name = str(dtype).replace("torch.", "")
     made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention)")[0].getMessage()
