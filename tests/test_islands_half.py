@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from islands_support import BATCH, CLASSES, DIM, EVERY, TOKENS, Net, fresh_islands, overflows, train  # noqa: F401
+from islands_support import BATCH, CLASSES, DIM, EVERY, TOKENS, Net, fresh_islands, overflows  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
