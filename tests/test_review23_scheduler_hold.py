@@ -35,3 +35,20 @@ def test_review23_a_fused_optimizer_s_chained_scheduler_holds_once_not_twice_per
     plain = Run(warmup_chained, {2}).train(6)
     assert [s.last_epoch for s in plain.scheduler._schedulers] == [5, 5]
     assert [s.last_epoch for s in fused.scheduler._schedulers] == [5, 5]
+
+
+def test_review23_a_fused_optimizer_s_epoch_scheduler_holds_only_when_the_whole_epoch_was_skipped():
+    """As test_scheduler_hold's non-fused case: epoch 0 skips one step of 4, epoch 1 all 4, epoch 2 none. The fused
+    optimizer's per-epoch StepLR holds one epoch per skipped step instead (5 skips: it never advances in 3 epochs)."""
+
+    def per_epoch(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+
+    plain, fused = Run(per_epoch, {1, 4, 5, 6, 7}), _fused(per_epoch, {1, 4, 5, 6, 7})
+    for run in (plain, fused):
+        for epoch in range(3):
+            for index in range(4 * epoch, 4 * epoch + 4):
+                run.iteration(index, step_scheduler=False)
+            run.scheduler.step()
+    assert plain.scheduler.last_epoch == 2
+    assert fused.scheduler.last_epoch == 2  # ampguard: 0
