@@ -5,10 +5,14 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 from islands_support import fresh_islands  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_islands_fused import reads_by_step
 from test_row_copies import rows_one_update_late  # noqa: F401  (fixture)
+from torch import nn
+
+import ampguard
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fused_adam]
 
@@ -23,3 +27,36 @@ def test_review23_an_overflow_the_probe_read_is_not_learned_again_from_its_row_o
     armed = records(ampguard_log, logging.INFO, "forward overflow in the step learned at step")
     assert len(armed) == 1, [r.getMessage()[:60] for r in armed]
     assert reads_at == {step: 1 for step in range(12, 21)}  # ampguard: also one at each of steps 22..40
+
+
+def _batchnorm_run(skip_or_overflow: str) -> tuple[list[torch.Tensor], ampguard.ScalerStats]:
+    """10 steps of a Linear-BatchNorm net with fused AdamW; batch 5 is dropped ("drop") or overflows ("overflow")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    generator = torch.Generator().manual_seed(1)
+    for step in range(10):
+        x = torch.randn(16, 8, generator=generator)
+        if step == 5 and skip_or_overflow == "drop":
+            continue
+        if step == 5:
+            x = x * 1e6  # float16 overflows in the forward pass: the loss is inf, the step is skipped
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return [b.clone() for b in model[1].buffers()], scaler.stats  # the scaler is freed: the next run's discovers
+
+
+def test_review23_a_fused_optimizer_s_forward_overflow_puts_batchnorm_back_as_it_was_before_that_batch():
+    """The overflow at step 5 is known at once (CPU row), but the BatchNorm statistics are put back to the copy taken
+    at discovery (step 1): the running statistics of steps 2..4 are lost and num_batches_tracked rolls back by 4 (up
+    to AMPGUARD_STATS_EVERY=500 steps in general). With a non-fused optimizer they equal the run without that batch."""
+    without, _ = _batchnorm_run("drop")
+    healed, stats = _batchnorm_run("overflow")
+    assert stats.skipped == stats.buffers_restored == 1
+    assert int(healed[2]) == int(without[2]) == 9  # ampguard: 5
+    assert torch.equal(healed[0], without[0]) and torch.equal(healed[1], without[1])
