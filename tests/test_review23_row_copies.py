@@ -60,3 +60,23 @@ def test_review23_a_fused_optimizer_s_forward_overflow_puts_batchnorm_back_as_it
     assert stats.skipped == stats.buffers_restored == 1
     assert int(healed[2]) == int(without[2]) == 9  # ampguard: 5
     assert torch.equal(healed[0], without[0]) and torch.equal(healed[1], without[1])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_review23_a_forward_overflow_with_update_new_scale_does_not_leave_batchnorm_nan(fused):
+    """``scaler.update(new_scale)`` (device mode, the row not "held"): the forward overflow at step 5 is skipped and
+    counted, but its BatchNorm statistics stay NaN (buffers_restored=0; with ``update()`` they are put back)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=fused)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=1000)
+    for step in range(8):
+        x = torch.randn(16, 8) * (1e6 if step == 5 else 1.0)
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update(1024.0)
+    assert scaler.stats.nonfinite_loss == scaler.stats.skipped == 1
+    assert torch.isfinite(model[1].running_mean).all() and torch.isfinite(model[1].running_var).all()
