@@ -10,6 +10,7 @@ from islands_support import fresh_islands  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_islands_fused import reads_by_step
 from test_row_copies import rows_one_update_late  # noqa: F401  (fixture)
+from test_scheduler_hold import Run, warmup_lambda
 from torch import nn
 
 import ampguard
@@ -80,3 +81,22 @@ def test_review23_a_forward_overflow_with_update_new_scale_does_not_leave_batchn
         scaler.update(1024.0)
     assert scaler.stats.nonfinite_loss == scaler.stats.skipped == 1
     assert torch.isfinite(model[1].running_mean).all() and torch.isfinite(model[1].running_var).all()
+
+
+@pytest.mark.usefixtures("rows_one_update_late")
+def test_review23_a_scheduler_created_after_a_skip_not_yet_known_does_not_hold_for_it():
+    """Rows known an update late (a GPU's): iteration 3 is skipped, a second scheduler is created after it, and when
+    the skip becomes known (iteration 4) the new scheduler holds for a step it never advanced for."""
+    try:
+        run = Run(warmup_lambda, {3}, fused=True)
+    except RuntimeError:
+        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
+    counter = None
+    for index in range(8):
+        run.iteration(index)
+        if counter is not None:
+            counter.step()
+        if index == 3:
+            counter = torch.optim.lr_scheduler.StepLR(run.optimizer, step_size=1, gamma=1.0)  # only counts
+    assert counter is not None
+    assert counter.last_epoch == 4  # iterations 4..7 all stepped; ampguard: 3
