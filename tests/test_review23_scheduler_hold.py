@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_scheduler_hold import Run, _no_scaler_left_mid_iteration, warmup_then_cosine  # noqa: F401  (fixture)
+from test_scheduler_hold import (  # noqa: F401  (fixtures)
+    ITERATIONS,
+    OVERFLOWS,
+    Run,
+    _no_scaler_left_mid_iteration,
+    accelerate,
+    warmup_lambda,
+    warmup_then_cosine,
+)
 
 
 def _fused(schedule, overflows: set[int]) -> Run:
@@ -52,3 +60,30 @@ def test_review23_a_fused_optimizer_s_epoch_scheduler_holds_only_when_the_whole_
             run.scheduler.step()
     assert plain.scheduler.last_epoch == 2
     assert fused.scheduler.last_epoch == 2  # ampguard: 0
+
+
+def test_review23_accelerate_prepared_scheduler_of_a_fused_optimizer_holds_once_not_twice(accelerate):
+    """accelerate's step_was_skipped (ampguard's known_skip: the row is known at once on the CPU) keeps the prepared
+    scheduler from stepping on the skipped step, and the late skip ampguard noted holds its next step as well."""
+    accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
+    accelerator.native_amp = True  # as test_scheduler_hold._accelerate_run: accelerate makes no scaler on the CPU
+    accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    run = _fused_run_without_scaler()
+    model, optimizer, scheduler = accelerator.prepare(run.model, run.optimizer, run.scheduler)
+    skipped = []
+    for index in range(ITERATIONS):
+        run.index = index
+        optimizer.zero_grad()
+        accelerator.backward((model(run.xs[index]).float() ** 2).mean())
+        optimizer.step()
+        skipped.append(accelerator.optimizer_step_was_skipped)
+        scheduler.step()
+    assert skipped == [i in OVERFLOWS for i in range(ITERATIONS)]  # accelerate saw the skips and held
+    assert run.scheduler.last_epoch == ITERATIONS - len(OVERFLOWS)  # ampguard: 2 (held twice per skip)
+
+
+def _fused_run_without_scaler() -> Run:
+    try:
+        return Run(warmup_lambda, OVERFLOWS, fp16=False, fused=True)
+    except RuntimeError:
+        pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
