@@ -87,3 +87,17 @@ def _fused_run_without_scaler() -> Run:
         return Run(warmup_lambda, OVERFLOWS, fp16=False, fused=True)
     except RuntimeError:
         pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
+
+
+def test_review23_the_user_s_own_skip_check_and_a_fused_optimizer_s_scheduler_hold_once_per_skip():
+    """The common idiom ``if scaler.get_scale() >= scale_before: scheduler.step()`` already holds on a backward
+    overflow; with a fused optimizer ampguard's late skip then holds the next step too (non-fused: once)."""
+    runs = {"foreach": Run(warmup_lambda, {2, 5}), "fused": _fused(warmup_lambda, {2, 5})}
+    for run in runs.values():
+        for index in range(10):
+            scale_before = run.scaler.get_scale()
+            run.iteration(index, step_scheduler=False)
+            if run.scaler.get_scale() >= scale_before:
+                run.scheduler.step()
+    assert runs["foreach"].scheduler.last_epoch == 8
+    assert runs["fused"].scheduler.last_epoch == 8  # ampguard: 6
