@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 
 import pytest
@@ -14,6 +15,7 @@ from test_scheduler_hold import Run, warmup_lambda
 from torch import nn
 
 import ampguard
+from ampguard.syncs import HostReadCounter
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fused_adam]
 
@@ -100,3 +102,32 @@ def test_review23_a_scheduler_created_after_a_skip_not_yet_known_does_not_hold_f
             counter = torch.optim.lr_scheduler.StepLR(run.optimizer, step_size=1, gamma=1.0)  # only counts
     assert counter is not None
     assert counter.last_epoch == 4  # iterations 4..7 all stepped; ampguard: 3
+
+
+def _fused_training(model_seed: int, overflow_at: set[int], steps: int) -> list[int]:
+    """ampguard's host reads at each step of a fresh model, fused AdamW and scaler (all freed on return)."""
+    torch.manual_seed(model_seed)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    reads = []
+    for step in range(steps):
+        with HostReadCounter() as counter:
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(torch.randn(16, 8)).float()
+            if step in overflow_at:
+                out = out * float("inf")
+            scaler.scale(out.square().mean()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        reads.append(counter.by_source["ampguard.read_to_host"])
+    return reads
+
+
+def test_review23_a_probe_armed_for_a_model_that_is_gone_does_not_read_every_step_of_the_next_one():
+    """A notebook or a sweep: the first model's forward overflow armed the probe; that model and its scaler are freed,
+    and the next model's healthy fused steps each pay a host read (up to AMPGUARD_PROBE_STEPS=200 of them)."""
+    _fused_training(0, {1}, 3)
+    gc.collect()
+    assert _fused_training(1, set(), 6) == [0] * 6  # ampguard: [1, 1, 1, 1, 1, 1]
