@@ -249,6 +249,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         return owner is scaler
     if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
         active.buffers.restart()
+        active.probe.disarm()  # it watched for the model before
         active.fruitless = active.skip_arming = 0  # the probe backed off for the model before, not this one
     active.buffers_owner = weakref.ref(scaler)
     return True
@@ -284,7 +285,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
             loss_check, verdict_value, skipped_value = read_to_host(torch.stack(values))
             overflow = loss_check != loss_check  # NaN: a loss was non-finite
             active.verdict = max(active.verdict, int(verdict_value))
-            if overflow and held:
+            if overflow:
                 active.seen_in_device_mode[scaler] = active.seen_in_device_mode.get(scaler, 0) + 1
             end_iteration(scaler, overflow)
             return bool(skipped_value > 0)
@@ -296,24 +297,32 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     return None
 
 
-def after_stats_read(scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True) -> None:
-    """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` of them held.
+def after_stats_read(
+    scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True, current: bool = True
+) -> None:
+    """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` with a non-finite loss.
 
     Buffers and the probe act on the overflows the host had not seen yet.
-    ``at_read``: learned at a read of the device-side counters, where the
-    buffers' copy is refreshed too; else from the rows' host copies, learned
-    every step, where only an overflow costs anything. Not
+    ``at_read``: learned at a read of the device-side counters; else from the
+    rows' host copies, learned every step. ``current``: the iterations told end
+    with the one just updated: the buffers' copy is refreshed (as host mode does
+    at each update; at reads keeping the copy's values where the buffers are
+    inf/NaN, since another scaler's overflow may not be known yet). Not
     under torch.distributed, where device mode backs off as torch does and no rank
     can ask the others (this read is not collective).
     """
     active = _active
     if active is None or distributed() is not None:
         return
-    unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
+    # Overflows the armed probe already read at their update are not news when their rows are told.
+    seen = active.seen_in_device_mode.pop(scaler, 0)
+    unseen = max(forward_overflows - seen, 0)
+    if seen > forward_overflows and not at_read:
+        active.seen_in_device_mode[scaler] = seen - forward_overflows  # their rows come later (a GPU)
     step = _steps_of(scaler)
     try:
-        if at_read or unseen:
-            active.buffers.on_stats_read(unseen > 0, step)
+        if current or unseen:
+            active.buffers.on_stats_read(unseen > 0, step, finite_only=at_read or not current)
         if unseen and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"

@@ -102,10 +102,6 @@ class DeviceLedger:
         self._held.append(held)
         return row
 
-    def held_overflow(self, index: int, rows: list[list[float]]) -> bool:
-        """Whether row ``index`` is a forward overflow that kept the scale."""
-        return self._held[index] and math.isnan(rows[index][2])
-
     def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> tuple[list[list[float]], float, int]:
         """The rows, the scale and the growth tracker now: one host read."""
         pieces = [ring.flatten() for ring in self._rings]
@@ -211,11 +207,14 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownR
     ledger.told += len(rows)
     if scaler._counters.last_skipped is None and ledger.copies is not None and not ledger.copies.pending:
         scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-    listeners.notify_counters_read(scaler, sum(row.held for row in rows), len(rows), at_read=False)
+    current = ledger.copies is not None and not ledger.copies.pending
+    listeners.notify_counters_read(
+        scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=current
+    )
     for row in rows:
-        if row.unread_all_skipped:
-            for optimizer in row.unread:
-                listeners.notify_late_skip(scaler, optimizer)
+        skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
+        for optimizer in row.unread:
+            listeners.notify_step_known(scaler, optimizer, skipped)
     return rows
 
 
@@ -258,9 +257,8 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
             replay.high,
         )
     untold = range(ledger.told, len(rows))  # the rows no host copy told yet
-    listeners.notify_counters_read(
-        scaler, sum(ledger.held_overflow(i, rows) for i in untold), len(untold), at_read=True
-    )
+    nonfinite = sum(math.isnan(rows[i][2]) for i in untold)
+    listeners.notify_counters_read(scaler, nonfinite, len(untold), at_read=True, current=True)
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

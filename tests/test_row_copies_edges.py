@@ -1,4 +1,4 @@
-"""Review 23: rows known on the host without a sync (ampguard.scaler.row_copies), judged against what happened."""
+"""Rows known on the host without a sync (ampguard.scaler.row_copies), judged against what happened."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fuse
 
 
 @pytest.mark.usefixtures("rows_one_update_late")
-def test_review23_an_overflow_the_probe_read_is_not_learned_again_from_its_row_one_update_later(ampguard_log):
+def test_an_overflow_the_probe_read_is_not_learned_again_from_its_row_one_update_later(ampguard_log):
     """Rows known one update late (a GPU's copies, mocked as in test_row_copies): the overflow at step 20 that the
     armed probe read itself and turned into the island is told again by its row at step 21, as an overflow nobody
     saw: the probe arms again (a read at each of steps 22..40) although nothing overflows any more."""
@@ -54,7 +54,7 @@ def _batchnorm_run(skip_or_overflow: str) -> tuple[list[torch.Tensor], ampguard.
     return [b.clone() for b in model[1].buffers()], scaler.stats  # the scaler is freed: the next run's discovers
 
 
-def test_review23_a_fused_optimizer_s_forward_overflow_puts_batchnorm_back_as_it_was_before_that_batch():
+def test_a_fused_optimizer_s_forward_overflow_puts_batchnorm_back_as_it_was_before_that_batch():
     """The overflow at step 5 is known at once (CPU row), but the BatchNorm statistics are put back to the copy taken
     at discovery (step 1): the running statistics of steps 2..4 are lost and num_batches_tracked rolls back by 4 (up
     to AMPGUARD_STATS_EVERY=500 steps in general). With a non-fused optimizer they equal the run without that batch."""
@@ -66,7 +66,7 @@ def test_review23_a_fused_optimizer_s_forward_overflow_puts_batchnorm_back_as_it
 
 
 @pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
-def test_review23_a_forward_overflow_with_update_new_scale_does_not_leave_batchnorm_nan(fused):
+def test_a_forward_overflow_with_update_new_scale_does_not_leave_batchnorm_nan(fused):
     """``scaler.update(new_scale)`` (device mode, the row not "held"): the forward overflow at step 5 is skipped and
     counted, but its BatchNorm statistics stay NaN (buffers_restored=0; with ``update()`` they are put back)."""
     torch.manual_seed(0)
@@ -85,8 +85,13 @@ def test_review23_a_forward_overflow_with_update_new_scale_does_not_leave_batchn
     assert torch.isfinite(model[1].running_mean).all() and torch.isfinite(model[1].running_var).all()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (GPU only, docs/schedulers.md): a step known late is counted when known, so a scheduler created "
+    "between the skip and its row holds for it",
+)
 @pytest.mark.usefixtures("rows_one_update_late")
-def test_review23_a_scheduler_created_after_a_skip_not_yet_known_does_not_hold_for_it():
+def test_a_scheduler_created_after_a_skip_not_yet_known_does_not_hold_for_it():
     """Rows known an update late (a GPU's): iteration 3 is skipped, a second scheduler is created after it, and when
     the skip becomes known (iteration 4) the new scheduler holds for a step it never advanced for."""
     try:
@@ -125,7 +130,7 @@ def _fused_training(model_seed: int, overflow_at: set[int], steps: int) -> list[
     return reads
 
 
-def test_review23_a_probe_armed_for_a_model_that_is_gone_does_not_read_every_step_of_the_next_one():
+def test_a_probe_armed_for_a_model_that_is_gone_does_not_read_every_step_of_the_next_one():
     """A notebook or a sweep: the first model's forward overflow armed the probe; that model and its scaler are freed,
     and the next model's healthy fused steps each pay a host read (up to AMPGUARD_PROBE_STEPS=200 of them)."""
     _fused_training(0, {1}, 3)

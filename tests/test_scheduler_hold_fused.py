@@ -1,4 +1,4 @@
-"""Review 23: the LR scheduler hold of fused optimizers (rows known on the host), judged against non-fused ones."""
+"""the LR scheduler hold of fused optimizers (rows known on the host), judged against non-fused ones."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _fused(schedule, overflows: set[int]) -> Run:
         pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
 
 
-def test_review23_a_fused_optimizer_s_sequential_lr_holds_once_not_twice_per_skip():
+def test_a_fused_optimizer_s_sequential_lr_holds_once_not_twice_per_skip():
     """A skipped fused step holds SequentialLR (right) and then its child again at the next step: the cosine lags."""
     fused = _fused(warmup_then_cosine, {5}).train(10)
     plain = Run(warmup_then_cosine, {5}).train(10)  # non-fused: the schedule of 9 successful steps
@@ -37,7 +37,7 @@ def warmup_chained(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler
     return torch.optim.lr_scheduler.ChainedScheduler([warm, decay])
 
 
-def test_review23_a_fused_optimizer_s_chained_scheduler_holds_once_not_twice_per_skip():
+def test_a_fused_optimizer_s_chained_scheduler_holds_once_not_twice_per_skip():
     """The same with ChainedScheduler: its children hold again at the step after the chain held."""
     fused = _fused(warmup_chained, {2}).train(6)
     plain = Run(warmup_chained, {2}).train(6)
@@ -45,7 +45,7 @@ def test_review23_a_fused_optimizer_s_chained_scheduler_holds_once_not_twice_per
     assert [s.last_epoch for s in fused.scheduler._schedulers] == [5, 5]
 
 
-def test_review23_a_fused_optimizer_s_epoch_scheduler_holds_only_when_the_whole_epoch_was_skipped():
+def test_a_fused_optimizer_s_epoch_scheduler_holds_only_when_the_whole_epoch_was_skipped():
     """As test_scheduler_hold's non-fused case: epoch 0 skips one step of 4, epoch 1 all 4, epoch 2 none. The fused
     optimizer's per-epoch StepLR holds one epoch per skipped step instead (5 skips: it never advances in 3 epochs)."""
 
@@ -62,7 +62,7 @@ def test_review23_a_fused_optimizer_s_epoch_scheduler_holds_only_when_the_whole_
     assert fused.scheduler.last_epoch == 2  # ampguard: 0
 
 
-def test_review23_accelerate_prepared_scheduler_of_a_fused_optimizer_holds_once_not_twice(accelerate):
+def test_accelerate_prepared_scheduler_of_a_fused_optimizer_holds_once_not_twice(accelerate):
     """accelerate's step_was_skipped (ampguard's known_skip: the row is known at once on the CPU) keeps the prepared
     scheduler from stepping on the skipped step, and the late skip ampguard noted holds its next step as well."""
     accelerator = accelerate.Accelerator(mixed_precision="fp16", cpu=True)
@@ -89,7 +89,7 @@ def _fused_run_without_scaler() -> Run:
         pytest.skip(f"Adam(fused=True) needs CUDA on torch {torch.__version__}")
 
 
-def test_review23_the_user_s_own_skip_check_and_a_fused_optimizer_s_scheduler_hold_once_per_skip():
+def test_the_user_s_own_skip_check_and_a_fused_optimizer_s_scheduler_hold_once_per_skip():
     """The common idiom ``if scaler.get_scale() >= scale_before: scheduler.step()`` already holds on a backward
     overflow; with a fused optimizer ampguard's late skip then holds the next step too (non-fused: once)."""
     runs = {"foreach": Run(warmup_lambda, {2, 5}), "fused": _fused(warmup_lambda, {2, 5})}
