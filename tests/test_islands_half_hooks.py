@@ -1,4 +1,4 @@
-"""fp32 islands of float16/bfloat16-parameter modules, judged against the same module without the island."""
+"""Fp32 islands of float16/bfloat16-parameter modules, judged against the same module without the island."""
 
 from __future__ import annotations
 

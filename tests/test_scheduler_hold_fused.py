@@ -1,4 +1,4 @@
-"""the LR scheduler hold of fused optimizers (rows known on the host), judged against non-fused ones."""
+"""The LR scheduler hold of fused optimizers (rows known on the host), judged against non-fused ones."""
 
 from __future__ import annotations
 
