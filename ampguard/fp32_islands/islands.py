@@ -131,12 +131,17 @@ def decide(
     step: int,
     mode: str,
     max_islands: int,
+    made: str = messages.ISLAND_MADE,
+    reported: str = messages.ISLAND_REPORT,
+    **details: Any,
 ) -> bool:
     """Make ``module`` an island, or report why not (each name once). True when a new island was made.
 
     ``root`` is the outermost module the forward pass called; the name is
     qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
+    ``made`` / ``reported``: the messages for an island made / named in report
+    mode (the headroom watch's own), formatted with ``details`` too.
     """
     if holds(module):
         _report_unhelpful(module, step)
@@ -147,7 +152,7 @@ def decide(
     device_type = device_type_of(module, ())
     cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
     line = permanent_line(name or "", device_type)
-    what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__}
+    what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__, **details}
     if name is None or name == "":
         _report_once(label, messages.ISLAND_ROOT.format(**what))
         if is_compiled(root):
@@ -164,13 +169,13 @@ def decide(
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
         return False
     if mode == "report":
-        _report_once(name, messages.ISLAND_REPORT.format(**what))
+        _report_once(name, reported.format(**what))
         return False
     if len(names()) >= max_islands:
         _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
         return False
     make(module, name, outputs)
-    logger.warning(messages.ISLAND_MADE.format(**what))
+    logger.warning(made.format(**what))
     return True
 
 

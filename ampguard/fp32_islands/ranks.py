@@ -8,6 +8,10 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
+
+from ampguard.syncs import read_to_host
+
 
 def distributed() -> Any:
     """torch.distributed when ranks train one model together and so skip the same steps, else None.
@@ -50,3 +54,19 @@ def ranks_share_gradients() -> bool:
         )
         _shared_gradients = bool(wrappers) and any(isinstance(obj, wrappers) for obj in gc.get_objects())
     return _shared_gradients
+
+
+_last_exchange: torch.Tensor | None = None
+
+
+def exchange(dist: Any, local: bool, verdict: int) -> tuple[bool, int]:
+    """All ranks' "was a loss non-finite" and verdict, all-reduced (MAX): one collective and one host read."""
+    global _last_exchange
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    flags = torch.tensor([float(local), float(verdict)], device=device)
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    agreed, verdict_value = read_to_host(flags)
+    # Kept until the next exchange: a gloo thread must never free this tensor's Python object, which
+    # takes the GIL and, on torch < 2.8, can deadlock a process group destroyed at exit (examples/ddp_train.py).
+    _last_exchange = flags
+    return bool(agreed), int(verdict_value)

@@ -1,0 +1,51 @@
+"""What the headroom watch's sightings decide: an island before an overflow, or the module blamed at the first one.
+
+:mod:`ampguard.fp32_islands.headroom` watches; :mod:`ampguard.fp32_islands.healing`
+calls :func:`judge` at each update where the watch has something to say, or a
+forward overflow came. Islands are made (or, in report mode, named) by
+:func:`ampguard.fp32_islands.islands.decide`, with the watch's own messages.
+"""
+
+from __future__ import annotations
+
+import ampguard.fp32_islands.islands as islands
+import ampguard.messages as messages
+from ampguard.fp32_islands.headroom import FLOAT16_MAX, HeadroomWatch
+from ampguard.syncs import read_to_host
+
+
+def judge(
+    watch: HeadroomWatch, step: int, overflow: bool, verdict: int, mode: str, max_islands: int, may_blame: bool
+) -> bool:
+    """One update's verdict; True when a forward overflow was blamed on a module (an island made for it).
+
+    ``verdict``: the watch's, as read with the scaler's read (0: none, or not
+    read in this update). Without a forward overflow, a verdict makes its
+    module an island before it overflows (one host read: its peak, for the
+    message). At a forward overflow (``may_blame``: the probe is not armed and
+    islands may still be made), the module the last watch saw closest to the
+    limit is made one, when it was close enough (:meth:`HeadroomWatch.suspect`,
+    one host read); the probe stays the fallback.
+    """
+    sighting = watch.settle(overflow, step)
+    if overflow:
+        if not may_blame:
+            return False
+        suspect = watch.suspect()
+        if suspect is None:
+            return False
+        (module, root, outputs), peak, seen = suspect
+        return islands.decide(
+            module, root, outputs, step=step, mode=mode, max_islands=max_islands,
+            made=messages.ISLAND_BLAMED, reported=messages.ISLAND_BLAMED_REPORT, peak=peak, seen=seen,
+        )  # fmt: skip
+    found = sighting.candidate(verdict - 1) if sighting is not None and verdict else None
+    if sighting is not None and found is not None:
+        module, root, outputs = found
+        peak = float(read_to_host(sighting.peaks[verdict - 1 : verdict])[0])
+        islands.decide(
+            module, root, outputs, step=sighting.step, mode=mode, max_islands=max_islands,
+            made=messages.ISLAND_AHEAD, reported=messages.ISLAND_AHEAD_REPORT, peak=peak,
+            share=peak / FLOAT16_MAX, headroom=watch.headroom,
+        )  # fmt: skip
+    return False
