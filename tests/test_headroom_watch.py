@@ -175,3 +175,34 @@ def test_bad_watch_settings_are_a_config_error(variable: str, value: str):
 def test_watch_every_values(value: str, every: int):
     assert ampguard.config.load({"AMPGUARD_WATCH_EVERY": value}).watch_every == every
     assert ampguard.config.load({}).watch_every == 100 and ampguard.config.load({}).headroom == 4.0
+
+
+def test_with_a_fused_optimizer_the_verdict_waits_for_the_counters_read(reinstall, ampguard_log):
+    """Device mode reads nothing per step: the watch of step 2 is read with the counters at step 20 (one more read
+    there, none per step), and blames the block for the overflows found there; plain torch loses every 10th batch."""
+    import ampguard.syncs as syncs
+
+    reinstall(AMPGUARD_STATS_EVERY="20")
+    model = make_net()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    reads: list[int] = []
+    nonfinite: list[int] = []
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    with HostReadCounter() as torch_reads:
+        for step in range(60):
+            x, y = batch(step)
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = nn.functional.cross_entropy(model(x), y)
+            before = syncs._reads_by_ampguard
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            reads.append(syncs._reads_by_ampguard - before)
+            if not torch.isfinite(loss.detach()).item():
+                nonfinite.append(step)
+    assert {step: n for step, n in enumerate(reads, start=1) if n} == {20: 2, 40: 1, 60: 1}  # counters (+ watch)
+    assert torch_reads.by_source["aten::_local_scalar_dense"] == 60  # the test's own .item(): torch reads nothing
+    assert nonfinite == [9, 19]  # found at the read of step 20, named there: not one more (the probe: also 29)
+    assert scaler.stats.fp32_islands == ("blocks.1.attn",)
+    assert len(records(ampguard_log, logging.WARNING, "the headroom watch of step 2 saw it closest")) == 1

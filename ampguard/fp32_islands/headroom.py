@@ -42,7 +42,7 @@ from torch.nn.modules import module as nn_module
 
 import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
-from ampguard.fp32_islands.probe import is_compiling, qualified_name
+from ampguard.fp32_islands.probe import is_compiled, is_compiling, qualified_name
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.syncs import read_to_host
 
@@ -71,10 +71,13 @@ class Sighting:
     outputs: list[tuple[str, ...] | None]  # each candidate's output dtypes under autocast (for its island)
     peaks: torch.Tensor  # float32, one per candidate
     verdict: torch.Tensor  # float32 scalar: index + 1 of the candidate within the headroom, 0 when none
-    step: int = 0  # the optimizer step whose forward passes were watched (set at its update)
+    nonfinite: torch.Tensor  # float32 scalar: 1 when a watched float16 tensor held NaN or +inf (an overflow), else 0
+    step: int = 0  # the optimizer step whose forward passes were watched
     clean: bool = False  # its iteration had no forward overflow (set at its update)
     blamed: bool = False  # a forward overflow was blamed on what it saw (once per sighting)
     shown: tuple[tuple[str, float], ...] | None = None  # the tightest candidates, read for scaler.stats
+    overflowed: bool = False  # read with the verdict in device mode: its pass held an overflow
+    top: list[tuple[int, float]] | None = None  # (index, peak) of the tightest candidates, once read
 
     def candidate(self, index: int) -> tuple[torch.nn.Module, torch.nn.Module, tuple[str, ...] | None] | None:
         """The ``index``-th candidate (0-based) while its module lives."""
@@ -93,10 +96,12 @@ class Sighting:
         """The verdict, read with the tightest candidates' peaks (one host read: device mode's, at a stats read)."""
         count = min(SHOWN, len(self.modules))
         values, order = self.peaks.topk(count)
-        read = read_to_host(torch.cat([self.verdict.reshape(1), values, order.to(values.dtype)]))
+        read = read_to_host(torch.cat([self.verdict.reshape(1), self.nonfinite.reshape(1), values, order.float()]))
+        self.overflowed = bool(read[1])
+        self.top = [(int(index), float(peak)) for peak, index in zip(read[2 : 2 + count], read[2 + count :])]
         shown = []
-        for peak, index in zip(read[1 : 1 + count], read[1 + count :]):
-            found = self.candidate(int(index))
+        for index, peak in self.top:
+            found = self.candidate(index)
             name = qualified_name(found[0], found[1]) if found is not None else None
             if name:
                 shown.append((name, float(peak)))
@@ -128,6 +133,8 @@ class HeadroomWatch:
         self._stack: list[_Slot] = []
         self._slots: dict[int, _Slot] = {}
         self._mode: Any = None
+        self._opaque: torch.nn.Module | None = None  # a compiled root being called: nothing inside is watched
+        self._watched_step = 0
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
@@ -149,6 +156,7 @@ class HeadroomWatch:
             self._due = True
         if self._due and may_watch and not self._handles and self.pending is None:
             self._due = False
+            self._watched_step = step + 1
             self._arm()
 
     def _arm(self) -> None:
@@ -175,33 +183,47 @@ class HeadroomWatch:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
         self._stack = []
+        self._opaque = None
 
     # -- the pass ----------------------------------------------------------------------------------
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread or is_compiling():
+        if threading.get_ident() != self._thread or self._opaque is not None or is_compiling():
             return
-        slot = self._slots.get(id(module))
-        if slot is None or slot.module() is not module:
-            root = self._stack[0].module() if self._stack else module
-            candidate = bool(self._stack) and not islands.holds(module)
-            slot = self._slots[id(module)] = _Slot(weakref.ref(module), weakref.ref(root or module), candidate)
-        elif not self._stack:
-            slot.candidate = False  # called as the root too: its own code is never islanded
-        if not self._stack:
-            self._mode = _Observer(self)
-            self._mode.__enter__()
-        self._stack.append(slot)
+        try:
+            if not self._stack and is_compiled(module):  # compiled code is not watched (nor changed: see islands)
+                self._opaque = module
+                return
+            slot = self._slots.get(id(module))
+            if slot is None or slot.module() is not module:
+                root = self._stack[0].module() if self._stack else module
+                candidate = bool(self._stack) and not islands.holds(module)
+                root_ref = weakref.ref(root if root is not None else module)
+                slot = self._slots[id(module)] = _Slot(weakref.ref(module), root_ref, candidate)
+            elif not self._stack:
+                slot.candidate = False  # called as the root too: its own code is never islanded
+            if not self._stack:
+                self._mode = _Observer(self)
+                self._mode.__enter__()
+            self._stack.append(slot)
+        except Exception:  # an observation must never break the forward pass
+            return
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread or not self._stack or self._stack[-1].module() is not module:
+        if threading.get_ident() != self._thread:
+            return
+        if self._opaque is not None:
+            if self._opaque is module:
+                self._opaque = None
+            return
+        if not self._stack or self._stack[-1].module() is not module:
             return
         slot = self._stack.pop()
-        if slot.candidate and slot.outputs is None and output is not None:
-            try:
+        try:
+            if slot.candidate and slot.outputs is None and output is not None:
                 slot.outputs = output_kinds(tensors(output))
-            except Exception:
-                slot.outputs = None
+        except Exception:
+            slot.outputs = None
         if not self._stack and self._mode is not None:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
@@ -237,12 +259,15 @@ class HeadroomWatch:
         highs = torch.stack([high.to(device) for slot in slots for _, high in slot.samples]).float()
         below = -lows
         below = below.masked_fill(below >= MASK_BAND, 0.0)
-        per_output = torch.nan_to_num(torch.maximum(highs, below), nan=0.0, posinf=0.0, neginf=0.0)
+        extremes = torch.maximum(highs, below)
+        nonfinite = (extremes.isnan() | (highs == float("inf"))).any().float()
+        per_output = torch.nan_to_num(extremes, nan=0.0, posinf=0.0, neginf=0.0)
         peaks = torch.stack([part.amax() for part in per_output.split([len(slot.samples) for slot in slots])])
         top, index = peaks.max(0)
         verdict = torch.where(top >= self.limit, index + 1, 0).float()
         modules = [(slot.module, slot.root) for slot in slots]
-        self.pending = Sighting(modules, [slot.outputs for slot in slots], peaks, verdict)
+        outputs = [slot.outputs for slot in slots]
+        self.pending = Sighting(modules, outputs, peaks, verdict, nonfinite, step=self._watched_step)
         return self.pending
 
     def add_to(self, code: torch.Tensor) -> torch.Tensor:
@@ -254,7 +279,7 @@ class HeadroomWatch:
         self.in_read = True
         return code + 4.0 * self.pending.verdict.to(code.device, non_blocking=True)
 
-    def settle(self, overflow: bool, step: int) -> Sighting | None:
+    def settle(self, overflow: bool) -> Sighting | None:
         """At the update after a watched iteration: the sighting whose verdict was read (None: none this time).
 
         A sighting of an iteration without forward overflow becomes :attr:`last`, which a later overflow blames.
@@ -262,8 +287,6 @@ class HeadroomWatch:
         if self._handles:  # watched, but no step() read its verdict (no optimizer stepped): seen all the same
             self.finish()
         sighting, self.pending, self.in_read = self.pending, None, False
-        if sighting is not None:
-            sighting.step = step
         if sighting is not None and not overflow:
             sighting.clean = True
             self.last = sighting
@@ -272,17 +295,25 @@ class HeadroomWatch:
     def suspect(self) -> tuple[tuple[torch.nn.Module, torch.nn.Module, tuple[str, ...] | None], float, int] | None:
         """The module the last clean sighting saw closest to the limit, its peak and step, when within BLAME_BOUND.
 
-        One host read (at a forward overflow: the failure path).
+        Modules that became islands since are passed over (their float32 output, given back as float16, is the
+        overflow of their caller). One host read (at a forward overflow: the failure path); once per sighting.
         """
         sighting = self.last
         if sighting is None or sighting.blamed:
             return None
         sighting.blamed = True  # if the overflows go on, the probe looks
-        peak, index = read_to_host(torch.stack(list(sighting.peaks.max(0))).float())
-        found = sighting.candidate(int(index))
-        if found is None or peak < FLOAT16_MAX / BLAME_BOUND:
-            return None
-        return found, float(peak), sighting.step
+        if sighting.top is None:  # not read yet (in device mode it was, with the verdict)
+            peaks = read_to_host(sighting.peaks)
+            top = sorted(enumerate(peaks), key=lambda item: item[1], reverse=True)
+        else:
+            top = sighting.top
+        for index, peak in top:
+            if peak < FLOAT16_MAX / BLAME_BOUND:
+                return None
+            found = sighting.candidate(index)
+            if found is not None and not islands.holds(found[0]):
+                return found, float(peak), sighting.step
+        return None
 
 
 if TorchDispatchMode is not None:

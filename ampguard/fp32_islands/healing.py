@@ -287,13 +287,14 @@ def _may_watch(active: _Healing) -> bool:
     return not (active.probe.armed or active.exhausted or active.stopped)
 
 
-def _judge_watch(active: _Healing, step: int, overflow: bool, verdict: int) -> bool:
+def _judge_watch(active: _Healing, step: int, overflow: bool, verdict: int, watched: bool | None = None) -> bool:
     """The watch's part of an update (:func:`ampguard.fp32_islands.watch_verdicts.judge`): True when it blamed."""
     if active.watch.pending is not None:
         active.verdict = 0  # the verdict read was the watch's
     try:
         may_blame = _may_watch(active)
-        return watch_verdicts.judge(active.watch, step, overflow, verdict, active.mode, active.max_islands, may_blame)
+        watch, mode, limit = active.watch, active.mode, active.max_islands
+        return watch_verdicts.judge(watch, step, overflow, verdict, mode, limit, may_blame, watched)
     except Exception as error:  # never the reason a run dies
         _stop(active, "watch", error)
         return False
@@ -381,7 +382,8 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
         active.buffers.on_stats_read(unseen > 0, step)
         pending = active.watch.pending
         verdict = pending.read_verdict() if pending is not None else 0  # the read the watch's verdict waited for
-        blamed = _judge_watch(active, step, unseen > 0, verdict) if pending is not None or unseen else False
+        watched = pending.overflowed if pending is not None else None
+        blamed = _judge_watch(active, step, unseen > 0, verdict, watched) if pending is not None or unseen else False
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             logger.log(

@@ -15,7 +15,14 @@ from ampguard.syncs import read_to_host
 
 
 def judge(
-    watch: HeadroomWatch, step: int, overflow: bool, verdict: int, mode: str, max_islands: int, may_blame: bool
+    watch: HeadroomWatch,
+    step: int,
+    overflow: bool,
+    verdict: int,
+    mode: str,
+    max_islands: int,
+    may_blame: bool,
+    watched_overflow: bool | None = None,
 ) -> bool:
     """One update's verdict; True when a forward overflow was blamed on a module (an island made for it).
 
@@ -25,9 +32,11 @@ def judge(
     message). At a forward overflow (``may_blame``: the probe is not armed and
     islands may still be made), the module the last watch saw closest to the
     limit is made one, when it was close enough (:meth:`HeadroomWatch.suspect`,
-    one host read); the probe stays the fallback.
+    one host read); the probe stays the fallback. ``watched_overflow``: whether
+    the watched iteration itself overflowed, when it is not this update's (device
+    mode, where one read covers many iterations).
     """
-    sighting = watch.settle(overflow, step)
+    sighting = watch.settle(overflow if watched_overflow is None else watched_overflow)
     if overflow:
         if not may_blame:
             return False
@@ -39,7 +48,7 @@ def judge(
             module, root, outputs, step=step, mode=mode, max_islands=max_islands,
             made=messages.ISLAND_BLAMED, reported=messages.ISLAND_BLAMED_REPORT, peak=peak, seen=seen,
         )  # fmt: skip
-    found = sighting.candidate(verdict - 1) if sighting is not None and verdict else None
+    found = sighting.candidate(verdict - 1) if sighting is not None and sighting.clean and verdict else None
     if sighting is not None and found is not None:
         module, root, outputs = found
         peak = float(read_to_host(sighting.peaks[verdict - 1 : verdict])[0])
