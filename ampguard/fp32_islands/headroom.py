@@ -15,11 +15,12 @@ At the end of the iteration (the scaler's ``step()``) the samples become a
 verdict: ``index + 1`` of the module with the highest peak when that peak is
 within ``AMPGUARD_HEADROOM`` of float16's limit, else 0. The verdict rides on
 the scaler's one host read, as the probe's does (the two never run in the same
-iteration); :mod:`ampguard.fp32_islands.healing` makes the island. The peaks
-themselves are read on the host only when an island is made, when a forward
-overflow comes (item 3: the module the last watch saw closest is blamed at once
-when its peak was within :data:`BLAME_BOUND` of the limit) and when stats are
-read.
+iteration); :mod:`ampguard.fp32_islands.watch_verdicts` makes the island. The
+verdict and the few highest peaks are also copied to the host without waiting
+(:class:`_HostCopy`), before the read the scaler makes next, so that naming the
+island, blaming a module at a forward overflow (the one the last watch saw
+closest, when its peak was within :data:`BLAME_BOUND` of the limit), device
+mode's verdict and ``scaler.stats`` read nothing more.
 
 A peak counts finite values only (a tensor holding +inf counts as 0: that
 overflow is the probe's to find). A negative extreme within 1/16 of float16's
@@ -63,21 +64,49 @@ BLAME_BOUND = 64.0
 SHOWN = 3
 
 
+class _HostCopy:
+    """A small device tensor copied to the host without waiting (pinned memory, ``non_blocking``).
+
+    The copy is queued at the end of the watched iteration, before the read the
+    scaler makes next (the found_inf read of ``step()``, or device mode's
+    counters read), which waits for it: by the time the values are wanted they
+    are on the host, and reading them costs no synchronisation. On the CPU the
+    tensor itself is the copy. Should the copy not be complete (a CUDA event not
+    reached yet, an accelerator without events), it is read as ampguard reads
+    anything else (:func:`ampguard.syncs.read_to_host`, one counted sync).
+    """
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.device_tensor = tensor
+        self.event: Any = None
+        self.host: torch.Tensor | None = tensor if tensor.device.type == "cpu" else None
+        if tensor.device.type == "cuda":
+            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    def values(self) -> list[Any]:
+        if self.host is not None and (self.event is None or self.event.query()):
+            return list(self.host.tolist())
+        return read_to_host(self.device_tensor)
+
+
 @dataclass
 class Sighting:
-    """One watched iteration: the candidates' peaks and the verdict, on the device."""
+    """One watched iteration: the candidates' peaks and the verdict, on the device (and on its way to the host)."""
 
     modules: list[tuple[weakref.ref[torch.nn.Module], weakref.ref[torch.nn.Module]]]  # (module, its root)
     outputs: list[tuple[str, ...] | None]  # each candidate's output dtypes under autocast (for its island)
-    peaks: torch.Tensor  # float32, one per candidate
     verdict: torch.Tensor  # float32 scalar: index + 1 of the candidate within the headroom, 0 when none
-    nonfinite: torch.Tensor  # float32 scalar: 1 when a watched float16 tensor held NaN or +inf (an overflow), else 0
+    # [verdict, 1 if a watched float16 tensor held NaN or +inf, the SHOWN highest peaks, their indices]
+    summary: _HostCopy
     step: int = 0  # the optimizer step whose forward passes were watched
     clean: bool = False  # its iteration had no forward overflow (set at its update)
     blamed: bool = False  # a forward overflow was blamed on what it saw (once per sighting)
-    shown: tuple[tuple[str, float], ...] | None = None  # the tightest candidates, read for scaler.stats
-    overflowed: bool = False  # read with the verdict in device mode: its pass held an overflow
-    top: list[tuple[int, float]] | None = None  # (index, peak) of the tightest candidates, once read
+    shown: tuple[tuple[str, float], ...] | None = None  # the tightest candidates, named, for scaler.stats
+    overflowed: bool = False  # its pass held an overflow (known in device mode, where one read covers many steps)
+    top: list[tuple[int, float]] = field(default_factory=list)  # (index, peak) of the tightest candidates
 
     def candidate(self, index: int) -> tuple[torch.nn.Module, torch.nn.Module, tuple[str, ...] | None] | None:
         """The ``index``-th candidate (0-based) while its module lives."""
@@ -87,16 +116,15 @@ class Sighting:
         return None if module is None or root is None else (module, root, self.outputs[index])
 
     def tightest(self) -> tuple[tuple[str, float], ...]:
-        """The candidates with the highest peaks, named from their root: one host read, once per sighting."""
+        """The candidates with the highest peaks, named from their root (no read: see :class:`_HostCopy`)."""
         if self.shown is None:
             self.read_verdict()
         return self.shown or ()
 
     def read_verdict(self) -> int:
-        """The verdict, read with the tightest candidates' peaks (one host read: device mode's, at a stats read)."""
-        count = min(SHOWN, len(self.modules))
-        values, order = self.peaks.topk(count)
-        read = read_to_host(torch.cat([self.verdict.reshape(1), self.nonfinite.reshape(1), values, order.float()]))
+        """The verdict, with the tightest candidates' peaks, from the host copy."""
+        read = self.summary.values()
+        count = (len(read) - 2) // 2
         self.overflowed = bool(read[1])
         self.top = [(int(index), float(peak)) for peak, index in zip(read[2 : 2 + count], read[2 + count :])]
         shown = []
@@ -263,11 +291,12 @@ class HeadroomWatch:
         nonfinite = (extremes.isnan() | (highs == float("inf"))).any().float()
         per_output = torch.nan_to_num(extremes, nan=0.0, posinf=0.0, neginf=0.0)
         peaks = torch.stack([part.amax() for part in per_output.split([len(slot.samples) for slot in slots])])
-        top, index = peaks.max(0)
-        verdict = torch.where(top >= self.limit, index + 1, 0).float()
+        values, order = peaks.topk(min(SHOWN, len(slots)))
+        verdict = torch.where(values[0] >= self.limit, order[0] + 1, 0).float()
+        summary = _HostCopy(torch.cat([verdict.reshape(1), nonfinite.reshape(1), values, order.float()]))
         modules = [(slot.module, slot.root) for slot in slots]
         outputs = [slot.outputs for slot in slots]
-        self.pending = Sighting(modules, outputs, peaks, verdict, nonfinite, step=self._watched_step)
+        self.pending = Sighting(modules, outputs, verdict, summary, step=self._watched_step)
         return self.pending
 
     def add_to(self, code: torch.Tensor) -> torch.Tensor:
@@ -296,18 +325,15 @@ class HeadroomWatch:
         """The module the last clean sighting saw closest to the limit, its peak and step, when within BLAME_BOUND.
 
         Modules that became islands since are passed over (their float32 output, given back as float16, is the
-        overflow of their caller). One host read (at a forward overflow: the failure path); once per sighting.
+        overflow of their caller). Once per sighting; no read (:class:`_HostCopy`).
         """
         sighting = self.last
         if sighting is None or sighting.blamed:
             return None
         sighting.blamed = True  # if the overflows go on, the probe looks
-        if sighting.top is None:  # not read yet (in device mode it was, with the verdict)
-            peaks = read_to_host(sighting.peaks)
-            top = sorted(enumerate(peaks), key=lambda item: item[1], reverse=True)
-        else:
-            top = sighting.top
-        for index, peak in top:
+        if sighting.shown is None:
+            sighting.read_verdict()
+        for index, peak in sighting.top:
             if peak < FLOAT16_MAX / BLAME_BOUND:
                 return None
             found = sighting.candidate(index)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import ampguard.fp32_islands.islands as islands
 import ampguard.messages as messages
 from ampguard.fp32_islands.headroom import FLOAT16_MAX, HeadroomWatch
-from ampguard.syncs import read_to_host
 
 
 def judge(
@@ -28,11 +27,11 @@ def judge(
 
     ``verdict``: the watch's, as read with the scaler's read (0: none, or not
     read in this update). Without a forward overflow, a verdict makes its
-    module an island before it overflows (one host read: its peak, for the
-    message). At a forward overflow (``may_blame``: the probe is not armed and
+    module an island before it overflows (its peak, for the message, comes with
+    the verdict's host copy: no read). At a forward overflow (``may_blame``: the probe is not armed and
     islands may still be made), the module the last watch saw closest to the
-    limit is made one, when it was close enough (:meth:`HeadroomWatch.suspect`,
-    one host read); the probe stays the fallback. ``watched_overflow``: whether
+    limit is made one, when it was close enough (:meth:`HeadroomWatch.suspect`);
+    the probe stays the fallback. ``watched_overflow``: whether
     the watched iteration itself overflowed, when it is not this update's (device
     mode, where one read covers many iterations).
     """
@@ -51,7 +50,9 @@ def judge(
     found = sighting.candidate(verdict - 1) if sighting is not None and sighting.clean and verdict else None
     if sighting is not None and found is not None:
         module, root, outputs = found
-        peak = float(read_to_host(sighting.peaks[verdict - 1 : verdict])[0])
+        if sighting.shown is None:
+            sighting.read_verdict()
+        peak = sighting.top[0][1]  # the verdict's module: the highest peak
         islands.decide(
             module, root, outputs, step=sighting.step, mode=mode, max_islands=max_islands,
             made=messages.ISLAND_AHEAD, reported=messages.ISLAND_AHEAD_REPORT, peak=peak,
