@@ -77,7 +77,7 @@ def ramped_net() -> Net:
 
 def test_slowly_growing_attention_logits_get_their_island_before_the_first_overflow(ampguard_log):
     reference = recipe(ramped_net(), ramped_batches(), stock=True)
-    assert 100 <= reference.nonfinite[0] <= 120 and 60 <= len(reference.nonfinite) <= 90  # plain torch: ~75 lost
+    assert 100 <= reference.nonfinite[0] <= 120 and 60 <= len(reference.nonfinite) <= 90  # plain torch: 70 of 200 lost
     outputs: list[float] = []  # what blocks.1.attn returns: far below its logits (the watch sees inside it)
     model = ramped_net()
     model.blocks[1].attn.register_forward_hook(lambda m, a, out: outputs.append(float(out.detach().abs().max())))
