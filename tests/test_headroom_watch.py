@@ -206,3 +206,32 @@ def test_with_a_fused_optimizer_the_verdict_waits_for_the_counters_read(reinstal
     assert nonfinite == [9, 19]  # found at the read of step 20, named there: not one more (the probe: also 29)
     assert scaler.stats.fp32_islands == ("blocks.1.attn",)
     assert len(records(ampguard_log, logging.WARNING, "the headroom watch of step 2 saw it closest")) == 1
+
+
+def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
+    """They share the bits of the scaler's read. A block that overflows in any precision (a Storm: inf on loud
+    batches) and no block near the limit: no suspect, so the probe arms at each overflow; the watch, due every 5
+    steps, waits for it to disarm."""
+    from test_islands_unhelpful import Storm
+
+    from ampguard.fp32_islands import healing
+
+    reinstall(AMPGUARD_WATCH_EVERY="5")
+    torch.manual_seed(0)
+    model = Net(sharpness=0.3)
+    model.blocks[0].attn = Storm()
+    states: list[tuple[bool, bool]] = []
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    for step in range(6 * EVERY):
+        x, y = batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        states.append((healing._active.probe.armed, healing._active.watch.watching))
+    assert any(probe for probe, _ in states) and any(watch for _, watch in states)
+    assert not any(probe and watch for probe, watch in states)
+    assert scaler.stats.fp32_islands == ("blocks.0.attn",)  # found by the probe

@@ -62,6 +62,9 @@ MASK_BAND = FLOAT16_MAX * 15 / 16
 BLAME_BOUND = 64.0
 # How many of the tightest modules scaler.stats shows.
 SHOWN = 3
+# Outermost module calls watched per iteration at most (micro-batches of gradient accumulation, a GAN's models): an
+# evaluation loop run under autocast before the next step() is watched no further, in time or memory.
+MAX_PASSES = 64
 
 
 class _HostCopy:
@@ -163,6 +166,7 @@ class HeadroomWatch:
         self._mode: Any = None
         self._opaque: torch.nn.Module | None = None  # a compiled root being called: nothing inside is watched
         self._watched_step = 0
+        self._passes = 0
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
@@ -188,6 +192,7 @@ class HeadroomWatch:
             self._arm()
 
     def _arm(self) -> None:
+        self._passes = 0
         self._slots = {}
         self._stack = []
         self._thread = threading.get_ident()
@@ -219,9 +224,11 @@ class HeadroomWatch:
         if threading.get_ident() != self._thread or self._opaque is not None or is_compiling():
             return
         try:
-            if not self._stack and is_compiled(module):  # compiled code is not watched (nor changed: see islands)
-                self._opaque = module
+            if not self._stack and (is_compiled(module) or self._passes >= MAX_PASSES):
+                self._opaque = module  # compiled code is not watched (nor changed: see islands), nor a 65th pass
                 return
+            if not self._stack:
+                self._passes += 1
             slot = self._slots.get(id(module))
             if slot is None or slot.module() is not module:
                 root = self._stack[0].module() if self._stack else module
