@@ -235,3 +235,17 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
     assert any(probe for probe, _ in states) and any(watch for _, watch in states)
     assert not any(probe and watch for probe, watch in states)
     assert scaler.stats.fp32_islands == ("blocks.0.attn",)  # found by the probe
+
+
+def test_an_error_inside_the_watch_stops_it_with_one_warning_and_training_goes_on(monkeypatch, ampguard_log):
+    from ampguard.fp32_islands import headroom
+
+    def broken(self, output):
+        raise RuntimeError("broken")
+
+    monkeypatch.setattr(headroom.HeadroomWatch, "measure", broken)
+    run = recipe(make_net(), (batch(step) for step in range(3 * EVERY)))
+    stopped = records(ampguard_log, logging.WARNING, "headroom watch stopped after an error")
+    assert len(stopped) == 1 and "RuntimeError('broken')" in stopped[0].getMessage()
+    assert run.nonfinite == [9, 19]  # the probe, as without the watch
+    assert run.scaler.stats.fp32_islands == ("blocks.1.attn",) and run.scaler.stats.headroom == ()

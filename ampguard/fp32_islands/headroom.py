@@ -45,7 +45,10 @@ import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.probe import is_compiled, is_compiling, qualified_name
 from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
+
+logger = event_logger("island")
 
 try:
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -167,6 +170,7 @@ class HeadroomWatch:
         self._opaque: torch.nn.Module | None = None  # a compiled root being called: nothing inside is watched
         self._watched_step = 0
         self._passes = 0
+        self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
@@ -241,8 +245,8 @@ class HeadroomWatch:
                 self._mode = _Observer(self)
                 self._mode.__enter__()
             self._stack.append(slot)
-        except Exception:  # an observation must never break the forward pass
-            return
+        except Exception as error:  # an observation must never break the forward pass
+            self.fail(error)
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if threading.get_ident() != self._thread:
@@ -265,7 +269,7 @@ class HeadroomWatch:
 
     def measure(self, output: Any) -> None:
         """One op's output, inside the innermost module running: its float16 extremes, on the device."""
-        if not self._stack:
+        if not self._stack or self.broken:
             return
         slot = self._stack[-1]
         if not slot.candidate:
@@ -287,8 +291,15 @@ class HeadroomWatch:
         slots = [slot for slot in self._slots.values() if slot.candidate and slot.samples]
         self._remove()
         self._slots = {}
-        if not slots:
+        if not slots or self.broken:
             return None
+        try:
+            self.pending = self._summarise(slots)
+        except Exception as error:  # never the reason a run dies
+            self.fail(error)
+        return self.pending
+
+    def _summarise(self, slots: list[_Slot]) -> Sighting:
         device = slots[0].samples[0][0].device
         lows = torch.stack([low.to(device) for slot in slots for low, _ in slot.samples]).float()
         highs = torch.stack([high.to(device) for slot in slots for _, high in slot.samples]).float()
@@ -303,8 +314,19 @@ class HeadroomWatch:
         summary = _HostCopy(torch.cat([verdict.reshape(1), nonfinite.reshape(1), values, order.float()]))
         modules = [(slot.module, slot.root) for slot in slots]
         outputs = [slot.outputs for slot in slots]
-        self.pending = Sighting(modules, outputs, verdict, summary, step=self._watched_step)
-        return self.pending
+        return Sighting(modules, outputs, verdict, summary, step=self._watched_step)
+
+    def fail(self, error: Exception) -> None:
+        """After an error inside the watch: it stops for good, with one WARNING; training goes on without it."""
+        if not self.broken:
+            self.broken = True
+            self.every = 0
+            self._due = False
+            logger.warning(
+                "ampguard's headroom watch stopped after an error (%r) and does not watch again; training goes on "
+                "without it (forward overflows are still found by the probe).",
+                error,
+            )
 
     def add_to(self, code: torch.Tensor) -> torch.Tensor:
         """``code + 4 * verdict`` when this iteration was watched (the scaler's one read carries it)."""
@@ -363,6 +385,6 @@ if TorchDispatchMode is not None:
             if not func.is_view:
                 try:
                     self.watch.measure(output)
-                except Exception:  # a measurement must never break the forward pass
-                    pass
+                except Exception as error:  # a measurement must never break the forward pass
+                    self.watch.fail(error)
             return output
