@@ -249,3 +249,42 @@ def test_an_error_inside_the_watch_stops_it_with_one_warning_and_training_goes_o
     assert len(stopped) == 1 and "RuntimeError('broken')" in stopped[0].getMessage()
     assert run.nonfinite == [9, 19]  # the probe, as without the watch
     assert run.scaler.stats.fp32_islands == ("blocks.1.attn",) and run.scaler.stats.headroom == ()
+
+
+def test_the_host_copy_on_a_mocked_cuda_device_is_read_only_when_its_event_is_not_reached(monkeypatch):
+    """On CUDA the watch's summary travels to pinned memory with a non-blocking copy and an event: used as it is
+    once the event is reached (no read), read as anything else (counted) before. The device is mocked."""
+    from ampguard.fp32_islands import headroom
+
+    class FakeEvent:
+        reached = False
+
+        def record(self) -> None:
+            pass
+
+        def query(self) -> bool:
+            return FakeEvent.reached
+
+    class FakeCudaTensor:
+        device = type("Device", (), {"type": "cuda"})()
+        shape = (3,)
+        dtype = torch.float32
+
+    pinned = []
+    real_empty = torch.empty
+
+    def empty(*args, pin_memory=False, **kwargs):
+        pinned.append(pin_memory)
+        return real_empty(*args, **kwargs)
+
+    reads = []
+    monkeypatch.setattr(headroom, "read_to_host", lambda tensor: reads.append(tensor) or [1.0, 2.0, 3.0])
+    with monkeypatch.context() as patched:
+        patched.setattr(torch, "empty", empty)
+        patched.setattr(torch.cuda, "Event", FakeEvent)
+        patched.setattr(torch.Tensor, "copy_", lambda self, source, non_blocking=False: self.fill_(7.0))
+        copy = headroom._HostCopy(FakeCudaTensor())
+    assert pinned == [True]
+    assert copy.values() == [1.0, 2.0, 3.0] and len(reads) == 1  # the event not reached: read (one sync)
+    FakeEvent.reached = True
+    assert copy.values() == [7.0, 7.0, 7.0] and len(reads) == 1  # reached: the host copy, no read
