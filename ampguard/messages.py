@@ -115,6 +115,12 @@ ISLAND_AHEAD_REPORT = (
     "(or unset AMPGUARD_FP32_ISLANDS and ampguard does it)."
 )
 
+ISLAND_AHEAD_LIMIT = (
+    "{name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit (a peak of {peak:,.0f} against "
+    "65,504, step {step}), but {limit} modules already run in float32 ({names}) and AMPGUARD_MAX_ISLANDS={limit}: "
+    "this model does not suit float16. Train in bf16 (on a GPU with native bf16) or float32."
+)
+
 ISLAND_BLAMED = (
     "fp32 island: {name} ({cls}) is taken for the forward overflow of step {step} (the loss was inf/NaN): the "
     "headroom watch of step {seen} saw it closest to float16's limit of all modules, with a peak of {peak:,.0f} "

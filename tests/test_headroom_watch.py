@@ -288,3 +288,16 @@ def test_the_host_copy_on_a_mocked_cuda_device_is_read_only_when_its_event_is_no
     assert copy.values() == [1.0, 2.0, 3.0] and len(reads) == 1  # the event not reached: read (one sync)
     FakeEvent.reached = True
     assert copy.values() == [7.0, 7.0, 7.0] and len(reads) == 1  # reached: the host copy, no read
+
+
+def test_the_islands_limit_applies_to_the_watch(reinstall, ampguard_log):
+    from ampguard.fp32_islands import islands
+
+    reinstall(AMPGUARD_MAX_ISLANDS="1")
+    elsewhere = nn.Linear(2, 2)
+    islands.make(elsewhere, "elsewhere")  # the one island allowed
+    run = recipe(ramped_net(), ramped_batches(105))
+    assert run.scaler.stats.fp32_islands == ("elsewhere",) and run.nonfinite == []  # (the ramp's overflows: later)
+    limit = records(ampguard_log, logging.WARNING, "AMPGUARD_MAX_ISLANDS=1: this model does not suit float16")
+    assert len(limit) == 1 and limit[0].getMessage().startswith("blocks.1.attn (Attention) came within")
+    assert not records(ampguard_log, logging.WARNING, "fp32 island:")

@@ -133,6 +133,7 @@ def decide(
     max_islands: int,
     made: str = messages.ISLAND_MADE,
     reported: str = messages.ISLAND_REPORT,
+    limited: str = messages.ISLAND_LIMIT,
     **details: Any,
 ) -> bool:
     """Make ``module`` an island, or report why not (each name once). True when a new island was made.
@@ -140,8 +141,9 @@ def decide(
     ``root`` is the outermost module the forward pass called; the name is
     qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
-    ``made`` / ``reported``: the messages for an island made / named in report
-    mode (the headroom watch's own), formatted with ``details`` too.
+    ``made`` / ``reported`` / ``limited``: the messages for an island made /
+    named in report mode / refused at the limit (the headroom watch's own),
+    formatted with ``details`` too.
     """
     if holds(module):
         _report_unhelpful(module, step)
@@ -172,7 +174,7 @@ def decide(
         _report_once(name, reported.format(**what))
         return False
     if len(names()) >= max_islands:
-        _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
+        _report_once("(limit)", limited.format(limit=max_islands, names=", ".join(names()), **what))
         return False
     make(module, name, outputs)
     logger.warning(made.format(**what))

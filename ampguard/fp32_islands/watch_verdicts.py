@@ -55,7 +55,7 @@ def judge(
         peak = sighting.top[0][1]  # the verdict's module: the highest peak
         islands.decide(
             module, root, outputs, step=sighting.step, mode=mode, max_islands=max_islands,
-            made=messages.ISLAND_AHEAD, reported=messages.ISLAND_AHEAD_REPORT, peak=peak,
-            share=peak / FLOAT16_MAX, headroom=watch.headroom,
+            made=messages.ISLAND_AHEAD, reported=messages.ISLAND_AHEAD_REPORT, limited=messages.ISLAND_AHEAD_LIMIT,
+            peak=peak, share=peak / FLOAT16_MAX, headroom=watch.headroom,
         )  # fmt: skip
     return False
