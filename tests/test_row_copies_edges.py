@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from islands_support import fresh_islands  # noqa: F401  (fixture)
+from islands_support import fresh_islands, probe_only  # noqa: F401  (fixtures)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_islands_fused import reads_by_step
 from test_row_copies import rows_one_update_late  # noqa: F401  (fixture)
@@ -20,7 +20,7 @@ from ampguard.syncs import HostReadCounter
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fused_adam]
 
 
-@pytest.mark.usefixtures("rows_one_update_late")
+@pytest.mark.usefixtures("rows_one_update_late", "probe_only")
 def test_an_overflow_the_probe_read_is_not_learned_again_from_its_row_one_update_later(ampguard_log):
     """Rows known one update late (a GPU's copies, mocked as in test_row_copies): the overflow at step 20 that the
     armed probe read itself and turned into the island is told again by its row at step 21, as an overflow nobody

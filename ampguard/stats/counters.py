@@ -29,6 +29,8 @@ class ScalerStats:
         consecutive_skipped: iterations skipped in a row, up to now.
         fp32_islands: qualified names of the modules ampguard runs in float32 (docs/islands.md).
         buffers_restored: skipped forward overflows after which buffers were restored (docs/islands.md).
+        headroom: the modules the last headroom watch saw closest to float16's 65,504, with their peaks, the
+            tightest first (docs/islands.md).
     """
 
     steps: int
@@ -41,14 +43,19 @@ class ScalerStats:
     consecutive_skipped: int
     fp32_islands: tuple[str, ...] = ()
     buffers_restored: int = 0
+    headroom: tuple[tuple[str, float], ...] = ()
 
     @property
     def skipped_percent(self) -> float:
         return 100.0 * self.skipped / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data, as JSON gives it back (``fp32_islands`` a list)."""
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        """Plain data, as JSON gives it back (``fp32_islands`` a list; ``headroom`` a list of [name, peak] lists)."""
+        return {key: _plain(value) for key, value in asdict(self).items()}
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(item) for item in value] if isinstance(value, tuple) else value
 
 
 @dataclass
@@ -77,6 +84,7 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
         f"clip_skipped={process_counters.clip_skipped}"
         + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
         + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
+        + (f" headroom={','.join(f'{name}:{peak:.4g}' for name, peak in stats.headroom)}" if stats.headroom else "")
     )
 
 
