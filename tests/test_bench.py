@@ -35,6 +35,7 @@ JSON_FIELDS = {
     "step_time",
     "syncs",
     "clip_idle",
+    "sampled_steps",
     "import_time",
     "targets",
     "checks",
@@ -236,6 +237,9 @@ def test_bench_json_has_the_documented_fields(bench_json):
     else:
         assert set(bench_json["syncs"]["fused"]) == SYNC_FIELDS
     assert set(bench_json["clip_idle"]) == CLIP_FIELDS
+    watched = bench_json["sampled_steps"]["headroom_watch"]
+    assert set(watched) == {"normal_ms", "watched_ms", "ratio", "every", "amortised", "pairs"}
+    assert watched["every"] == 100 and watched["ratio"] > 0
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
     assert bench_json["targets"] == report.TARGETS
     assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)

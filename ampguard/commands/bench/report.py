@@ -26,6 +26,7 @@ from ampguard.commands.bench.runs import (
     fused_unavailable_reason,
     optimizer_name,
 )
+from ampguard.commands.bench.sampled import time_watched_step
 from ampguard.commands.bench.timing import time_idle_clip, time_steps
 
 SCHEMA_VERSION = 1
@@ -104,6 +105,8 @@ def run(options: Options) -> dict[str, Any]:
             step_time[key] = time_steps(options, fused)
         say("timing clip_grad_norm_ with nothing scaled")
         clip_idle = time_idle_clip(options)
+        say("timing a step the headroom watch observes")
+        sampled_steps = {"headroom_watch": time_watched_step(options)}
     finally:
         log.logger.setLevel(previous_level)
     import_time = None
@@ -138,6 +141,7 @@ def run(options: Options) -> dict[str, Any]:
         "step_time": step_time,
         "syncs": syncs,
         "clip_idle": clip_idle,
+        "sampled_steps": sampled_steps,
         "import_time": import_time,
         "targets": dict(TARGETS),
     }
@@ -192,6 +196,17 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             + (f"; on a terminal {terminal:.1f} ms" if terminal is not None else ""),
             f"<= {TARGETS['import_overhead_ms']:g} ms",
             verdict.get("import_overhead_ms", ""),
+        ]
+    watched = result.get("sampled_steps", {}).get("headroom_watch")
+    if watched and "unavailable" not in watched:
+        yield [
+            "a step the headroom watch observes",
+            "-",
+            f"{watched['watched_ms']:.2f} ms",
+            f"x{watched['ratio']:.3f} an ordinary step ({watched['normal_ms']:.2f} ms); one in {watched['every']}: "
+            f"{watched['amortised']:+.2%} amortised (in the step-time ratio above)",
+            "",
+            "",
         ]
     clip = result["clip_idle"]
     yield [
