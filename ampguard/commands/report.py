@@ -20,6 +20,7 @@ from typing import Any
 
 from ampguard.stats.report import ReportError, Run, Series, read
 
+FLOAT16_MAX = 65504.0
 CHART_WIDTH = 60
 CHART_HEIGHT = 8
 
@@ -76,6 +77,12 @@ def render(path: str, runs: list[Run]) -> str:
                 f"loss scale {numbers['final_scale']:g} (range {numbers['scale_min']:g}..{numbers['scale_max']:g})"
             )
             out.extend("    " + line for line in chart(series))
+            peak = numbers["headroom_peak"]
+            if peak is not None:
+                out.append(
+                    f"    headroom: the closest to float16's 65,504 any stats line saw was {peak['module']} at "
+                    f"{peak['peak']:,.0f} ({peak['peak'] / FLOAT16_MAX:.0%}), step {peak['step']}"
+                )
         out.append(f"  fp32 islands: {', '.join(summary['fp32_islands']) or 'none'}")
         events = summary["events"]
         out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
@@ -117,9 +124,26 @@ def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) 
     skips = "".join(" " if c is None else "." if c[1] == 0 else str(c[1]) if c[1] < 10 else "#" for c in columns)
     lines.append(f"{'':>6} +{'-' * width}")
     lines.append(f"{'skip':>6} |{skips}")
+    watched = series.headroom()
+    if watched:
+        shares: list[float | None] = [None] * width
+        for step, _, peak in watched:
+            column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
+            shares[column] = max(shares[column] or 0.0, peak / FLOAT16_MAX)
+        lines.append(f"{'peak':>6} |{''.join(_share_mark(share) for share in shares)}")
     lines.append(f"{'step':>6}  {first:<{max(width - len(str(last)), 1)}}{last}")
     lines.append("        loss scale, log2 (* a stats line); skipped steps per interval (. none, # 10 or more)")
+    if watched:
+        lines.append(
+            "        peak: the tightest watched module's float16 peak, tenths of 65,504 (0: under 10%, # 90%+)"
+        )
     return lines
+
+
+def _share_mark(share: float | None) -> str:
+    if share is None:
+        return " "
+    return "#" if share >= 0.9 else str(int(share * 10))
 
 
 def draw_png(runs: list[Run], path: str) -> None:
@@ -129,20 +153,30 @@ def draw_png(runs: list[Run], path: str) -> None:
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
 
-    figure, (scale_axes, skip_axes) = plt.subplots(
-        2, 1, sharex=True, figsize=(10, 6), gridspec_kw={"height_ratios": (2, 1)}
-    )
+    watched = any(series.headroom() for run in runs for series in run.series)
+    figure, axes = plt.subplots(
+        3 if watched else 2, 1, sharex=True, figsize=(10, 8 if watched else 6),
+        gridspec_kw={"height_ratios": (2, 1, 1) if watched else (2, 1)},
+    )  # fmt: skip
+    scale_axes, skip_axes = axes[0], axes[1]
     for run_number, run in enumerate(runs, start=1):
         for index, series in enumerate(run.series, start=1):
             steps, scales, skipped = zip(*series.points())
             label = f"run {run_number} scaler {index}" if len(runs) > 1 else f"scaler {index}"
             scale_axes.step(steps, scales, where="post", marker=".", label=label)
             skip_axes.plot(steps, skipped, marker="o", linestyle="none", label=label)
+            if watched and series.headroom():
+                at, _, peaks = zip(*series.headroom())
+                axes[2].plot(at, [peak / FLOAT16_MAX for peak in peaks], marker=".", label=label)
     scale_axes.set_yscale("log", base=2)
     scale_axes.set_ylabel("loss scale")
     scale_axes.legend(fontsize="small")
     skip_axes.set_ylabel("skipped per interval")
     skip_axes.set_xlabel("optimizer step")
+    if watched:
+        axes[2].axhline(1.0, color="red", linewidth=0.8)
+        axes[2].set_ylabel("tightest peak / 65,504")
+        axes[2].set_xlabel("optimizer step")
     figure.suptitle("ampguard: loss scale and skipped steps")
     figure.tight_layout()
     figure.savefig(path, dpi=100)
