@@ -54,7 +54,7 @@ def fabric_run(steps: int, state: dict | None = None, start: int = 0, make: Any 
 
 def test_the_island_is_named_in_the_model_the_script_passed_to_fabric(ampguard_log):
     net, model, scaler, lost = fabric_run(3 * EVERY)
-    assert lost == 2 and scaler.stats.fp32_islands == ("blocks.1.attn",)
+    assert lost == 1 and scaler.stats.fp32_islands == ("blocks.1.attn",)  # blamed by the headroom watch at once
     assert net.get_submodule("blocks.1.attn") is net.blocks[1].attn and islands.holds(net.blocks[1].attn)
     assert model.get_submodule("blocks.1.attn") is net.blocks[1].attn  # the wrapper passes the lookup on
     made = records(ampguard_log, logging.WARNING, "fp32 island:")[0].getMessage()
