@@ -84,3 +84,27 @@ def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
         scaler._counters.stall_error = ScaleCollapseError(message)
     else:
         logger.critical(message, extra=event("stall"))
+
+
+def grow_now(scaler: SafeGradScaler, device_scale: float | None = None) -> float:
+    """Grow the scale by the growth factor now, within the cap, and restart the growth interval (no read).
+
+    For a capability that knows the gradients have room (ampguard.underflow): the
+    device's scale and growth tracker, and in host mode the host's mirror and the
+    range seen. In device mode (no mirror) ``device_scale`` is the scale the caller
+    read from the device. Returns the new scale (the old one at the cap).
+    """
+    assert scaler._scale is not None and scaler._growth_tracker is not None
+    counters = scaler._counters
+    current = counters.mirror_scale if counters.mirror_scale is not None else device_scale
+    if current is None:
+        raise ValueError("grow_now() in device mode needs the scale read from the device")
+    grown = bounded(scaler, f32(current * scaler._growth_factor))
+    if not math.isfinite(grown) or grown <= current:
+        return current
+    scaler._scale.fill_(grown)
+    scaler._growth_tracker.fill_(0)
+    if counters.mirror_scale is not None:
+        counters.mirror_scale, counters.mirror_tracker = grown, 0
+    counters.min_seen, counters.max_seen = min(counters.min_seen, grown), max(counters.max_seen, grown)
+    return grown

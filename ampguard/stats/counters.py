@@ -29,6 +29,17 @@ class ScalerStats:
         consecutive_skipped: iterations skipped in a row, up to now.
         fp32_islands: qualified names of the modules ampguard runs in float32 (docs/islands.md).
         buffers_restored: skipped forward overflows after which buffers were restored (docs/islands.md).
+        underflow_share: at the last sampled step, the share of the float16 gradient values of the backward
+            pass that were subnormal or lost (``underflow_subnormal + underflow_lost``; docs/underflow.md).
+        underflow_subnormal: the share subnormal (fewer than 11 significant bits).
+        underflow_lost: the share lost: zeros a 4x scale would have kept (estimated) and the values of
+            gradients without a single normal value.
+        underflow_grad_peak: the largest float16 gradient magnitude of the sampled step (scaled).
+        underflow_step: the optimizer step sampled last (0: none yet).
+        underflow_samples: steps sampled so far.
+        underflow_growths: times the measured underflow grew the scale (``AMPGUARD_UNDERFLOW=adapt``).
+        underflow_modules: the modules that lost the largest share of their gradient values at the last
+            sample, with that share (at most 3).
     """
 
     steps: int
@@ -41,6 +52,14 @@ class ScalerStats:
     consecutive_skipped: int
     fp32_islands: tuple[str, ...] = ()
     buffers_restored: int = 0
+    underflow_share: float = 0.0
+    underflow_subnormal: float = 0.0
+    underflow_lost: float = 0.0
+    underflow_grad_peak: float = 0.0
+    underflow_step: int = 0
+    underflow_samples: int = 0
+    underflow_growths: int = 0
+    underflow_modules: tuple[tuple[str, float], ...] = ()
 
     @property
     def skipped_percent(self) -> float:
@@ -77,6 +96,16 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
         f"clip_skipped={process_counters.clip_skipped}"
         + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
         + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
+        + (_underflow_text(stats) if stats.underflow_samples else "")
+    )
+
+
+def _underflow_text(stats: ScalerStats) -> str:
+    worst = ",".join(f"{name}:{share:.2%}" for name, share in stats.underflow_modules)
+    return (
+        f" underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
+        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step}) underflow_growths={stats.underflow_growths}"
+        + (f" underflow_modules={worst}" if worst else "")
     )
 
 
