@@ -35,9 +35,23 @@ JSON_FIELDS = {
     "step_time",
     "syncs",
     "clip_idle",
+    "underflow_sample",
     "import_time",
     "targets",
     "checks",
+}
+UNDERFLOW_SAMPLE_FIELDS = {
+    "healthy_ms",
+    "sampled_ms",
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "ratio_stderr",
+    "extra_reads",
+    "float16_gradient_values",
+    "every",
+    "overhead_at_every",
+    "blocks",
 }
 STEP_TIME_FIELDS = {
     "optimizer",
@@ -236,6 +250,7 @@ def test_bench_json_has_the_documented_fields(bench_json):
     else:
         assert set(bench_json["syncs"]["fused"]) == SYNC_FIELDS
     assert set(bench_json["clip_idle"]) == CLIP_FIELDS
+    assert set(bench_json["underflow_sample"]) == UNDERFLOW_SAMPLE_FIELDS
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
     assert bench_json["targets"] == report.TARGETS
     assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)
@@ -259,6 +274,9 @@ def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
     assert bench_json["step_time"]["plain"]["blocks"] == 2
     assert bench_json["import_time"]["runs"] == 1
     assert bench_json["clip_idle"]["tensors"] == 100
+    # bfloat16 autocast on the CPU has no float16 gradient: the sample counts none and reads nothing.
+    sample = bench_json["underflow_sample"]
+    assert sample["float16_gradient_values"] == 0 and sample["extra_reads"] == 0 and sample["every"] == 100
     assert bench_json["patches"] == {entry.name: entry.state for entry in ampguard.status()}
     assert bench_json["settings"]["autocast_dtype"] == "bfloat16"
     for timing in filter(None, bench_json["step_time"].values()):
@@ -280,6 +298,7 @@ def test_bench_table_plain_text(bench_json):
     assert "syncs/step, AdamW" in text
     assert "import ampguard after torch" in text
     assert "clip_grad_norm_, 100 tensors, nothing scaled" in text
+    assert "a step sampled for underflow" in text
 
 
 def test_bench_rejects_a_device_it_does_not_have(capsys):

@@ -71,3 +71,15 @@ def test_decide_grows_only_for_material_underflow_with_headroom_below_the_ceilin
     assert state.ceiling == 2048.0
     state.note_scale(2048.0, overflowed=False, backoff_factor=0.5)  # torch's schedule grew back to it
     assert state.ceiling == math.inf
+
+
+def test_a_sample_nobody_finishes_disarms_itself():
+    """A scaler dropped with a sample due, or training over: the hooks go after MAX_CALLS outermost calls."""
+    model = nn.Linear(4, 4)
+    sampler = Sampler()
+    sampler.arm()
+    for _ in range(Sampler.MAX_CALLS):
+        model(torch.randn(2, 4))
+    assert sampler.armed
+    model(torch.randn(2, 4))
+    assert not sampler.armed and not nn.modules.module._global_forward_hooks

@@ -8,6 +8,7 @@ of 1024) and SGD's learning rate is divided by it, so in float32 every factor tr
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,13 +73,27 @@ class Run:
         return sum(self.losses[-count:]) / count
 
 
-def train(scaler: Any = None, *, loss_factor: float = 1.0, steps: int = 300, fp16: bool = True, seed: int = 0) -> Run:
-    """SGD (lr 0.1 / loss_factor) on the attention net; the losses recorded are the unmultiplied ones."""
+def train(
+    scaler: Any = None,
+    *,
+    loss_factor: float = 1.0,
+    steps: int = 300,
+    fp16: bool = True,
+    seed: int = 0,
+    optimizer_class: Any = torch.optim.SGD,
+    faults: Iterable[int] = (),
+) -> Run:
+    """SGD (lr 0.1 / loss_factor) on the attention net; the losses recorded are the unmultiplied ones.
+
+    ``optimizer_class``: another SGD-like class taking ``(params, lr=)`` (scaler_support.DeviceSkipSGD: the
+    scaler's device mode). On the ``faults`` steps (0-based) a scaled gradient is made inf.
+    """
     torch.manual_seed(seed)
     model = AttentionNet()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / loss_factor)
+    optimizer = optimizer_class(model.parameters(), lr=0.1 / loss_factor)
+    faults = set(faults)
     run = Run(scaler=scaler, model=model)
-    for tokens, labels in batches(steps):
+    for step, (tokens, labels) in enumerate(batches(steps)):
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
             loss = nn.functional.cross_entropy(model(tokens).float(), labels)
@@ -88,6 +103,8 @@ def train(scaler: Any = None, *, loss_factor: float = 1.0, steps: int = 300, fp1
             optimizer.step()
         else:
             scaler.scale(loss * loss_factor).backward()
+            if step in faults:
+                model.head.weight.grad[0, 0] = float("inf")
             scaler.step(optimizer)
             scaler.update()
     return run

@@ -76,6 +76,14 @@ def render(path: str, runs: list[Run]) -> str:
                 f"loss scale {numbers['final_scale']:g} (range {numbers['scale_min']:g}..{numbers['scale_max']:g})"
             )
             out.extend("    " + line for line in chart(series))
+            underflow = numbers["underflow"]
+            if underflow["samples"]:
+                modules = ", ".join(f"{name} {share:.1%}" for name, share in underflow["modules"]) or "none"
+                out.append(
+                    f"    float16 gradient underflow: {underflow['last_share']:.2%} at the last sample "
+                    f"(at most {underflow['max_share']:.2%}), {underflow['samples']} steps sampled, "
+                    f"the scale grown {underflow['growths']} times for it; modules losing most: {modules}"
+                )
         out.append(f"  fp32 islands: {', '.join(summary['fp32_islands']) or 'none'}")
         events = summary["events"]
         out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
@@ -117,9 +125,23 @@ def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) 
     skips = "".join(" " if c is None else "." if c[1] == 0 else str(c[1]) if c[1] < 10 else "#" for c in columns)
     lines.append(f"{'':>6} +{'-' * width}")
     lines.append(f"{'skip':>6} |{skips}")
+    underflow = series.underflow()
+    if underflow:
+        lines.append(f"{'uflow':>6} |{_underflow_row(underflow, first, last, width)}")
     lines.append(f"{'step':>6}  {first:<{max(width - len(str(last)), 1)}}{last}")
     lines.append("        loss scale, log2 (* a stats line); skipped steps per interval (. none, # 10 or more)")
+    if underflow:
+        lines.append("        float16 gradient underflow at the last sample (. below 1%, 0-9: 1-10%, ... 90-100%)")
     return lines
+
+
+def _underflow_row(points: list[tuple[int, float]], first: int, last: int, width: int) -> str:
+    """The measured underflow share per chart column: ``.`` below 1% (the policy's threshold), else its tens."""
+    cells = [" "] * width
+    for step, share in points:
+        column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
+        cells[column] = "." if share < 0.01 else str(min(int(share * 10), 9))
+    return "".join(cells)
 
 
 def draw_png(runs: list[Run], path: str) -> None:
@@ -129,20 +151,32 @@ def draw_png(runs: list[Run], path: str) -> None:
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
 
-    figure, (scale_axes, skip_axes) = plt.subplots(
-        2, 1, sharex=True, figsize=(10, 6), gridspec_kw={"height_ratios": (2, 1)}
+    measured = any(series.underflow() for run in runs for series in run.series)
+    figure, axes = plt.subplots(
+        3 if measured else 2,
+        1,
+        sharex=True,
+        figsize=(10, 8 if measured else 6),
+        gridspec_kw={"height_ratios": (2, 1, 1) if measured else (2, 1)},
     )
+    scale_axes, skip_axes = axes[0], axes[1]
     for run_number, run in enumerate(runs, start=1):
         for index, series in enumerate(run.series, start=1):
             steps, scales, skipped = zip(*series.points())
             label = f"run {run_number} scaler {index}" if len(runs) > 1 else f"scaler {index}"
             scale_axes.step(steps, scales, where="post", marker=".", label=label)
             skip_axes.plot(steps, skipped, marker="o", linestyle="none", label=label)
+            if series.underflow():
+                underflow_steps, shares = zip(*series.underflow())
+                axes[2].plot(underflow_steps, [100 * share for share in shares], marker="o", label=label)
+    if measured:
+        axes[2].set_ylabel("underflow %")
+        axes[2].axhline(1.0, color="grey", linewidth=0.5)  # the policy's threshold
     scale_axes.set_yscale("log", base=2)
     scale_axes.set_ylabel("loss scale")
     scale_axes.legend(fontsize="small")
     skip_axes.set_ylabel("skipped per interval")
-    skip_axes.set_xlabel("optimizer step")
+    axes[-1].set_xlabel("optimizer step")
     figure.suptitle("ampguard: loss scale and skipped steps")
     figure.tight_layout()
     figure.savefig(path, dpi=100)

@@ -52,6 +52,18 @@ class Series:
             before = record["skipped"]
         return points
 
+    def underflow(self) -> list[tuple[int, float]]:
+        """``(step, measured underflow share)`` per stats line with a measurement (AMPGUARD_UNDERFLOW)."""
+        return [(r["steps"], float(r["underflow_share"])) for r in self.records if r.get("underflow_samples")]
+
+    def underflow_modules(self, count: int = 3) -> list[tuple[str, float]]:
+        """The modules that lost the largest share of their float16 gradients at any stats line, with that share."""
+        worst: dict[str, float] = {}
+        for record in self.records:
+            for name, share in record.get("underflow_modules") or ():
+                worst[name] = max(worst.get(name, 0.0), float(share))
+        return sorted(worst.items(), key=lambda item: -item[1])[:count]
+
     def summary(self) -> dict[str, Any]:
         last = self.last
         return {
@@ -65,6 +77,13 @@ class Series:
             "scale_min": min(r["min_scale_seen"] for r in self.records),
             "scale_max": max(r["max_scale_seen"] for r in self.records),
             "fp32_islands": list(last.get("fp32_islands", [])),
+            "underflow": {
+                "samples": last.get("underflow_samples", 0),
+                "growths": last.get("underflow_growths", 0),
+                "last_share": last.get("underflow_share", 0.0),
+                "max_share": max((share for _, share in self.underflow()), default=0.0),
+                "modules": [list(item) for item in self.underflow_modules()],
+            },
         }
 
 

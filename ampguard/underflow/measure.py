@@ -175,7 +175,14 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 class Sampler:
-    """Owns one sampled step: its hooks while armed, its tallies until read."""
+    """Owns one sampled step: its hooks while armed, its tallies until read.
+
+    An armed sampler that is never finished (its scaler dropped, training over
+    with the sample due) disarms itself after :data:`MAX_CALLS` outermost module
+    calls: it never keeps walking and holding graphs.
+    """
+
+    MAX_CALLS = 64
 
     def __init__(self) -> None:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
@@ -183,6 +190,7 @@ class Sampler:
         self._visited: set[Any] = set()
         self._handles: list[Any] = []
         self._depth = 0
+        self._calls = 0  # outermost module calls since armed
         self._inputs: list[set[Any]] = []  # per module call in progress: the nodes of its inputs (where its walk ends)
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
@@ -197,6 +205,7 @@ class Sampler:
             return
         self._session += 1
         self.tallies, self._visited, self._depth, self._names, self._inputs = {}, set(), 0, {}, []
+        self._calls = 0
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
             nn.modules.module.register_module_forward_hook(self._post_forward),
@@ -210,6 +219,12 @@ class Sampler:
         self._visited = set()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._calls += 1
+            if self._calls > self.MAX_CALLS:  # nobody finishes this sample
+                self.disarm()
+                self.tallies = {}
+                return
         if self._depth == 0 and id(module) not in self._names:
             for name, child in module.named_modules():
                 self._names.setdefault(id(child), name or type(module).__name__)
@@ -217,6 +232,8 @@ class Sampler:
         self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.armed:
+            return
         self._depth = max(self._depth - 1, 0)
         inputs = self._inputs.pop() if self._inputs else set()
         if not torch.is_grad_enabled():
