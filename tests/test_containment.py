@@ -31,7 +31,7 @@ SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
 HOOKS = [
     (ampguard.scaler.iteration, "loss_check"),  # scale(): the loss check
     (ampguard.fp32_islands.healing, "add_verdict"),  # step(): what rides on the one host read
-    (ampguard.fp32_islands.healing, "note_read"),  # step(): what the host learns from it
+    (ampguard.fp32_islands.healing, "note_verdict"),  # update(): what the host learned from it
     (ampguard.scheduler_hold.hold, "note_step"),
     (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
     (ampguard.fp32_islands.healing, "end_iteration"),

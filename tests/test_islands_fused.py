@@ -1,9 +1,12 @@
 """fp32 islands and buffer restores with a fused optimizer (the scaler's device mode), against torch's scaler.
 
 A fused optimizer (``AdamW(fused=True)``, the HF Trainer's default on torch >= 2.8)
-is stepped without any host read, and ampguard adds none on a healthy step: the
-host learns of a forward overflow when it reads the device-side counters (every
-``AMPGUARD_STATS_EVERY`` steps here). From that read on, the probe watches and the
+is stepped without any host read, and ampguard adds none on a healthy step. The
+host learns of a forward overflow from the iteration's row copied to host memory
+(tests/test_row_copies.py) or, where no copy can be polled (an accelerator other
+than CUDA, the CPU here with the copies switched off: ``rows_known_at_reads_only``),
+when it reads the device-side counters (every ``AMPGUARD_STATS_EVERY`` steps here).
+These tests are of that second path: from that read on, the probe watches and the
 next overflow names the block, as with other optimizers.
 """
 
@@ -22,11 +25,19 @@ from test_islands import HYPER, ISLAND, global_hooks, module_hooks
 from torch import nn
 
 import ampguard.scaler
+import ampguard.scaler.row_copies
 from ampguard import syncs
 from ampguard.fp32_islands import healing
 from ampguard.syncs import HostReadCounter
 
-pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands"), needs_fused_adam]
+pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands", "rows_known_at_reads_only"), needs_fused_adam]
+
+
+@pytest.fixture
+def rows_known_at_reads_only(monkeypatch):
+    """No ledger row copied to the host: the scaler learns of device-mode iterations only at its reads."""
+    monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: False))
+
 
 READ_EVERY = 20  # AMPGUARD_STATS_EVERY in these tests: the host reads the device-side counters that often
 
@@ -52,7 +63,7 @@ def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstal
     # and the overflow of step 30 names the block. None after that.
     assert healed.nonfinite_losses == healed.scaler.stats.nonfinite_loss == 3
     assert healed.scaler.stats.fp32_islands == ("blocks.1.attn",)
-    armed = records(ampguard_log, logging.INFO, "forward overflow in 2 of the last 20 steps (found at step 20")
+    armed = records(ampguard_log, logging.INFO, "forward overflow in 2 of the last 20 steps learned at step 20")
     assert len(armed) == 1
     made = records(ampguard_log, logging.WARNING, "fp32 island:")
     assert len(made) == 1 and made[0].getMessage().startswith(ISLAND) and "step 30)" in made[0].getMessage()
@@ -61,31 +72,40 @@ def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstal
     assert module_hooks(healed.model) == 2 and global_hooks() == 0  # the island's pair; the probe disarmed
 
 
-def test_reads_cost_nothing_on_healthy_steps_and_one_per_step_only_while_the_probe_watches(reinstall):
-    reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
+def reads_by_step(steps: int) -> tuple[dict[int, int], int, tuple[str, ...]]:
+    """Train the 3-block net with fused AdamW: ampguard's reads after each update (steps 2..), torch's, the islands."""
     model = make_net()
     scaler = torch.amp.GradScaler("cpu", **HYPER)
     reads_so_far: list[int] = []
     with HostReadCounter() as torch_reads:
         train(
-            60,
+            steps,
             model=model,
             optimizer=fused(model),
             scaler=scaler,
             check_losses=False,
             after_update=lambda step: reads_so_far.append(syncs._reads_by_ampguard),
         )
-    per_step = [now - before for before, now in itertools.pairwise(reads_so_far)]  # steps 2..60
+    per_step = [now - before for before, now in itertools.pairwise(reads_so_far)]
     reads_at = {step: n for step, n in enumerate(per_step, start=2) if n}
+    return reads_at, torch_reads.by_source["aten::_local_scalar_dense"], scaler.stats.fp32_islands  # model alive
+
+
+def test_reads_cost_nothing_on_healthy_steps_and_one_per_step_only_while_the_probe_watches(reinstall):
+    reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
+    reads_at, torch_reads, islands = reads_by_step(60)
     # The counters' reads at steps 20, 40 and 60; one read per step while the probe watches, from the
     # step after the read that armed it (21) to the overflow that named the block (30).
     assert reads_at == {20: 1, 40: 1, 60: 1} | {step: 1 for step in range(21, 31)}
-    assert torch_reads.by_source["aten::_local_scalar_dense"] == 0  # torch's fused step reads nothing
-    assert scaler.stats.fp32_islands == ("blocks.1.attn",)
+    assert torch_reads == 0  # torch's fused step reads nothing
+    assert islands == ("blocks.1.attn",)
 
 
-def test_a_healthy_fused_run_matches_torch_bit_for_bit_without_any_read(reinstall):
+@pytest.mark.parametrize("copies", ["rows copied", "rows at reads only"])
+def test_a_healthy_fused_run_matches_torch_bit_for_bit_without_any_read(reinstall, monkeypatch, copies):
     reinstall(AMPGUARD_STATS_EVERY="0")
+    if copies == "rows copied":  # (the module's fixture switched them off)
+        monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: True))
     reference_model, model = make_net(), make_net()
     with HostReadCounter() as torch_reads:
         reference = train(
@@ -115,7 +135,7 @@ def test_buffers_left_inf_by_a_forward_overflow_get_the_copy_from_the_previous_r
         assert torch.isfinite(value.float()).all(), name
         assert torch.equal(value, kept), name  # put back, at the read of step 8, to their values at step 4
     restored = records(ampguard_log, logging.WARNING, "back to their values at step 4")
-    assert len(restored) == 1 and "here at step 8" in restored[0].getMessage()
+    assert len(restored) == 1 and "learned of it at step 8" in restored[0].getMessage()
 
 
 def test_a_buffer_holding_inf_by_design_does_not_stop_the_restore_at_the_read(reinstall):
@@ -285,7 +305,7 @@ def test_an_overflow_in_the_discovery_iteration_step_2_is_put_back_at_the_read(r
     assert scaler.stats.buffers_restored == 1
     assert all(torch.isfinite(b.float()).all() for b in model.buffers())
     restored = records(ampguard_log, logging.WARNING, "back to their values at step 1")
-    assert len(restored) == 1 and "here at step 4" in restored[0].getMessage()
+    assert len(restored) == 1 and "learned of it at step 4" in restored[0].getMessage()
     assert not records(ampguard_log, logging.WARNING, "could not be put back")
 
 

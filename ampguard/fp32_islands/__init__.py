@@ -1,9 +1,8 @@
 """The fp32_islands patch: a module whose forward pass overflows float16 runs in float32 from then on.
 
-- ``patch``: what the patch switches on (the healing, wired into the SafeGradScaler's steps).
+- ``patch``: what the patch switches on: the healing, and the listener through which SafeGradScaler's steps reach it.
 - ``healing``: what happens at a skipped step: the probe armed, its verdict read with the scaler's own read,
   an island made, buffers put back; device mode for fused optimizers.
-- ``ranks``: whether the ranks of a distributed job train one model (then the verdict is exchanged).
 - ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
 - ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
 - ``island_hooks``: the hooks an island carries (stateless: a saved or copied model keeps working; torch.compile does not trace them).

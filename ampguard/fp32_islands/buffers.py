@@ -58,8 +58,8 @@ RESTORED = (
 )
 
 RESTORED_AT_READ = (
-    "a forward overflow since step {snapshot_step} (a fused optimizer: ampguard learns of it when it reads its "
-    "counters, here at step {step}) left inf/NaN in buffers such as BatchNorm's running statistics: ampguard put "
+    "a forward overflow since step {snapshot_step} (a fused optimizer: ampguard learned of it at step {step}, "
+    "without a sync) left inf/NaN in buffers such as BatchNorm's running statistics: ampguard put "
     "the {count} small buffers it guards back to their values at step {snapshot_step}. "
     "Counted in stats.buffers_restored; this message is shown once."
 )

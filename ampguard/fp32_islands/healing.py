@@ -2,7 +2,7 @@
 
 A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by
 the loss scale, so the scaler skips and counts the step but does not back off:
-for the scale it is an iteration without overflow (:func:`write_scale` in host
+for the scale it is an iteration without overflow (ampguard.scaler.accounting in host
 mode; in device mode, ampguard.scaler.ledger zeroes the found_inf torch's
 ``update()`` reads). A run without non-finite losses is untouched and stays
 bit-identical to torch's.
@@ -13,7 +13,7 @@ also
 * restores the small buffers the forward pass updated (:mod:`ampguard.fp32_islands.buffers`);
 * arms the probe (:mod:`ampguard.fp32_islands.probe`) for the following forward passes; its
   verdict rides on the scaler's one host read (:func:`add_verdict`,
-  :func:`note_read`) and, at the next forward overflow, names the module;
+  :func:`note_verdict`) and, at the next forward overflow, names the module;
 * makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
@@ -21,14 +21,17 @@ optimizer steps without another forward overflow.
 
 With a fused optimizer (the scaler's device mode) torch reads nothing on the
 host, and neither does ampguard on a healthy step: the host learns of a forward
-overflow when it reads the device-side counters (a stats line, ``scaler.stats``,
-a checkpoint: :func:`after_stats_read`). There the buffers get their copy from
-the previous read back, and the probe is armed; while it watches, each update
+overflow from the iteration's verdict copied to host memory, at once on the CPU
+and an iteration or two later on a GPU (ampguard.scaler.row_copies), or at the
+next read of the device-side counters (a stats line, ``scaler.stats``, a
+checkpoint) where no copy could be polled: :func:`after_stats_read`. There the
+buffers get their copy from the previous read back, and the probe is armed; while it watches, each update
 reads the loss check and the probe's verdict (one read per step, after a
 failure only: :func:`end_device_iteration`), as host mode does.
 
 Under torch.distributed (world size > 1), a skipped step's "was the loss
-non-finite" and the probe's verdict are all-reduced (MAX) between ranks, so
+non-finite" and the probe's verdict are all-reduced (MAX) between ranks
+(:mod:`ampguard.distributed`), so
 every rank keeps the same scale and makes the same islands. That exchange runs
 only on skipped steps (found_inf is the same on every rank under DDP and FSDP,
 whose gradients are all-reduced), never on a healthy one.
@@ -44,9 +47,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.islands as islands
+from ampguard.distributed import distributed
 from ampguard.fp32_islands.buffers import BufferGuard
 from ampguard.fp32_islands.probe import Probe
-from ampguard.fp32_islands.ranks import distributed
 from ampguard.log import event_logger
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
@@ -128,62 +131,17 @@ def is_active() -> bool:
 # -- the scaler's one read -----------------------------------------------------------------
 
 
-def add_verdict(code: torch.Tensor) -> torch.Tensor:
-    """``code`` plus ``4 * verdict`` while the probe is armed; ``code`` itself otherwise."""
+def add_verdict(code: torch.Tensor, weight: float) -> torch.Tensor:
+    """``code`` plus ``weight * verdict`` while the probe is armed; ``code`` itself otherwise."""
     if _active is None or not _active.probe.armed:
         return code
-    return _active.probe.add_to(code)
+    return _active.probe.add_to(code, weight)
 
 
-def note_read(value: int) -> None:
-    """The number the scaler read: bits 2 and up are the probe's verdict."""
-    if _active is not None and value >= 4:
-        _active.verdict = max(_active.verdict, value >> 2)
-
-
-# -- the scale --------------------------------------------------------------------------------
-
-
-_last_exchange: torch.Tensor | None = None
-
-
-def agreed_forward_overflow(local: bool) -> bool:
-    """On a skipped step: was a loss non-finite, on any rank? (one all-reduce under torch.distributed, else free)."""
-    global _last_exchange
-    dist = distributed()
-    if dist is None:
-        return local
-    verdict = _active.verdict if _active is not None else 0
-    try:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
-        flags = torch.tensor([float(local), float(verdict)], device=device)
-        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        agreed, verdict_value = read_to_host(flags)
-        # Kept until the next exchange: a gloo thread must never free this tensor's Python object, which
-        # takes the GIL and, on torch < 2.8, can deadlock a process group destroyed at exit (examples/ddp_train.py).
-        _last_exchange = flags
-    except Exception as error:
-        _warn_once("exchange", "ampguard could not exchange the forward-overflow verdict between ranks (%r).", error)
-        return local
-    if _active is not None:
-        _active.verdict = int(verdict_value)
-    return bool(agreed)
-
-
-def write_scale(scaler: Any, scale: float, tracker: int) -> None:
-    """Write the host's scale and growth tracker over the back-off torch's ``update()`` just made (no read)."""
-    scaler._scale.fill_(scale)
-    scaler._growth_tracker.fill_(tracker)
-
-
-def holds_in_device_mode() -> bool:
-    """Whether device mode keeps the scale where a loss was non-finite (see ampguard.scaler.ledger).
-
-    Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
-    """
-    return distributed() is None
+def note_verdict(verdict: int) -> None:
+    """The probe's verdict as the host read it (the largest of the iteration's reads, on any rank)."""
+    if _active is not None and verdict:
+        _active.verdict = max(_active.verdict, verdict)
 
 
 # -- the end of each host-mode update ---------------------------------------------------------
@@ -338,10 +296,13 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     return None
 
 
-def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> None:
-    """Device mode: the host read the counters of ``iterations`` iterations, ``forward_overflows`` of them held.
+def after_stats_read(scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True) -> None:
+    """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` of them held.
 
-    Buffers and the probe act on the overflows the host had not seen yet. Not
+    Buffers and the probe act on the overflows the host had not seen yet.
+    ``at_read``: learned at a read of the device-side counters, where the
+    buffers' copy is refreshed too; else from the rows' host copies, learned
+    every step, where only an overflow costs anything. Not
     under torch.distributed, where device mode backs off as torch does and no rank
     can ask the others (this read is not collective).
     """
@@ -351,16 +312,17 @@ def after_stats_read(scaler: Any, forward_overflows: int, iterations: int) -> No
     unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
     step = _steps_of(scaler)
     try:
-        active.buffers.on_stats_read(unseen > 0, step)
+        if at_read or unseen:
+            active.buffers.on_stats_read(unseen > 0, step)
         if unseen and not active.probe.armed and _may_arm(active):
             _arm(active)
+            within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"
             logger.log(
                 logging.DEBUG if active.fruitless else logging.INFO,
-                "forward overflow in %d of the last %d steps (found at step %d: with a fused optimizer ampguard "
-                "learns of it when it reads its counters, every AMPGUARD_STATS_EVERY steps): watching the next "
-                "forward passes to find the module (AMPGUARD_PROBE_STEPS=%d).",
-                unseen,
-                iterations,
+                "forward overflow %s learned at step %d (a fused optimizer: learned from the steps' verdicts "
+                "copied to the host, without a sync): watching the next forward passes to find the module "
+                "(AMPGUARD_PROBE_STEPS=%d).",
+                within,
                 step,
                 active.probe_steps,
             )

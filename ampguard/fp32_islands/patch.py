@@ -1,8 +1,9 @@
 """Patch ``fp32_islands``: a module that overflows float16 in the forward pass is found and run in float32.
 
-It changes nothing in torch until a loss is inf/NaN: applying it only hands
-the configuration to :mod:`ampguard.fp32_islands.healing`, which SafeGradScaler calls after
-each update. From the first forward overflow on, the probe
+It changes nothing in torch until a loss is inf/NaN: applying it hands the
+configuration to :mod:`ampguard.fp32_islands.healing` and registers
+:class:`IslandsListener`, through which every SafeGradScaler calls it
+(:mod:`ampguard.scaler.listeners`). From the first forward overflow on, the probe
 (:mod:`ampguard.fp32_islands.probe`) watches the following forward passes, the module it
 names becomes an fp32 island (:mod:`ampguard.fp32_islands.islands`), and buffers the
 overflowed forward pass updated are put back (:mod:`ampguard.fp32_islands.buffers`).
@@ -12,10 +13,66 @@ docs/islands.md describes it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
+import torch
+
 import ampguard.fp32_islands.healing as healing
+import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
+from ampguard.fp32_islands.probe import VERDICT_BITS
 from ampguard.patch import Patch
+
+if TYPE_CHECKING:
+    from ampguard.scaler.safe import SafeGradScaler
+
+# Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
+# outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
+ISLAND_NAMES_KEY = "fp32_islands_named_from"
+ISLAND_NAMES_FULL = "top-level module"
+
+
+class IslandsListener(listeners.StepListener):
+    """The scaler's steps, as the healing hears them: the probe's verdict rides on the scaler's read."""
+
+    name = "fp32 islands"
+    read_bits = VERDICT_BITS
+
+    def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
+        return healing.add_verdict(code, float(2**shift))
+
+    def on_update(self, scaler: SafeGradScaler, forward_overflow: bool, field: int) -> None:
+        healing.note_verdict(field)
+        healing.end_iteration(scaler, forward_overflow)
+
+    def on_device_update(
+        self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    ) -> bool | None:
+        return healing.end_device_iteration(scaler, check, held=held, row=row)
+
+    def on_counters_read(self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
+        healing.after_stats_read(scaler, forward_overflows, iterations, at_read)
+
+    def stats_fields(self) -> dict[str, Any]:
+        return healing.stats_fields()
+
+    def save(self) -> dict[str, Any]:
+        names = list(healing.stats_fields()["fp32_islands"])  # plain strings
+        entries: dict[str, Any] = {"fp32_islands": names}
+        outputs = healing.island_outputs()
+        if outputs:  # each island's output dtypes under autocast, given again after a resume
+            entries["fp32_island_outputs"] = outputs
+        if names:  # qualified from the top-level module (earlier: from the one called)
+            entries[ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
+        return entries
+
+    def load(self, entries: dict[str, Any]) -> None:
+        healing.restore_islands(
+            entries.get("fp32_islands"),
+            entries.get("fp32_island_outputs"),
+            full_names=entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL,
+        )
 
 
 class Fp32IslandsPatch(Patch):
@@ -29,7 +86,12 @@ class Fp32IslandsPatch(Patch):
 
     def apply(self, config: Config) -> None:
         healing.activate(config)
+        listeners.add(LISTENER)
 
     def revert(self) -> None:
+        listeners.remove(LISTENER)
         healing.deactivate()
         super().revert()
+
+
+LISTENER = IslandsListener()

@@ -10,7 +10,7 @@ on the host the dtypes of its floating outputs (an island made of the module
 gives them again); the first call (in the order calls *finish*, so the
 innermost module comes first) whose output holds inf/NaN while its inputs did
 not is the verdict: ``index + 1`` in a float32 device scalar, 0 while there is
-none. No host read: the scaler adds ``4 * verdict`` to the one number it reads
+none. No host read: the scaler adds the verdict to the one number it reads
 per step anyway (found_inf in bit 0, loss non-finite in bit 1).
 
 Each recorded call keeps the outermost module called (the *root*); the
@@ -34,8 +34,9 @@ from torch.nn.modules import module as nn_module
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.tensor_tree import tensors
 
-# The verdict travels as 4 * (index + 1) in a float32 number that must stay exact (2**24).
-MAX_CALLS = 2**22 - 1
+# The verdict travels as index + 1 in VERDICT_BITS bits of the scaler's packed read (ampguard.scaler.listeners).
+VERDICT_BITS = 20
+MAX_CALLS = 2**VERDICT_BITS - 1
 
 WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"})
 
@@ -126,11 +127,11 @@ class Probe:
         self.verdict = None
         self._local.stack = []
 
-    def add_to(self, code: torch.Tensor) -> torch.Tensor:
-        """``code + 4 * verdict``: the verdict joins the scaler's one host read."""
+    def add_to(self, code: torch.Tensor, weight: float) -> torch.Tensor:
+        """``code + weight * verdict``: the verdict joins the scaler's one host read."""
         if self.verdict is None:
             return code
-        return code + 4.0 * self.verdict.to(code.device, non_blocking=True)
+        return code + weight * self.verdict.to(code.device, non_blocking=True)
 
     def call(self, index: int) -> Call | None:
         """The call of a decoded verdict (``index`` as read: 1-based), if recorded."""

@@ -2,7 +2,8 @@
 
 torch's ``step()`` reads the optimizer's found_inf flag on the host once
 (``_maybe_opt_step``); that read also carries "was the loss non-finite?" and the
-probe's verdict (:func:`note_verdict`). From there ``update()`` keeps its
+fields of the capabilities listening to the scaler (:func:`step_code`,
+:func:`note_verdict`; :mod:`ampguard.scaler.listeners`). From there ``update()`` keeps its
 bookkeeping on the host (:func:`update_in_host_mode`): skip counts, the mirror
 of the scale (torch's rule replayed, :func:`ampguard.scaler.policy.next_scale`),
 the floor, the cap, collapse and stall detection. The counters are what
@@ -13,25 +14,32 @@ reports (:func:`report_if_due`).
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 import ampguard.containment as containment
-import ampguard.fp32_islands.healing as healing
+import ampguard.distributed as distributed
 import ampguard.scaler.diagnose as diagnose
 import ampguard.scaler.ledger as ledger
+import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
-import ampguard.scheduler_hold.hold as scheduler_hold
 from ampguard.log import logger
+from ampguard.scaler.live import TorchGradScaler
 from ampguard.stats.counters import ScalerStats, log_stats
+
+try:
+    from torch.amp.grad_scaler import _refresh_per_optimizer_state
+except ImportError:  # a torch that renamed it: the grad_scaler patch reports itself unavailable
+    _refresh_per_optimizer_state = None  # type: ignore[assignment]
 
 if TYPE_CHECKING:
     from ampguard.scaler.safe import SafeGradScaler
 
 
-def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> torch.Tensor:
-    """found_inf (0/1), + 2 when a loss was non-finite, + the probe's verdict: one value for torch's one read."""
+def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> tuple[torch.Tensor, listeners.Layout]:
+    """found_inf (0/1), + 2 when a loss was non-finite, + the listeners' fields: one value for torch's one read."""
     found_infs = list(optimizer_state["found_inf_per_device"].values())
     total = found_infs[0]
     for other in found_infs[1:]:
@@ -40,20 +48,46 @@ def step_code(scaler: SafeGradScaler, optimizer_state: dict[str, Any]) -> torch.
     if scaler._iteration.loss_check is not None:
         # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
         code = code + torch.nan_to_num(scaler._iteration.loss_check.to(code.device, non_blocking=True), nan=2.0)
-    return healing.add_verdict(code)  # + 4 * (first overflowing module call + 1) while the probe is armed
+    return listeners.encode(scaler, code)
 
 
-def note_verdict(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value: int) -> bool:
+def note_verdict(
+    scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, value: int, layout: listeners.Layout
+) -> bool:
     """Everything the host learns from the one read; returns whether the step is skipped."""
-    healing.note_read(value)
-    found = bool(value & 1)
+    found = bool(value & listeners.FOUND)
     scaler._iteration.host_found[id(optimizer)] = found
-    scheduler_hold.note_step(optimizer, found)  # LR schedulers hold on a skipped step
-    if value & 2:
+    fields = listeners.decode(layout, value)
+    for listener, field in fields.items():  # the largest of the iteration's reads
+        scaler._iteration.fields[listener] = max(field, scaler._iteration.fields.get(listener, 0))
+    listeners.notify_read(scaler, optimizer, fields, found)
+    if value & listeners.LOSS_NONFINITE:
         scaler._iteration.loss_nonfinite = True
     if found:
         diagnose.on_skipped_step(scaler, optimizer, loss_nonfinite=bool(value & 2), step=scaler._counters.steps + 1)
     return found
+
+
+def update(scaler: SafeGradScaler, new_scale: float | torch.Tensor | None) -> None:
+    """``update()`` of an enabled scaler: host mode, device mode, or torch's own when ampguard's bookkeeping fails."""
+    states = scaler._per_optimizer_states
+    scaler._torch_updated = False
+    try:
+        if new_scale is None and not any(s["found_inf_per_device"] for s in states.values()):
+            scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # no inf checks: scale kept
+            scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(), False
+        elif new_scale is None and host_saw_everything(scaler, states):
+            update_in_host_mode(scaler)
+        else:
+            ledger.update_in_device_mode(scaler, states, new_scale)
+    except Exception as error:
+        passing = containment.passes_through(error)
+        if passing is not None:
+            raise passing from None
+        containment.report("scale bookkeeping (update())", error)
+        if not scaler._torch_updated:  # torch's update if it did not run, then the device's truth
+            TorchGradScaler.update(scaler, new_scale)
+        resync_mirror(scaler)
 
 
 def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]]) -> bool:
@@ -67,23 +101,31 @@ def host_saw_everything(scaler: SafeGradScaler, states: dict[int, dict[str, Any]
 
 def update_in_host_mode(scaler: SafeGradScaler) -> None:
     found = any(scaler._iteration.host_found.values())
-    forward_overflow = found and healing.agreed_forward_overflow(scaler._iteration.loss_nonfinite)
+    forward_overflow, fields = False, scaler._iteration.fields
+    if found:  # was a loss itself inf/NaN, on any rank? (an exchange under torch.distributed, else free)
+        forward_overflow, agreed = distributed.agree_on_skip(scaler._iteration.loss_nonfinite, list(fields.values()))
+        fields = dict(zip(fields, agreed))
     skipped_steps = sum(scaler._iteration.host_found.values())
     scale_before = scaler._counters.mirror_scale
     assert scale_before is not None
     scaler._torch_update()
-    # A forward overflow (the loss itself inf/NaN) was not the scale's doing: for the scale it is an iteration
-    # without overflow, as in device mode (ampguard.scaler.ledger), written over torch's back-off.
-    scale, tracker = policy.next_scale(
-        scale_before,
-        scaler._counters.mirror_tracker,
-        found and not forward_overflow,
-        scaler._growth_factor,
-        scaler._backoff_factor,
-        scaler._growth_interval,
-    )
+    # A forward overflow (the loss itself inf/NaN) was not the scale's doing, and its step taught nothing about
+    # the gradients: the scale and the growth tracker stay as they were, written over torch's back-off.
     if forward_overflow:
-        healing.write_scale(scaler, scale, tracker)
+        scale, tracker = scale_before, scaler._counters.mirror_tracker
+    else:
+        scale, tracker = policy.next_scale(
+            scale_before,
+            scaler._counters.mirror_tracker,
+            found,
+            scaler._growth_factor,
+            scaler._backoff_factor,
+            scaler._growth_interval,
+        )
+    if forward_overflow:  # the host's scale and growth tracker over the back-off torch just made (no read)
+        assert scaler._scale is not None and scaler._growth_tracker is not None
+        scaler._scale.fill_(scale)
+        scaler._growth_tracker.fill_(tracker)
     bounded = policy.bounded(scaler, scale)
     if bounded != scale:
         assert scaler._scale is not None
@@ -110,7 +152,7 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
         scaler._counters.stall_reported = False
     if not policy.in_collapse_zone(scaler, bounded):
         scaler._counters.collapse_reported = False
-    healing.end_iteration(scaler, forward_overflow)
+    listeners.notify_update(scaler, forward_overflow, fields)
 
 
 def resync_mirror(scaler: SafeGradScaler) -> None:
@@ -141,8 +183,6 @@ def snapshot(scaler: SafeGradScaler) -> ScalerStats:
     ledger.fold_device_ledger(scaler)
     scale = scaler._counters.mirror_scale if scaler._enabled else 1.0
     if scale is None:
-        from ampguard.scaler.live import TorchGradScaler
-
         scale = TorchGradScaler.get_scale(scaler)
     return ScalerStats(
         steps=scaler._counters.steps,
@@ -153,7 +193,7 @@ def snapshot(scaler: SafeGradScaler) -> ScalerStats:
         min_scale_seen=scaler._counters.min_seen,
         max_scale_seen=scaler._counters.max_seen,
         consecutive_skipped=scaler._counters.consecutive,
-        **healing.stats_fields(),
+        **listeners.stats_fields(),
     )
 
 

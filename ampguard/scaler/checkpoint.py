@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import ampguard.fp32_islands.healing as healing
 import ampguard.messages as messages
+import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
 from ampguard.scaler.counters import from_earlier_attributes
@@ -32,22 +32,12 @@ COUNTER_KEYS = (
     "max_scale_seen",
 )
 
-# Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
-# outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
-ISLAND_NAMES_KEY = "fp32_islands_named_from"
-ISLAND_NAMES_FULL = "top-level module"
-
 
 def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
     """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
     if state:
         state["ampguard"] = {key: value for key, value in scaler.stats.as_dict().items() if key in COUNTER_KEYS}
-        state["ampguard"]["fp32_islands"] = list(healing.stats_fields()["fp32_islands"])  # plain strings
-        outputs = healing.island_outputs()
-        if outputs:  # each island's output dtypes under autocast, given again after a resume
-            state["ampguard"]["fp32_island_outputs"] = outputs
-        if state["ampguard"]["fp32_islands"]:  # qualified from the top-level module (earlier: from the one called)
-            state["ampguard"][ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
+        state["ampguard"].update(listeners.save())  # the capabilities' own entries (fp32 islands ...)
     return state
 
 
@@ -83,11 +73,7 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
         scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
         scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
-        healing.restore_islands(
-            counters.get("fp32_islands"),
-            counters.get("fp32_island_outputs"),
-            full_names=counters.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL,
-        )
+        listeners.load(counters)
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._counters.steps == 0:

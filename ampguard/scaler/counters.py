@@ -42,6 +42,11 @@ class Counters:
     # device mode (fused optimizers): the counters kept on the device (ampguard.scaler.ledger.DeviceLedger)
     ledger: Any = None
 
+    @classmethod
+    def at_start(cls, scale: float, stats_every: int | None) -> Counters:
+        """A new scaler's: ``scale`` is its initial scale, the first stats line due at ``stats_every`` steps."""
+        return cls(mirror_scale=scale, min_seen=scale, max_seen=scale, next_report=stats_every or 0)
+
     def for_pickle(self) -> Counters:
         """A copy without what belongs to this process only: the ids of optimizers, a pending error."""
         return dataclasses.replace(self, last_stepped=frozenset(), stall_error=None, warned_no_grad=set())

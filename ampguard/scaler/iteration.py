@@ -16,13 +16,26 @@ import torch
 class Iteration:
     """The per-iteration state of a SafeGradScaler."""
 
-    __slots__ = ("host_found", "loss_check", "loss_nonfinite", "scale_read", "scaling_thread", "unscaled_optimizers")
+    __slots__ = (
+        "fields",
+        "host_found",
+        "loss_check",
+        "loss_nonfinite",
+        "optimizers",
+        "scale_read",
+        "scaling_thread",
+        "unscaled_optimizers",
+    )
 
     def __init__(self) -> None:
         # loss - loss of every loss scale()d this iteration, summed: 0 while all were finite, NaN otherwise.
         self.loss_check: torch.Tensor | None = None
         # id(optimizer) -> its found_inf, as step()'s one host read gave it (host mode).
         self.host_found: dict[int, bool] = {}
+        # id(optimizer) -> the optimizer, for each one step() was called with.
+        self.optimizers: dict[int, Any] = {}
+        # Each listener's field of those reads, the largest (ampguard.scaler.listeners).
+        self.fields: dict[Any, int] = {}
         # Optimizers unscale_()d since the last scale() (ampguard.scaler.accumulation, the clip patch).
         self.unscaled_optimizers: list[Any] = []
         # That host read also said the loss itself was inf/NaN (a forward overflow).

@@ -28,9 +28,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import ampguard.fp32_islands.healing as healing
+import ampguard.distributed as distributed
+import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
+from ampguard.scaler.row_copies import RowCopies
 from ampguard.syncs import read_to_host
 
 try:
@@ -77,6 +79,9 @@ class DeviceLedger:
         self._rings: list[torch.Tensor] = []
         self._free_rows: list[torch.Tensor] = []
         self._held: list[bool] = []  # per row: whether a non-finite loss was held (no back-off, no collapse)
+        # Each row's copy on the host, learned without a sync; rows told to the listeners that way come first.
+        self.copies = RowCopies(self.device) if RowCopies.supported(self.device) else None
+        self.told = 0
 
     @property
     def full(self) -> bool:
@@ -94,6 +99,10 @@ class DeviceLedger:
         torch.stack([skipped, found, check, scale], out=row)
         self._held.append(held)
         return row
+
+    def held_overflow(self, index: int, rows: list[list[float]]) -> bool:
+        """Whether row ``index`` is a forward overflow that kept the scale."""
+        return self._held[index] and math.isnan(rows[index][2])
 
     def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> tuple[list[list[float]], float, int]:
         """The rows, the scale and the growth tracker now: one host read."""
@@ -154,8 +163,12 @@ def update_in_device_mode(
             known = any(host_found[key] for key in stepped_keys) if all(k in host_found for k in stepped_keys) else None
             scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(stepped_keys), known
         check = _check_on(scaler._iteration.loss_check, ledger)
-        hold = new_scale is None and scaler._iteration.loss_check is not None and healing.holds_in_device_mode()
+        # Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
+        hold = new_scale is None and scaler._iteration.loss_check is not None and distributed.distributed() is None
         row = ledger.record(skipped, found, check, scale, hold)
+        if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
+            unread = [scaler._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
+            ledger.copies.add(row, hold, unread, len(stepped_keys))
         if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
             for s in recorded.values():
                 for found_inf in s["found_inf_per_device"].values():
@@ -164,11 +177,27 @@ def update_in_device_mode(
     if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
         scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
     scaler._counters.mirror_scale = None
-    known = healing.end_device_iteration(scaler, check, held=hold, row=row)
+    known = listeners.notify_device_update(scaler, check, hold, row)
     if known is not None and scaler._counters.last_skipped is None:
         scaler._counters.last_skipped = known
+    tell_known_rows(scaler, ledger)
     if ledger.full:
         fold_device_ledger(scaler)
+
+
+def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> None:
+    """The listeners learn the rows whose host copies are complete (no sync): forward overflows, skipped steps."""
+    rows = ledger.copies.known() if ledger.copies is not None else []
+    if not rows:
+        return
+    ledger.told += len(rows)
+    if scaler._counters.last_skipped is None and ledger.copies is not None and not ledger.copies.pending:
+        scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
+    listeners.notify_counters_read(scaler, sum(row.held for row in rows), len(rows), at_read=False)
+    for row in rows:
+        if row.skipped and row.skipped >= row.stepped_total:  # every optimizer stepped in it skipped
+            for optimizer in row.unread:
+                listeners.notify_late_skip(scaler, optimizer)
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
@@ -209,7 +238,10 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
             replay.low,
             replay.high,
         )
-    healing.after_stats_read(scaler, replay.forward_overflows, len(rows))
+    untold = range(ledger.told, len(rows))  # the rows no host copy told yet
+    listeners.notify_counters_read(
+        scaler, sum(ledger.held_overflow(i, rows) for i in untold), len(untold), at_read=True
+    )
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

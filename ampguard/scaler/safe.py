@@ -27,15 +27,14 @@ each behaviour to the module that owns it.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
 
 try:
-    from torch.amp.grad_scaler import OptState, _refresh_per_optimizer_state
-except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
-    OptState = _refresh_per_optimizer_state = None  # type: ignore[assignment, misc]
+    from torch.amp.grad_scaler import OptState
+except ImportError:  # a torch that renamed it: the grad_scaler patch reports itself unavailable
+    OptState = None  # type: ignore[assignment, misc]
 
 import ampguard.containment as containment
 import ampguard.scaler.accounting as accounting
@@ -125,18 +124,14 @@ class SafeGradScaler(TorchGradScaler):
 
     def _ampguard_setup(self, settings: Settings) -> None:
         self._settings = settings
-        self._min_scale = settings.min_scale
-        self._max_scale = settings.max_scale
+        self._min_scale, self._max_scale = settings.min_scale, settings.max_scale
         bounded = policy.bounded(self, settings.init_scale)
-        mirror = policy.f32(bounded)  # what the float32 scale tensor will hold
-        self._counters = Counters(
-            mirror_scale=mirror, min_seen=mirror, max_seen=mirror, next_report=settings.stats_every or 0
-        )
+        self._counters = Counters.at_start(policy.f32(bounded), settings.stats_every)  # f32: the scale tensor's
         self._iteration = Iteration()
         if self._enabled:
             summary.track(self)
-        if self._enabled and settings.init_scale != bounded:
-            self._init_scale = bounded  # a Python float until scale() makes the tensor, as torch's
+            if settings.init_scale != bounded:
+                self._init_scale = bounded  # a Python float until scale() makes the tensor, as torch's
 
     def scale(self, outputs: Any) -> Any:
         """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
@@ -196,6 +191,7 @@ class SafeGradScaler(TorchGradScaler):
             self._counters.steps += 1
             return result
         state = self._per_optimizer_states[id(optimizer)]
+        self._iteration.optimizers[id(optimizer)] = optimizer
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if not fused and state["stage"] is OptState.READY:
             self.unscale_(optimizer)
@@ -211,15 +207,15 @@ class SafeGradScaler(TorchGradScaler):
     def _maybe_opt_step(
         self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
     ) -> Any:
-        # The single host read torch makes here also carries "was the loss finite?" and the probe's verdict.
+        # The single host read torch makes here also carries "was the loss finite?" and the listeners' fields.
         try:
-            code = accounting.step_code(self, optimizer_state)
+            code, layout = accounting.step_code(self, optimizer_state)
         except Exception as error:
             containment.report("skip check (step())", error)
             return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         value = int(code.item())
         try:
-            found = accounting.note_verdict(self, optimizer, value)
+            found = accounting.note_verdict(self, optimizer, value, layout)
         except Exception as error:
             containment.report("bookkeeping of a step's verdict (step())", error)
             found = bool(value & 1)
@@ -238,25 +234,8 @@ class SafeGradScaler(TorchGradScaler):
         """
         if not self._enabled or self._scale is None:  # (no scale: torch's error, scale() was never called)
             return super().update(new_scale)
-        states = self._per_optimizer_states
-        recorded = [s for s in states.values() if s["found_inf_per_device"]]
-        self._torch_updated = False
         try:
-            if new_scale is None and not recorded:
-                self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)
-                self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
-            elif new_scale is None and accounting.host_saw_everything(self, states):
-                accounting.update_in_host_mode(self)
-            else:
-                ledger.update_in_device_mode(self, states, new_scale)
-        except Exception as error:
-            passing = containment.passes_through(error)
-            if passing is not None:
-                raise passing from None
-            containment.report("scale bookkeeping (update())", error)
-            if not self._torch_updated:  # torch's update if it did not run, then the device's truth
-                super().update(new_scale)
-            accounting.resync_mirror(self)
+            accounting.update(self, new_scale)
         finally:
             self._end_iteration()
         stall, self._counters.stall_error = self._counters.stall_error, None

@@ -9,13 +9,31 @@ describes it. ``AMPGUARD_DISABLE=scheduler_hold`` keeps torch's schedulers.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+import ampguard.scaler.listeners as listeners
 import ampguard.scheduler_hold.hold as scheduler_hold
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
 from ampguard.patches.warning_attribution import attribute_past_ampguard
+
+
+class StepsListener(listeners.StepListener):
+    """Each optimizer step the scaler made or skipped: told by the host read, or later for fused optimizers."""
+
+    name = "scheduler hold"
+
+    def on_read(self, scaler: Any, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
+        scheduler_hold.note_step(optimizer, skipped)
+
+    def on_late_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        scheduler_hold.note_late_skip(optimizer)
+
+
+LISTENER = StepsListener()
 
 
 class SchedulerHoldPatch(Patch):
@@ -41,7 +59,9 @@ class SchedulerHoldPatch(Patch):
         # torch's warnings in step() (ordering, deprecated epoch) name its caller: the wrapper, not the user's line.
         attribute_past_ampguard(self.bindings, module)
         scheduler_hold.activate()
+        listeners.add(LISTENER)
 
     def revert(self) -> None:
+        listeners.remove(LISTENER)
         scheduler_hold.deactivate()
         super().revert()

@@ -1,0 +1,92 @@
+"""Whether the ranks of a torch.distributed job train one model together, and what they agree on a skipped step.
+
+Only ranks that train one model (DDP, FSDP) skip the same steps, so only then
+may a skipped step exchange "was a loss inf/NaN on any rank" and the
+listeners' fields between the ranks (:func:`agree_on_skip`); healthy steps
+never do.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from ampguard.log import logger
+from ampguard.syncs import read_to_host
+
+
+def distributed() -> Any:
+    """torch.distributed when ranks train one model together and so skip the same steps, else None.
+
+    Only then is the exchange on a skipped step safe: ranks that train models of
+    their own (or pipeline stages) skip different steps, and a collective called
+    by some ranks only would hang the job.
+    """
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return dist if ranks_share_gradients() else None
+    except Exception:
+        pass
+    return None
+
+
+_shared_gradients: bool | None = None
+
+
+def ranks_share_gradients() -> bool:
+    """Whether a DDP, FSDP or FSDP2 module exists in this process: its gradients are all-reduced across ranks.
+
+    Looked up once, at the first skipped step (a scan of live objects: a cost
+    after a failure only, never on a healthy step), and kept for the process.
+    """
+    global _shared_gradients
+    if _shared_gradients is None:
+        import gc
+
+        wrappers = tuple(
+            cls
+            for module_name, name in (
+                ("torch.nn.parallel", "DistributedDataParallel"),
+                ("torch.distributed.fsdp", "FullyShardedDataParallel"),
+                ("torch.distributed.fsdp", "FSDPModule"),
+                ("torch.distributed._composable.fsdp", "FSDPModule"),
+            )
+            if isinstance(cls := getattr(sys.modules.get(module_name), name, None), type)
+        )
+        _shared_gradients = bool(wrappers) and any(isinstance(obj, wrappers) for obj in gc.get_objects())
+    return _shared_gradients
+
+
+_last_exchange: torch.Tensor | None = None
+_exchange_failed = False
+
+
+def agree_on_skip(loss_nonfinite: bool, fields: list[int]) -> tuple[bool, list[int]]:
+    """On a skipped step: whether a loss was inf/NaN on any rank, and each field's largest value on any rank.
+
+    One all-reduce (MAX) when the ranks train one model (:func:`distributed`);
+    the local values otherwise, or when the exchange fails (said once).
+    """
+    global _last_exchange, _exchange_failed
+    dist = distributed()
+    if dist is None:
+        return loss_nonfinite, fields
+    try:
+        device = (
+            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        )
+        values = torch.tensor([float(loss_nonfinite), *map(float, fields)], device=device)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX)
+        agreed = read_to_host(values)
+        # Kept until the next exchange: a gloo thread must never free this tensor's Python object, which
+        # takes the GIL and, on torch < 2.8, can deadlock a process group destroyed at exit (examples/ddp_train.py).
+        _last_exchange = values
+    except Exception as error:
+        if not _exchange_failed:
+            _exchange_failed = True
+            logger.warning("ampguard could not exchange a skipped step's verdict between ranks (%r).", error)
+        return loss_nonfinite, fields
+    return bool(agreed[0]), [int(value) for value in agreed[1:]]

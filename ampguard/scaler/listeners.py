@@ -1,0 +1,223 @@
+"""The capabilities that react to a SafeGradScaler's steps: registered by their patches, imported by no scaler module.
+
+A capability (fp32 islands, the LR scheduler hold, ...) subclasses
+:class:`StepListener`, overrides what it needs, and its patch registers an
+instance with :func:`add` in ``apply()`` and :func:`remove` in ``revert()``.
+The scaler calls every registered listener at fixed points of an iteration:
+
+======================  ======================================================================
+``add_to_read``          ``step()``, before torch's one host read: the listener's field of the packed value
+``on_read``              ``step()``, after that read: the optimizer was stepped, or skipped
+``on_update``            ``update()`` in host mode: the iteration's verdict is known on the host
+``on_device_update``     ``update()`` in device mode (fused optimizers): nothing is known on the host
+``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
+``on_late_skip``         a fused optimizer's step was skipped on the device (learned an iteration or two later)
+``stats_fields``         ``scaler.stats``: the fields of ScalerStats the listener fills
+``save`` / ``load``      entries of ``scaler.state_dict()["ampguard"]``
+======================  ======================================================================
+
+**The packed read.** torch's ``step()`` reads one number, found_inf, on the
+host. The scaler makes that number carry more (:func:`encode`): bit 0 is
+found_inf, bit 1 "a loss was inf/NaN", and the listeners own the bits above,
+``read_bits`` each, in registration order. It is a float32 on the device,
+exact up to 2**24, so the listeners' fields share :data:`FIELD_BITS` bits.
+
+A listener that raises is reported once (:mod:`ampguard.containment`) and the
+step goes on as torch's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+import ampguard.containment as containment
+
+if TYPE_CHECKING:
+    from ampguard.scaler.safe import SafeGradScaler
+
+FOUND = 1  # bit 0: the optimizer's found_inf
+LOSS_NONFINITE = 2  # bit 1: a loss of the iteration was inf/NaN
+FIRST_FIELD_BIT = 2
+FIELD_BITS = 22  # 2 + 22 = 24: the integers a float32 holds exactly
+
+
+class StepListener:
+    """What a capability hears from the scaler. Every method is optional; the defaults do nothing."""
+
+    name = "listener"  # in reports of its failures
+    read_bits = 0  # the bits of the packed host read this listener owns
+
+    def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
+        """``code`` plus this listener's field ``<< shift`` (on the device, below ``2**read_bits``)."""
+        return code
+
+    def on_read(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
+        """After the read in ``step()``: ``optimizer`` was skipped, or stepped; ``field`` is this listener's."""
+
+    def on_update(self, scaler: SafeGradScaler, forward_overflow: bool, field: int) -> None:
+        """The end of a host-mode ``update()``.
+
+        ``forward_overflow``: a step was skipped because a loss itself was inf/NaN
+        (agreed between ranks). ``field``: the largest this listener's field was
+        in the iteration's reads (on any rank).
+        """
+
+    def on_device_update(
+        self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    ) -> bool | None:
+        """The end of a device-mode ``update()``: nothing was read on the host.
+
+        ``check``: the iteration's loss check on the device (NaN when a loss was
+        inf/NaN; None: no optimizer step). ``held``: a non-finite loss keeps the
+        scale (no back-off). ``row``: the iteration's ledger row,
+        ``[skipped, found, check, scale]``. Returns whether a step was skipped
+        when the listener read it (None: not read).
+        """
+        return None
+
+    def on_counters_read(self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
+        """The host learned the verdicts of ``iterations`` more device-mode iterations, ``forward_overflows`` held.
+
+        Each iteration is told once: from its row's host copy as soon as it is
+        complete (:mod:`ampguard.scaler.row_copies`; ``at_read`` False, at most
+        once per ``update()``), or at the ledger's read (``at_read`` True).
+        """
+
+    def on_late_skip(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s step was skipped on the device (a fused optimizer); its schedulers already advanced."""
+
+    def stats_fields(self) -> dict[str, Any]:
+        """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills."""
+        return {}
+
+    def save(self) -> dict[str, Any]:
+        """Entries for ``scaler.state_dict()["ampguard"]`` (plain data)."""
+        return {}
+
+    def load(self, entries: dict[str, Any]) -> None:
+        """The ``ampguard`` entries of a loaded scaler state (perhaps an older version's, perhaps without yours)."""
+
+
+_listeners: list[StepListener] = []
+
+# (listener, shift) for each listener owning bits of the read, in registration order.
+Layout = tuple[tuple[StepListener, int], ...]
+_layout: Layout = ()
+
+
+def add(listener: StepListener) -> None:
+    """Register ``listener`` (a patch's ``apply()``); registering it again changes nothing."""
+    if listener in _listeners:
+        return
+    bits = sum(known.read_bits for known in _listeners) + listener.read_bits
+    if bits > FIELD_BITS:
+        raise ValueError(f"the listeners' fields need {bits} bits of the packed read; it has {FIELD_BITS}")
+    _listeners.append(listener)
+    _relayout()
+
+
+def remove(listener: StepListener) -> None:
+    """Unregister ``listener`` (a patch's ``revert()``)."""
+    if listener in _listeners:
+        _listeners.remove(listener)
+        _relayout()
+
+
+def registered() -> tuple[StepListener, ...]:
+    return tuple(_listeners)
+
+
+def _relayout() -> None:
+    global _layout
+    layout, shift = [], FIRST_FIELD_BIT
+    for listener in _listeners:
+        if listener.read_bits:
+            layout.append((listener, shift))
+            shift += listener.read_bits
+    _layout = tuple(layout)
+
+
+# -- the scaler's side ----------------------------------------------------------------------------
+
+
+def encode(scaler: SafeGradScaler, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+    """``code`` with every listener's field added, and the layout to decode the value read with."""
+    layout = _layout
+    for listener, shift in layout:
+        added = _guarded(listener, "step()", "add_to_read", scaler, code, shift)
+        code = code if added is None else added
+    return code, layout
+
+
+def decode(layout: Layout, value: int) -> dict[StepListener, int]:
+    """Each listener's field of the value read (bits 2 and up), by listener."""
+    return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
+
+
+def notify_read(
+    scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
+) -> None:
+    for listener in _listeners:
+        _guarded(listener, "step()", "on_read", scaler, optimizer, fields.get(listener, 0), skipped)
+
+
+def notify_update(scaler: SafeGradScaler, forward_overflow: bool, fields: dict[StepListener, int]) -> None:
+    for listener in _listeners:
+        _guarded(listener, "update()", "on_update", scaler, forward_overflow, fields.get(listener, 0))
+
+
+def notify_device_update(
+    scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+) -> bool | None:
+    """Every listener's ``on_device_update``; whether a step was skipped, if one of them read it."""
+    known: bool | None = None
+    for listener in _listeners:
+        skipped = _guarded(listener, "update()", "on_device_update", scaler, check, held, row)
+        known = skipped if known is None else known
+    return known
+
+
+def notify_counters_read(scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
+    for listener in _listeners:
+        _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read)
+
+
+def notify_late_skip(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    for listener in _listeners:
+        _guarded(listener, "late skip", "on_late_skip", scaler, optimizer)
+
+
+def stats_fields() -> dict[str, Any]:
+    """The fields every listener fills in ``scaler.stats``."""
+    return _merged("stats", "stats_fields")
+
+
+def save() -> dict[str, Any]:
+    """Every listener's entries for ``scaler.state_dict()["ampguard"]``."""
+    return _merged("state_dict()", "save")
+
+
+def load(entries: dict[str, Any]) -> None:
+    for listener in _listeners:
+        _guarded(listener, "load_state_dict()", "load", entries)
+
+
+def _merged(where: str, method: str) -> dict[str, Any]:
+    merged: dict[str, Any] = {}
+    for listener in _listeners:
+        merged.update(_guarded(listener, where, method) or {})
+    return merged
+
+
+def _guarded(listener: StepListener, where: str, method: str, *args: Any) -> Any:
+    """``listener.method(*args)``; None when it fails inside ampguard (reported once), torch's and the user's errors raised."""
+    try:
+        return getattr(listener, method)(*args)
+    except Exception as error:
+        passing = containment.passes_through(error)
+        if passing is not None:
+            raise passing from None
+        containment.report(f"{listener.name} ({where})", error)
+        return None

@@ -1,0 +1,96 @@
+"""Device mode: each iteration's ledger row copied to the host as it is written, and known without a sync.
+
+A fused optimizer skips on the device, and ampguard used to learn of a skip
+only at the next read of the ledger (a stats line, ``scaler.stats``, a
+checkpoint: every ``AMPGUARD_STATS_EVERY`` steps). Now each row
+(``[skipped, found, check, scale]``, :mod:`ampguard.scaler.ledger`) is also
+copied into host memory as it is written: on CUDA a ``non_blocking`` copy into
+pinned memory followed by an event, which :meth:`RowCopies.known` polls
+(``Event.query()``: no synchronisation) at each later ``update()``; a row is
+known one or two iterations after it was written, when the GPU has got there.
+On the CPU the row is host memory already and is known at once.
+
+What is learned early goes to the listeners (:mod:`ampguard.scaler.listeners`):
+forward overflows (the probe arms) and the optimizers whose steps were skipped
+(their LR schedulers hold at their next step). The counters themselves are
+still replayed from the ledger at its next read, which stays the one source of
+``scaler.stats``.
+
+Cost on CUDA, per device-mode iteration: one 16-byte device-to-host copy and
+one event record; no host read. On other accelerators (no event to poll) rows
+are learned at the ledger's read, as before.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+
+class _Event(Protocol):
+    def query(self) -> bool: ...
+
+
+@dataclass
+class KnownRow:
+    """A ledger row read from its host copy: the iteration's verdict."""
+
+    skipped: int  # optimizer steps skipped
+    found: bool  # an optimizer found inf/NaN gradients
+    nonfinite_loss: bool
+    held: bool  # a non-finite loss kept the scale: a forward overflow
+    stepped_total: int  # how many optimizers stepped in the iteration
+    unread: list[torch.optim.Optimizer]  # those of them no host read told of (fused; those still alive)
+
+
+class RowCopies:
+    """The host copies of one ledger's rows, oldest first, until each is known."""
+
+    RING_ROWS = 256
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: deque[tuple[torch.Tensor, _Event | None, bool, list[weakref.ref[Any]], int]] = deque()
+        self._free: list[torch.Tensor] = []
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        return device.type in ("cpu", "cuda")
+
+    def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], stepped_total: int) -> None:
+        """Start the copy of ``row`` (just written on the device) to the host."""
+        refs = [weakref.ref(optimizer) for optimizer in unread]
+        if self.device.type == "cpu":  # host memory already, written synchronously: nothing to copy or wait for
+            self.pending.append((row, None, held, refs, stepped_total))
+            return
+        host = self._host_row()
+        host.copy_(row, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pending.append((host, event, held, refs, stepped_total))
+
+    def known(self) -> list[KnownRow]:
+        """The rows whose copies are complete, oldest first (each returned once). No synchronisation."""
+        rows: list[KnownRow] = []
+        while self.pending:
+            host, event, held, refs, stepped_total = self.pending[0]
+            if event is not None and not event.query():
+                break
+            self.pending.popleft()
+            skipped, found, check, _ = host.tolist()  # host memory: no device read
+            if event is not None:
+                self._free.append(host)
+            nonfinite = check != check
+            unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
+            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, stepped_total, unread))
+        return rows
+
+    def _host_row(self) -> torch.Tensor:
+        if not self._free:
+            ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, pin_memory=True)
+            self._free = list(reversed(ring.unbind(0)))
+        return self._free.pop()
