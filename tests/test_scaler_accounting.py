@@ -332,6 +332,14 @@ def test_stats_snapshot_attributes_and_as_dict():
         "consecutive_skipped": 0,
         "fp32_islands": [],
         "buffers_restored": 0,
+        "underflow_share": 0.0,
+        "underflow_subnormal": 0.0,
+        "underflow_lost": 0.0,
+        "underflow_grad_peak": 0.0,
+        "underflow_step": 0,
+        "underflow_samples": 0,
+        "underflow_growths": 0,
+        "underflow_modules": [],
     }
     with pytest.raises(AttributeError):
         stats.steps = 3  # a snapshot
@@ -379,7 +387,7 @@ def test_disabled_scaler_counts_steps_and_is_torchs_passthrough():
 
 LINE = re.compile(
     r"^stats step=(\d+) scale=(\S+) skipped=(\d+) skipped_total=(\d+) \((\d+\.\d\d)%\) no_grad=(\d+) "
-    r"nonfinite_loss=(\d+) consecutive_skipped=\d+ scale_range=\S+\.\.\S+ clip_skipped=\d+$"
+    r"nonfinite_loss=(\d+) consecutive_skipped=\d+ scale_range=\S+\.\.\S+ clip_skipped=\d+( underflow=.*)?$"
 )
 
 

@@ -12,8 +12,8 @@ module that cast them. Nothing is changed: the hooks return nothing.
 Per module, on the device (:class:`Tally`): the number of values, of exact
 zeros, of values below ``2**-22`` (zeros and the two lowest subnormal
 octaves) and of values below ``2**-14`` (zeros and subnormals), and the
-largest magnitude. :func:`read` brings them to the host in one read, on the
-sampled step only. Healthy steps run none of this: the hooks exist only
+largest magnitude. :class:`Transfer` brings them to the host without a
+synchronisation (on CUDA a copy into pinned memory and an event polled later). Healthy steps run none of this: the hooks exist only
 between :meth:`Sampler.arm` and :meth:`Sampler.finish`.
 
 What the counts mean (:class:`Measurement`): a subnormal keeps fewer than
@@ -284,28 +284,59 @@ class Sampler:
         return tallies
 
 
+class Transfer:
+    """A sample's counts on their way to the host, known without a synchronisation.
+
+    On CUDA a ``non_blocking`` copy into pinned memory and an event, polled by
+    :attr:`ready` (``Event.query()``); on the CPU the counts are host memory
+    already. On another accelerator (no event to poll) :meth:`result` reads them
+    (one counted read, on the step that finds the sample finished).
+    """
+
+    def __init__(self, tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None) -> None:
+        self.step, self.scale = step, scale
+        self.tallies = [(t.name, t.values) for t in tallies]
+        device = tallies[0].counts.device if tallies else extra.device if extra is not None else torch.device("cpu")
+        exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
+        pieces = [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
+        if extra is not None:
+            pieces.append(extra.to(device, exact).flatten())
+        self._packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact)
+        self._event: Any = None
+        if device.type == "cuda":
+            host = torch.empty(self._packed.shape, dtype=exact, pin_memory=True)
+            host.copy_(self._packed, non_blocking=True)
+            self._packed, self._event = host, torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def result(self) -> tuple[Measurement, list[float]]:
+        """The measurement, and the values of the caller's ``extra``; waits for a CUDA copy not yet done."""
+        if self._event is not None:
+            self._event.synchronize()
+        on_host = self._packed.device.type == "cpu"  # host memory (pinned or CPU tensors): no device read
+        values = self._packed.tolist() if on_host else read_to_host(self._packed)
+        modules: dict[str, Counts] = {}
+        for index, (name, count) in enumerate(self.tallies):
+            zeros, low, below, sunk, peak = values[5 * index : 5 * index + 5]
+            counts = Counts(count, int(zeros), int(low), int(below), int(sunk), float(peak))
+            modules[name] = modules[name] + counts if name in modules else counts
+        total = Counts()
+        for counts in modules.values():
+            total = total + counts
+        rest = values[5 * len(self.tallies) :]
+        scale = rest[0] if math.isnan(self.scale) and rest else self.scale
+        return Measurement(self.step, scale, total, modules), rest
+
+
 def read(
     tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None
 ) -> tuple[Measurement, list[float]]:
-    """The tallies on the host, and the values of ``extra`` (the caller's, in the same read): one read.
+    """The tallies on the host at once, and the values of ``extra``.
 
     ``scale``: the loss scale the sampled step ran at (NaN: it is the first value of ``extra``).
     """
-    device = tallies[0].counts.device if tallies else extra.device if extra is not None else torch.device("cpu")
-    exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
-    pieces = [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
-    if extra is not None:
-        pieces.append(extra.to(device, exact).flatten())
-    values = read_to_host(torch.cat(pieces)) if pieces else []
-    modules: dict[str, Counts] = {}
-    for index, tally in enumerate(tallies):
-        zeros, low, below, sunk, peak = values[5 * index : 5 * index + 5]
-        counts = Counts(tally.values, int(zeros), int(low), int(below), int(sunk), float(peak))
-        modules[tally.name] = modules[tally.name] + counts if tally.name in modules else counts
-    total = Counts()
-    for counts in modules.values():
-        total = total + counts
-    rest = values[5 * len(tallies) :]
-    if math.isnan(scale) and rest:
-        scale = rest[0]
-    return Measurement(step, scale, total, modules), rest
+    return Transfer(tallies, step, scale, extra).result()

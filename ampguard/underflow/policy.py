@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ampguard.underflow.measure import FLOAT16_MAX, Measurement, Sampler
+from ampguard.underflow.measure import FLOAT16_MAX, Measurement, Sampler, Transfer
 
 # Share of the float16 gradient values subnormal or lost above which underflow is material. The 2-block
 # attention net at factor 1 measures 0.10% at scale 1024 and trains as in float32 (torch-identical schedule
@@ -62,6 +62,9 @@ class ScaleState:
     last: Measurement | None = None
     sampler: Sampler = field(default_factory=Sampler)
     sampled_at: float = 0.0  # the host's scale when the sample was armed (host mode)
+    pending: Transfer | None = None  # a sample's counts on their way to the host
+    pending_skipped: bool = False  # (host mode) its step was skipped
+    pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
 
     def note_scale(self, scale: float, overflowed: bool, backoff_factor: float) -> None:
         """After an update: an overflow sets the ceiling; growing to it by torch's schedule lifts it."""
