@@ -81,7 +81,7 @@ SCALE_COLLAPSE_PARAMETERS = "the loss scale collapsed: step {step} overflowed wi
 ISLAND_MADE = (
     "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "
     "step {step}). From now on it runs in float32: autocast disabled inside it, its floating-point inputs "
-    "cast to float32 and its outputs given back in the dtypes they had; its parameters are unchanged and the loss scale was not lowered for this overflow. "
+    "cast to float32 and its outputs given back in the dtypes they had; {parameters} and the loss scale was not lowered for this overflow. "
     "To make this permanent without ampguard (model: your {owner}): {line}"
 )
 
@@ -102,12 +102,6 @@ ISLAND_ROOT = (
     "owns (or in a loss computed by a module called on its own): ampguard does not run a whole model in float32. "
     "Move the overflowing computation into a submodule, wrap it in torch.autocast(device_type, enabled=False) "
     "with float32 inputs, or train in bf16 on a GPU with native bf16."
-)
-
-ISLAND_LOW_PRECISION = (
-    "forward overflow located: {name} ({cls}) at step {step}, but its parameters are {dtypes}: computing in "
-    "float32 cannot widen them, so ampguard leaves it as it is. Keep the weights in float32 and train under "
-    "autocast (do not load the model with torch_dtype=torch.float16), or train in bf16 on a GPU with native bf16."
 )
 
 ISLAND_COMPILED = (

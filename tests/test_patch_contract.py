@@ -21,6 +21,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 import ampguard
 from ampguard import registry
 from ampguard.patch import torch_release
+from ampguard.scaler import listeners
 
 _MODULES = (
     "torch",
@@ -78,6 +79,8 @@ def _snapshot() -> dict[str, int]:
     for module_name, table in _HOOK_TABLES:
         for key, hook in getattr(sys.modules[module_name], table, {}).items():
             seen[f"{module_name}.{table}[{key}]"] = id(hook)
+    # the step listeners patches register with the scaler (ampguard.scaler.listeners), in order
+    seen["ampguard.scaler.listeners.registered()"] = hash(tuple(id(listener) for listener in listeners.registered()))
     # process-wide modes a patch may switch (the anomaly patch): their values, not ids
     seen["torch.is_anomaly_enabled()"] = int(torch.is_anomaly_enabled())
     seen["torch.is_anomaly_check_nan_enabled()"] = int(torch.is_anomaly_check_nan_enabled())
@@ -110,6 +113,7 @@ def test_each_patch_applies_alone_once_and_reverts_by_identity(name, stock_torch
 
     ampguard.uninstall()
     assert _snapshot() == stock, f"{name} left changed: {sorted(_changed(stock, _snapshot()))}"
+    assert listeners.registered() == ()  # (the stock snapshot is taken after an uninstall too)
 
     assert _install_alone(monkeypatch, name)[name] == "applied"
     assert len(_changed(stock, _snapshot())) == len(first)  # applied again, the same number of changes

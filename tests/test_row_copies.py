@@ -145,7 +145,7 @@ def test_a_row_copied_from_the_gpu_is_known_once_its_event_completed_mocked_cuda
     copies = RowCopies(torch.device("cuda"))
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
     before = syncs._reads_by_ampguard
-    copies.add(torch.tensor([1.0, 1.0, float("nan"), 1024.0]), held=True, unread=[optimizer], stepped_total=1)
+    copies.add(torch.tensor([1.0, 1.0, float("nan"), 1024.0]), held=True, unread=[optimizer], read_skips=0)
     _Event.landed = False
     assert copies.known() == [] and len(copies.pending) == 1  # the GPU has not got there: nothing waits for it
     _Event.landed = True

@@ -7,6 +7,7 @@
 - ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
 - ``island_hooks``: the hooks an island carries (stateless: a saved or copied model keeps working; torch.compile does not trace them).
 - ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.
+- ``half_parameters``: an island's float16/bfloat16 parameters and buffers read as float32 copies, call by call.
 - ``tensor_tree``: the floating tensors inside any nesting of containers (torch's pytree, dataclasses).
 - ``model_tree``: the top-level module above a module (the object the script holds), for names that work.
 - ``buffers``: BatchNorm statistics and other buffers put back after an overflowing forward pass.

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+import ampguard.fp32_islands.half_parameters as half_parameters
 import ampguard.fp32_islands.island_io as island_io
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
@@ -53,13 +54,14 @@ def device_type_of(module: torch.nn.Module, args: Any) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-# Per thread, the island calls in progress: (module, autocast region left or None, autocast's dtype outside).
+# Per thread, the island calls in progress: (module, autocast region left or None, autocast's dtype outside,
+# the float32 copies of its half-precision parameters and buffers or None).
 _regions = threading.local()
 _fallback_warned = False
 
 
 class EnterFloat32:
-    """Forward pre-hook (with kwargs): float32 inputs, autocast off, for a module that is an island."""
+    """Forward pre-hook (with kwargs): float32 inputs, parameters and buffers, autocast off, for an island."""
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if island_of(module) is None:
@@ -68,32 +70,40 @@ class EnterFloat32:
         try:
             device_type = device_type_of(module, args)
             if not island_io.autocast_enabled(device_type):
-                stack.append((module, None, None))
+                stack.append((module, None, None, None))
                 return None
             outside = island_io.autocast_dtype(device_type)
             cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
             region = torch.autocast(device_type, enabled=False)
-            region.__enter__()  # last: whatever raised before it leaves no region open
-            stack.append((module, region, outside))
+            upcast = half_parameters.upcast(module)
+            try:
+                region.__enter__()  # last: whatever raised before it leaves no region open
+            except BaseException:
+                half_parameters.restore(upcast)
+                raise
+            stack.append((module, region, outside, upcast))
             return cast
         except Exception as error:  # never the reason a run dies: this call runs as without the island
-            stack.append((module, None, None))
+            stack.append((module, None, None, None))
             _warn_fallback(error)
             return None
 
 
 class LeaveFloat32:
-    """Forward hook (``always_call``): leaves the region :class:`EnterFloat32` entered, outputs in their dtypes."""
+    """Forward hook (``always_call``): leaves what :class:`EnterFloat32` entered, outputs in their dtypes."""
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
         stack = _regions.__dict__.get("stack")
         if not stack or stack[-1][0] is not module:  # this call never entered (not an island, a pre-hook raised)
             return None
-        _, region, outside = stack.pop()
+        _, region, outside, upcast = stack.pop()
         if region is None:
             return None
         try:
-            region.__exit__(None, None, None)
+            try:
+                region.__exit__(None, None, None)
+            finally:
+                half_parameters.restore(upcast)
             island = island_of(module)
             if island is not None and island.outputs is not None and output is not None:
                 return island_io.outputs_as_recorded(output, island.outputs, outside)

@@ -7,13 +7,14 @@ pre-hook that casts the floating-point inputs on the autocast device to float32
 so an exception still leaves the region) that exits it and gives the floating
 outputs the dtypes they had under autocast (:mod:`ampguard.fp32_islands.island_io`). That is
 ``torch.amp.custom_fwd(cast_inputs=torch.float32)`` with the caller's dtypes
-kept; the parameters are untouched. Modules that are not islands, and models
+kept; the parameters are untouched (float16/bfloat16 ones are read as float32
+copies for the length of each call: :mod:`ampguard.fp32_islands.half_parameters`).
+Modules that are not islands, and models
 that never overflow, carry no hook at all.
 
 :func:`decide` turns a probe verdict into an island, or into a report when an
 island cannot help or cannot be made: the root module itself (the overflow is in
-code no submodule owns), a module with float16/bfloat16 parameters (float32
-compute does not widen them), a compiled model (its inside is not seen), a
+code no submodule owns), a compiled model (its inside is not seen), a
 TorchScript module (it takes no hooks), the
 ``AMPGUARD_MAX_ISLANDS`` limit, or ``AMPGUARD_FP32_ISLANDS=report``.
 
@@ -39,14 +40,12 @@ from torch.nn.modules import module as nn_module
 import ampguard.fp32_islands.island_hooks as island_hooks
 import ampguard.fp32_islands.model_tree as model_tree
 import ampguard.messages as messages
+from ampguard.fp32_islands.half_parameters import LOW_PRECISION
 from ampguard.fp32_islands.island_hooks import Island, device_type_of
 from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
 from ampguard.log import event_logger
 
 logger = event_logger("island")
-
-_LOW_PRECISION = (torch.float16, torch.bfloat16)
-
 
 islands = island_hooks.islands
 reported: set[str] = set()
@@ -108,9 +107,13 @@ def clear() -> None:
     _stop_restoring()
 
 
-def permanent_line(name: str, device_type: str) -> str:
-    """The one line that makes an island permanent without ampguard (``model`` is the user's model)."""
-    get = f'model.get_submodule("{name}")'
+def permanent_line(name: str, device_type: str, half: bool = False) -> str:
+    """The one line that makes an island permanent without ampguard (``model`` is the user's model).
+
+    ``half``: the module has float16/bfloat16 parameters. Without ampguard nothing
+    upcasts them at each call, so the line keeps that module's weights in float32.
+    """
+    get = f'model.get_submodule("{name}")' + ("; m.float()" if half else "")
     # custom_fwd sets attributes on args[0]: wrapping the class's forward and binding it makes that the module,
     # so that a call with keyword arguments only (or a first argument that is not a tensor) works too.
     if hasattr(torch.amp, "custom_fwd"):  # torch >= 2.4
@@ -146,16 +149,18 @@ def decide(
     label = name or type(unwrap(root)).__name__
     device_type = device_type_of(module, ())
     cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
-    line = permanent_line(name or "", device_type)
+    low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in LOW_PRECISION})
+    line = permanent_line(name or "", device_type, half=bool(low))
     what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__}
+    what["parameters"] = (
+        f"its {'/'.join(low)} parameters stay {'/'.join(low)} (upcast to float32 for each of its forward calls only)"
+        if low
+        else "its parameters are unchanged"
+    )
     if name is None or name == "":
         _report_once(label, messages.ISLAND_ROOT.format(**what))
         if is_compiled(root):
             _report_once(label + " (compiled)", messages.ISLAND_COMPILED.format(**what))
-        return False
-    low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in _LOW_PRECISION})
-    if low:
-        _report_once(name, messages.ISLAND_LOW_PRECISION.format(dtypes="/".join(low), **what))
         return False
     if is_compiled(root):
         _report_once(name, messages.ISLAND_COMPILED.format(**what))
@@ -265,14 +270,20 @@ def _restore_into(module: torch.nn.Module, args: Any) -> None:
 
 
 def _find(name: str, tops: list[torch.nn.Module], legacy: bool) -> list[torch.nn.Module]:
-    """The modules ``name`` names in ``tops``: the full name, or (``legacy``) a full name ending with it."""
+    """The modules ``name`` names in ``tops``: the full name, or (``legacy``) a full name ending with it.
+
+    A full name is looked up in the model inside a wrapper, then in the wrapper
+    itself (names saved before :func:`unwrap` saw through it: Fabric's ``_forward_module.``).
+    """
     found: dict[int, torch.nn.Module] = {}
     for top in tops:
-        try:
-            target = unwrap(top).get_submodule(name)
-        except AttributeError:
-            continue
-        found[id(target)] = target
+        for holder in (unwrap(top), top):
+            try:
+                target = holder.get_submodule(name)
+            except AttributeError:
+                continue
+            found[id(target)] = target
+            break
     if not found and legacy:
         for top in tops:
             for full, target in unwrap(top).named_modules():

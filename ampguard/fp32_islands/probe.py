@@ -16,7 +16,7 @@ per step anyway (found_inf in bit 0, loss non-finite in bit 1).
 Each recorded call keeps the outermost module called (the *root*); the
 module's name is qualified from the top-level module above it
 (:mod:`ampguard.fp32_islands.model_tree`), seen through DDP / DataParallel / DeepSpeed /
-torch.compile wrappers (:func:`unwrap`).
+Lightning Fabric / torch.compile wrappers (:func:`unwrap`).
 Only positional inputs are checked (global hooks do not see keyword
 arguments), and compiled code is opaque: inside ``torch.compile`` the hooks do
 nothing, so a compiled model is seen as one module.
@@ -38,7 +38,16 @@ from ampguard.fp32_islands.tensor_tree import tensors
 VERDICT_BITS = 20
 MAX_CALLS = 2**VERDICT_BITS - 1
 
-WRAPPERS = frozenset({"DistributedDataParallel", "DataParallel", "FullyShardedDataParallel", "DeepSpeedEngine"})
+# Wrappers around the user's model (by class name) and the attribute holding it: names are relative to that model.
+WRAPPERS = {
+    "DistributedDataParallel": "module",
+    "DataParallel": "module",
+    "FullyShardedDataParallel": "module",
+    "DeepSpeedEngine": "module",
+    # Lightning Fabric's setup(): the model passed in (its _forward_module may be DDP around it). The wrapper passes
+    # attribute lookups on to it, so a name in the model works on the wrapper too.
+    "_FabricModule": "_original_module",
+}
 
 
 def is_compiling() -> bool:
@@ -60,11 +69,11 @@ def nonfinite_mark(leaves: list[torch.Tensor]) -> torch.Tensor | None:
 
 
 def unwrap(root: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP / DataParallel / FSDP / torch.compile wrappers (names are relative to it)."""
+    """The model inside DDP / DataParallel / FSDP / DeepSpeed / Fabric / torch.compile wrappers (names are relative to it)."""
     while True:
         inner = getattr(root, "_orig_mod", None)
         if not isinstance(inner, torch.nn.Module) and type(root).__name__ in WRAPPERS:
-            inner = getattr(root, "module", None)
+            inner = getattr(root, WRAPPERS[type(root).__name__], None)
         if not isinstance(inner, torch.nn.Module):
             return root
         root = inner

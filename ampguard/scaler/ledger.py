@@ -168,7 +168,8 @@ def update_in_device_mode(
         row = ledger.record(skipped, found, check, scale, hold)
         if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
             unread = [scaler._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
-            ledger.copies.add(row, hold, unread, len(stepped_keys))
+            read_skips = sum(host_found[key] for key in stepped_keys if key in host_found)
+            ledger.copies.add(row, hold, unread, read_skips)
         if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
             for s in recorded.values():
                 for found_inf in s["found_inf_per_device"].values():
@@ -195,7 +196,7 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> None:
         scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
     listeners.notify_counters_read(scaler, sum(row.held for row in rows), len(rows), at_read=False)
     for row in rows:
-        if row.skipped and row.skipped >= row.stepped_total:  # every optimizer stepped in it skipped
+        if row.unread_all_skipped:
             for optimizer in row.unread:
                 listeners.notify_late_skip(scaler, optimizer)
 

@@ -43,8 +43,13 @@ class KnownRow:
     found: bool  # an optimizer found inf/NaN gradients
     nonfinite_loss: bool
     held: bool  # a non-finite loss kept the scale: a forward overflow
-    stepped_total: int  # how many optimizers stepped in the iteration
-    unread: list[torch.optim.Optimizer]  # those of them no host read told of (fused; those still alive)
+    unread: list[torch.optim.Optimizer]  # the optimizers stepped that no host read told of (fused; those alive)
+    read_skips: int  # skips among the others, which the host read (so the rest of ``skipped`` is the unread ones')
+
+    @property
+    def unread_all_skipped(self) -> bool:
+        """Every unread optimizer skipped (when only some did, the row does not say which: none is named)."""
+        return bool(self.unread) and self.skipped - self.read_skips >= len(self.unread)
 
 
 class RowCopies:
@@ -61,23 +66,23 @@ class RowCopies:
     def supported(device: torch.device) -> bool:
         return device.type in ("cpu", "cuda")
 
-    def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], stepped_total: int) -> None:
+    def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], read_skips: int) -> None:
         """Start the copy of ``row`` (just written on the device) to the host."""
         refs = [weakref.ref(optimizer) for optimizer in unread]
         if self.device.type == "cpu":  # host memory already, written synchronously: nothing to copy or wait for
-            self.pending.append((row, None, held, refs, stepped_total))
+            self.pending.append((row, None, held, refs, read_skips))
             return
         host = self._host_row()
         host.copy_(row, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        self.pending.append((host, event, held, refs, stepped_total))
+        self.pending.append((host, event, held, refs, read_skips))
 
     def known(self) -> list[KnownRow]:
         """The rows whose copies are complete, oldest first (each returned once). No synchronisation."""
         rows: list[KnownRow] = []
         while self.pending:
-            host, event, held, refs, stepped_total = self.pending[0]
+            host, event, held, refs, read_skips = self.pending[0]
             if event is not None and not event.query():
                 break
             self.pending.popleft()
@@ -86,7 +91,7 @@ class RowCopies:
                 self._free.append(host)
             nonfinite = check != check
             unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
-            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, stepped_total, unread))
+            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, unread, read_skips))
         return rows
 
     def _host_row(self) -> torch.Tensor:
