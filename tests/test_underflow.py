@@ -6,6 +6,8 @@ every float16 gradient at ampguard's initial scale of 1024; float32 and plain to
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
@@ -143,3 +145,19 @@ def test_a_cuda_sample_is_acted_on_when_its_copy_is_known_mocked_event(monkeypat
     # Sampled at steps 2, 4, 6, 8, 10 (each known at the next update, which grows the scale and arms the next).
     assert stats.underflow_samples == 5 and stats.underflow_growths == 5 and stats.underflow_step == 10
     assert stats.scale == 1024.0 * 2**5
+
+
+def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall, tmp_path, capsys):
+    from ampguard.cli import main
+
+    path = tmp_path / "run.jsonl"
+    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="10")
+    run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=30)
+    stats = [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "stats"]
+    # Sampled at steps 2-16 (14 growths to the cap, 2**24; the 15th sample finds no room), next at 116.
+    assert [r["underflow_samples"] for r in stats] == [9, 15, 15]
+    assert stats[-1]["underflow_share"] == run.scaler.stats.underflow_share > 0.5
+    assert any(r["event"] == "underflow" for r in map(json.loads, path.read_text().splitlines()))
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "uflow |" in out and "the scale grown 14 times for it; modules losing most: blocks." in out
