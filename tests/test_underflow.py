@@ -43,6 +43,12 @@ def test_loss_times_1e_8_trains_as_in_float32_and_stats_report_the_underflow(flo
     assert stats.underflow_share == pytest.approx(stats.underflow_subnormal + stats.underflow_lost, abs=2e-6)
     assert stats.underflow_modules and stats.underflow_modules[0][0].startswith("blocks.")
     assert 0 < stats.underflow_grad_peak < 65504 / 64
+    # Every float16 gradient of the step once (256 positions of width 32 per batch): per block the float16 copies
+    # of the inputs, weights and biases of qkv (8192 + 3072 + 96) and up (8192 + 2048 + 64), those of proj and
+    # down (1024 + 32, 2048 + 32), the outputs of qkv, proj, up, ReLU, down (24576, 8192, 16384, 16384, 8192),
+    # q @ k^T and its scaling (2048 each), the softmax's float16 copy (2048) and its product with v (8192):
+    # 112864; the head: output 32 x 4, copies of weight 4 x 32, bias 4 and input 32 x 32: 1284.
+    assert stats.underflow_values == 2 * 112864 + 1284
 
 
 def test_report_mode_measures_keeps_torch_schedule_and_warns_once(reinstall, ampguard_log, float32_tail):

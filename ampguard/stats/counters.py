@@ -35,6 +35,8 @@ class ScalerStats:
         underflow_lost: the share lost: zeros a 4x scale would have kept (estimated) and the values of
             gradients without a single normal value.
         underflow_grad_peak: the largest float16 gradient magnitude of the sampled step (scaled).
+        underflow_values: the float16 gradient values the last sample counted (0 with no float16 gradient:
+            bfloat16 or float32 training).
         underflow_step: the optimizer step sampled last (0: none yet).
         underflow_samples: steps sampled so far.
         underflow_growths: times the measured underflow grew the scale (``AMPGUARD_UNDERFLOW=adapt``).
@@ -56,6 +58,7 @@ class ScalerStats:
     underflow_subnormal: float = 0.0
     underflow_lost: float = 0.0
     underflow_grad_peak: float = 0.0
+    underflow_values: int = 0
     underflow_step: int = 0
     underflow_samples: int = 0
     underflow_growths: int = 0

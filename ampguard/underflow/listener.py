@@ -15,7 +15,7 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   (:func:`ampguard.scaler.policy.grow_now`: no read either).
 
 Healthy steps cost a few comparisons; no step reads the device for this.
-``scaler.stats`` shows the measurement of the scaler updated last (the
+``scaler.stats`` shows the measurement of the scaler that stepped or updated last (the
 listeners' fields are the process's, as the fp32 islands' are).
 """
 
@@ -40,7 +40,7 @@ GROWN = (
     "loss scale {before:g} -> {after:g} at step {step}: {share:.2%} of the float16 gradient values of the sampled "
     "backward pass were subnormal or lost{worst} (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
 )
-MATERIAL = (
+REPORTED = (
     "at loss scale {scale:g}, {share:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
     "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
 )
@@ -65,7 +65,7 @@ class UnderflowListener(StepListener):
         self.reported = False
 
     def state_of(self, scaler: Any) -> ScaleState:
-        """``scaler``'s state, which ``scaler.stats`` shows from now on (called at each of its updates)."""
+        """``scaler``'s state, which ``scaler.stats`` shows from now on (called at each of its updates and reads)."""
         self._latest = weakref.ref(scaler)
         state = self.states.get(scaler)
         if state is None:
@@ -79,6 +79,9 @@ class UnderflowListener(StepListener):
             state.sampler.disarm()
 
     # -- host mode -------------------------------------------------------------------------------
+
+    def on_read(self, scaler: Any, optimizer: Any, field: int, skipped: bool) -> None:
+        self._latest = weakref.ref(scaler)  # the scaler stepping now is the one scaler.stats is asked of
 
     def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:
         state = self.state_of(scaler)
@@ -129,7 +132,7 @@ class UnderflowListener(StepListener):
             if not self.reported:
                 self.reported = True
                 logger.warning(
-                    MATERIAL.format(
+                    REPORTED.format(
                         scale=measurement.scale,
                         share=measurement.underflow_share,
                         step=measurement.step,
@@ -177,6 +180,7 @@ class UnderflowListener(StepListener):
             "underflow_subnormal": round(last.subnormal_share, 6),
             "underflow_lost": round(last.flushed_share, 6),
             "underflow_grad_peak": last.total.peak,
+            "underflow_values": last.total.values,
             "underflow_step": last.step,
             "underflow_samples": state.samples,
             "underflow_growths": state.growths,
