@@ -85,6 +85,57 @@ ISLAND_MADE = (
     "To make this permanent without ampguard (model: your {owner}): {line}"
 )
 
+# The forward-overflow probe (ampguard.fp32_islands.healing).
+PROBE_BACKING_OFF = (
+    "the forward-overflow probe looks less often: its last {count} verdicts made no fp32 island (the overflows "
+    "come from the data, from code outside any module, or from modules it may not change: see the warnings "
+    "above). It now lets {skip} forward overflows pass before it looks again, twice as many after each such "
+    "verdict. They are still skipped and counted, without lowering the loss scale."
+)
+
+PROBE_UNLOCATED = (
+    "step {step} overflowed in the forward pass while the probe watched, but no module turned finite inputs "
+    "into inf/NaN: the batch itself held inf/NaN, the overflow is in code outside any module (a loss computed "
+    "by plain functions), an input passed only as a keyword argument, or compiled code. No fp32 island made."
+)
+
+
+ISLAND_AHEAD = (
+    "fp32 island: {name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit before any overflow: "
+    "the headroom watch saw a peak of {peak:,.0f} against float16's 65,504 ({share:.0%} of it) inside it in the "
+    "forward pass of step {step}. From now on it runs in float32: autocast disabled inside it, its floating-point "
+    "inputs cast to float32 and its outputs given back in the dtypes they had; {parameters}. "
+    "To make this permanent without ampguard (model: your {owner}): {line}"
+)
+
+ISLAND_AHEAD_REPORT = (
+    "headroom watch: {name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit: a peak of "
+    "{peak:,.0f} against float16's 65,504 ({share:.0%} of it) in the forward pass of step {step}. "
+    "AMPGUARD_FP32_ISLANDS=report: nothing changed. To run it in float32 (model: your {owner}): {line} "
+    "(or unset AMPGUARD_FP32_ISLANDS and ampguard does it)."
+)
+
+ISLAND_AHEAD_LIMIT = (
+    "{name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit (a peak of {peak:,.0f} against "
+    "65,504, step {step}), but {limit} modules already run in float32 ({names}) and AMPGUARD_MAX_ISLANDS={limit}: "
+    "this model does not suit float16. Train in bf16 (on a GPU with native bf16) or float32."
+)
+
+ISLAND_BLAMED = (
+    "fp32 island: {name} ({cls}) is taken for the forward overflow of step {step} (the loss was inf/NaN): the "
+    "headroom watch of step {seen} saw it closest to float16's limit of all modules, with a peak of {peak:,.0f} "
+    "against 65,504, so it is made an island at this first overflow (if overflows go on, the probe looks for "
+    "another module). From now on it runs in float32: autocast disabled inside it, its floating-point inputs cast "
+    "to float32 and its outputs given back in the dtypes they had; {parameters} and the loss "
+    "scale was not lowered for this overflow. To make this permanent without ampguard (model: your {owner}): {line}"
+)
+
+ISLAND_BLAMED_REPORT = (
+    "forward overflow at step {step}: the headroom watch of step {seen} saw {name} ({cls}) closest to float16's "
+    "limit of all modules (a peak of {peak:,.0f} against 65,504). AMPGUARD_FP32_ISLANDS=report: nothing changed. "
+    "To run it in float32 (model: your {owner}): {line} (or unset AMPGUARD_FP32_ISLANDS and ampguard does it)."
+)
+
 ISLAND_UNHELPFUL = (
     "fp32 island {name} ({cls}) overflowed again at step {step}, in float32: float32 does not fix this overflow "
     "(inf/NaN from finite inputs in any precision), so these steps stay skipped. Look at the data reaching it or "

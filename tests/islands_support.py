@@ -210,3 +210,12 @@ def fresh_islands():
     """Islands and reports are process state: the test starts without any (install again)."""
     ampguard.uninstall()
     ampguard.install()
+
+
+@pytest.fixture
+def probe_only(monkeypatch: pytest.MonkeyPatch):
+    """No headroom watch (AMPGUARD_WATCH_EVERY=0): for tests of the probe itself, the fallback when the watch has
+    no suspect (with the watch, the module it saw closest to the limit is named at the first overflow)."""
+    monkeypatch.setenv("AMPGUARD_WATCH_EVERY", "0")
+    ampguard.uninstall()
+    ampguard.install()

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from islands_support import CLASSES, DIM, EVERY, batch, fresh_islands, make_net, train  # noqa: F401
+from islands_support import CLASSES, DIM, EVERY, batch, fresh_islands, make_net, probe_only, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 import ampguard
@@ -70,9 +70,9 @@ def test_a_block_overflowing_every_10th_batch_heals_itself(ampguard_log):
 def test_report_mode_names_the_block_and_changes_nothing(reinstall, ampguard_log):
     reinstall(AMPGUARD_FP32_ISLANDS="report")
     run = train(4 * EVERY)
-    named = records(ampguard_log, logging.WARNING, "forward overflow located: blocks.1.attn (Attention)")
-    assert len(named) == 1
-    assert "AMPGUARD_FP32_ISLANDS=report: nothing changed" in named[0].getMessage()
+    named = records(ampguard_log, logging.WARNING, "AMPGUARD_FP32_ISLANDS=report: nothing changed")
+    assert len(named) == 1  # by the headroom watch, at the first overflow (the probe's verdict is not said again)
+    assert "blocks.1.attn (Attention)" in named[0].getMessage()
     assert run.nonfinite_losses == 4 and run.scaler.stats.fp32_islands == ()
     assert not records(ampguard_log, logging.WARNING, "fp32 island:")
     assert module_hooks(run.model) == 0
@@ -100,9 +100,11 @@ def test_healthy_run_registers_nothing_and_matches_torch_bit_for_bit():
     reference = train(steps, scaler=stock_scaler(), healthy=True)
     seen: list[int] = []
     guarded = train(steps, healthy=True, after_update=lambda step: seen.append(global_hooks()))
-    # Buffer discovery watches the second iteration (one global pre-hook, then gone), and so does the underflow
-    # sample (a pre- and a post-hook; the next at step 102, docs/underflow.md); nothing else, ever.
-    assert seen[0] == 1 + 2 and set(seen[1:]) == {0}
+    # The second iteration: buffer discovery (one global pre-hook, then gone), the headroom watch (a pre- and a
+    # post-hook, gone at the next step(); again every AMPGUARD_WATCH_EVERY=100 steps) and the underflow sample
+    # (a pre- and a post-hook; the next at step 102, docs/underflow.md); nothing else.
+    assert seen[0] == 5 and set(seen[1:]) == {0}
+    assert guarded.scaler.stats.headroom[0][0] == "blocks.1.attn"  # the watch saw the model (and changed nothing)
     assert module_hooks(guarded.model) == 0
     assert all("forward" not in vars(m) for m in guarded.model.modules())
     assert torch.nn.Module.__call__ is torch.nn.Module._wrapped_call_impl
@@ -120,7 +122,8 @@ def test_healing_run_reads_the_host_as_often_as_torch_plus_the_documented_diagno
         run = train(steps, check_losses=False)
     assert run.scaler.stats.fp32_islands == ("blocks.1.attn",)
     assert ours.by_source["aten::_local_scalar_dense"] == torch_reads.by_source["aten::_local_scalar_dense"] == steps
-    # The probe and the island add none; diagnose names the parameters of the first skipped step (one read).
+    # The probe, the headroom watch and the island add none; diagnose names the parameters of the first skipped
+    # step (one read).
     assert ours.by_source["ampguard.read_to_host"] == 1
 
 
@@ -132,6 +135,7 @@ def test_the_permanent_line_from_the_warning_heals_plain_torch(stock_torch):
     assert run.nonfinite_losses == 0
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_probe_disarms_after_probe_steps_without_overflow(reinstall):
     reinstall(AMPGUARD_PROBE_STEPS="3")
     armed: list[bool] = []
@@ -193,12 +197,14 @@ def _corrupt_then_hot(steps: int, corrupt: set[int], hot: set[int], model=None):
     return model, scaler, nonfinite
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_after_a_verdict_that_finds_no_module_the_probe_keeps_watching(ampguard_log):
     """Corrupt batches at 5 and 6, the block at 9: named at 9 itself, without arming again first."""
     _model, scaler, nonfinite = _corrupt_then_hot(40, corrupt={5, 6}, hot={9, 19, 29})
     assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [5, 6, 9]
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_a_module_overflowing_after_corrupt_batches_is_still_healed(reinstall):
     """Three pairs of corrupt batches: three verdicts without a module, so the probe backs off; the block that
     overflows from step 400 on is named all the same (each quiet spell between the pairs disarms the probe)."""
@@ -214,7 +220,8 @@ def test_models_trained_one_after_another_each_get_their_islands():
     for _ in range(4):
         model, scaler, nonfinite = _corrupt_then_hot(40, corrupt=set(), hot={9, 19, 29})
         ensemble.append(model)  # kept alive: the islands of the models before stay theirs
-        assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [9, 19]
+        # named at its first overflow: the headroom watch of step 2 saw it closest to the limit (of this model)
+        assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [9]
         assert healing._active.fruitless == 0
 
 
@@ -303,6 +310,7 @@ def test_a_scripted_block_is_reported_once_and_the_probe_backs_off_instead_of_fa
     assert len(records(ampguard_log, logging.INFO, "the forward-overflow probe looks less often")) == 1
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_after_an_error_inside_ampguard_the_probe_stops_for_good(ampguard_log, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("broken")

@@ -68,10 +68,12 @@ def test_overflow_on_one_rank_heals_both_ranks_alike(tmp_path: Path) -> None:
 
     first, second = records
     assert all(first["losses_finite"])  # rank 0 never overflowed itself
-    assert second["losses_finite"].count(False) == 2  # rank 1: the probe's overflow, the naming one; then healed
+    # rank 1: one overflow, at which each rank's headroom watch (of step 2: the same batches but the loud ones)
+    # names the block it saw closest to float16's limit; then healed
+    assert second["losses_finite"].count(False) == 1
     for record in records:
         assert record["stats"]["fp32_islands"] == ["blocks.1.attn"]
-        assert record["stats"]["skipped"] == 2
+        assert record["stats"]["skipped"] == 1
         assert min(record["scales"]) == 1024.0
     assert first["scales"] == second["scales"]
     for mine, theirs in zip(*params):

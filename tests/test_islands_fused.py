@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401  (fixture)
+from islands_support import EVERY, batch, fresh_islands, make_net, probe_only, train  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_buffers import Masked, conv_net, iteration, run, two_models
 from test_islands import HYPER, ISLAND, global_hooks, module_hooks
@@ -46,6 +46,7 @@ def fused(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
+@pytest.mark.usefixtures("probe_only")  # with the watch: 2 lost (tests/test_headroom_watch.py)
 def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstall, ampguard_log):
     reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
     steps = 300
@@ -91,6 +92,7 @@ def reads_by_step(steps: int) -> tuple[dict[int, int], int, tuple[str, ...]]:
     return reads_at, torch_reads.by_source["aten::_local_scalar_dense"], scaler.stats.fp32_islands  # model alive
 
 
+@pytest.mark.usefixtures("probe_only")  # the watch's reads: tests/test_headroom_watch.py
 def test_reads_cost_nothing_on_healthy_steps_and_one_per_step_only_while_the_probe_watches(reinstall):
     reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
     reads_at, torch_reads, islands = reads_by_step(60)
@@ -191,6 +193,7 @@ def test_an_overflow_seen_at_an_update_with_a_new_scale_does_not_hide_a_later_on
     assert all(torch.isfinite(b.float()).all() for b in model.buffers())
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_overflows_no_module_causes_make_the_probe_back_off_after_three_verdicts(reinstall, ampguard_log):
     """A corrupt batch every 30 steps: each verdict finds no module; then the probe looks less and less often."""
     reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY), AMPGUARD_PROBE_STEPS="50")

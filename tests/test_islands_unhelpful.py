@@ -6,7 +6,7 @@ import logging
 
 import pytest
 import torch
-from islands_support import DIM, EVERY, fresh_islands, make_net, train  # noqa: F401
+from islands_support import DIM, EVERY, fresh_islands, make_net, probe_only, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
@@ -27,6 +27,7 @@ class Storm(nn.Module):
         return torch.where(x.abs().amax() > 15, y * float("inf"), y)
 
 
+@pytest.mark.usefixtures("probe_only")  # the probe's own behaviour (the watch would blame blocks.1.attn first)
 def test_an_island_that_keeps_overflowing_makes_the_probe_back_off_not_re_arm_at_every_overflow(ampguard_log):
     """docs/islands.md: "Overflows that fp32 does not fix ... the steps stay skipped", and verdicts that make
     no island back the probe off (2, 4, 8 overflows let pass). Earlier, a verdict naming a module that already

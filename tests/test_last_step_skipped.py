@@ -15,6 +15,7 @@ from scaler_support import DeviceSkipSGD, iteration, one_thread, safe, stock  # 
 
 from ampguard import syncs
 from ampguard.scaler import accounting
+from ampguard.scaler.row_copies import RowCopies
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -82,17 +83,23 @@ def test_on_a_forward_overflow_last_step_skipped_is_true_where_the_scale_idiom_s
     assert dropped == [fault for fault, _ in FORWARD_OVERFLOWS]
 
 
-def test_with_a_fused_optimizer_the_flag_is_the_same_and_asking_reads_the_device_once(reinstall):
+@pytest.mark.parametrize("copies", [True, False], ids=["row copied", "no row copy"])
+def test_with_a_fused_optimizer_the_flag_is_the_same_and_asking_reads_the_device_at_most_once(
+    reinstall, monkeypatch, copies
+):
     # Without fp32 islands: its probe, armed at the first read that finds a forward overflow, would read
     # every step after it (the next test).
     reinstall(AMPGUARD_DISABLE="fp32_islands", AMPGUARD_STATS_EVERY="0")
+    if not copies:  # an accelerator without events to poll (ampguard/scaler/row_copies.py)
+        monkeypatch.setattr(RowCopies, "supported", staticmethod(lambda device: False))
     torch_skipped, _ = torch_s_skips(FORWARD_OVERFLOWS)
     with HostReadCounter() as reads:
         flags, dropped = ampguard_s_skips(FORWARD_OVERFLOWS, DeviceSkipSGD)
     assert flags == torch_skipped
     assert dropped == [fault for fault, _ in FORWARD_OVERFLOWS]
-    # one read per question (each update leaves the verdict on the device), and get_scale()'s own reads
-    assert reads.by_source["ampguard.read_to_host"] == len(FORWARD_OVERFLOWS)
+    # On the CPU the row is known at its own update: no read. Without the copy, one read per question (each
+    # update leaves the verdict on the device).
+    assert reads.by_source["ampguard.read_to_host"] == (0 if copies else len(FORWARD_OVERFLOWS))
 
     model, optimizer = _model_and_optimizer(DeviceSkipSGD)
     scaler = safe(**SETTINGS)

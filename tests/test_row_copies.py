@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from islands_support import EVERY, fresh_islands, make_net, train  # noqa: F401  (fixture)
+from islands_support import EVERY, fresh_islands, make_net, probe_only, train  # noqa: F401  (fixtures)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_islands import HYPER
 from test_islands_fused import reads_by_step
@@ -34,9 +34,10 @@ def fused(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
+@pytest.mark.usefixtures("probe_only")  # with the headroom watch: 1 (tests/test_headroom_watch.py)
 def test_a_fused_optimizer_heals_at_the_second_overflow_with_the_default_stats_interval(ampguard_log):
-    """Every 10th batch overflows in blocks.1.attn: torch loses all 30, ampguard 2 (was 3 with a read every 20
-    steps, and all of them until the first read with the default AMPGUARD_STATS_EVERY=500)."""
+    """Every 10th batch overflows in blocks.1.attn: torch loses all 30, the probe alone 2 (was 3 with a read every
+    20 steps, and all of them until the first read with the default AMPGUARD_STATS_EVERY=500)."""
     steps = 300
     reference_model = make_net()
     reference = train(
@@ -58,6 +59,7 @@ def test_a_fused_optimizer_heals_at_the_second_overflow_with_the_default_stats_i
     assert all(torch.isfinite(p).all() for p in healed.model.parameters())
 
 
+@pytest.mark.usefixtures("probe_only")
 def test_no_read_on_healthy_steps_and_one_per_step_only_while_the_probe_watches():
     reads_at, torch_reads, islands = reads_by_step(60)
     # Armed at step 10's update (its row known at once on the CPU); a read per step from 11 to the overflow
@@ -119,7 +121,7 @@ def test_a_skip_learned_an_update_late_holds_the_next_scheduler_step_instead():
     assert ours[:4] == held_at_once[:4] and ours[4] != held_at_once[4] and ours[5:8] == held_at_once[5:8]
 
 
-@pytest.mark.usefixtures("rows_one_update_late")
+@pytest.mark.usefixtures("rows_one_update_late", "probe_only")
 def test_a_forward_overflow_learned_an_update_late_still_arms_the_probe():
     model = make_net()
     healed = train(60, model=model, optimizer=fused(model))

@@ -601,8 +601,7 @@ def test_gradients_invalidated_after_unscale_are_stepped_as_torch_steps_them(opt
     optimizer state. The scale differs after the first iteration, on purpose: from
     then on the loss itself is NaN (the parameters are), torch halves the scale
     each time and ampguard does not back off, since no scale makes a NaN loss
-    finite: for the scale such an iteration is one without overflow
-    (docs/islands.md), so with growth_interval=1 it grows.
+    finite: the scale and the growth tracker stay as they were (docs/islands.md).
     """
 
     def loop() -> Outcome:
@@ -630,7 +629,9 @@ def test_gradients_invalidated_after_unscale_are_stepped_as_torch_steps_them(opt
     assert_same(replace(result, scales=reference.scales), reference)
     # The first step counted as a good one in both (found_inf was 0 at unscale_), so the scale grew.
     assert reference.scales == [256.0, 128.0, 64.0]
-    assert result.scales == [256.0, 512.0, 1024.0]
+    # The scale and the growth tracker stay (before a fix in issue 26: 512, 1024). Fused optimizers too: on the
+    # CPU the verdict is known at the update (on a GPU it arrives later, and the iteration counts toward growth).
+    assert result.scales == [256.0, 256.0, 256.0]
 
 
 # -- optimizers that handle the scale themselves (_step_supports_amp_scaling) ------------------------

@@ -86,6 +86,14 @@ def _choice_parser(choices: tuple[str, ...], *, patch: str = "") -> Callable[[st
     return parse
 
 
+def _parse_watch_every(variable: str, raw: str) -> int:
+    """A whole number of optimizer steps >= 0; off (or no, false...) is 0: no watch."""
+    if raw.strip().lower() in _OFF_WORDS:
+        return 0
+    value: int = _number_parser(int, 0, describe="a whole number >= 0, or off (0: no headroom watch)")(variable, raw)
+    return value
+
+
 def _parse_writable_path(variable: str, raw: str) -> str:
     """A file path whose directory exists and is writable (the file itself is made on first use)."""
     path = os.path.abspath(os.path.expanduser(raw.strip()))
@@ -277,6 +285,29 @@ SETTINGS: tuple[Setting, ...] = (
         _number_parser(int, 1, describe="a whole number >= 1"),
     ),
     Setting(
+        "AMPGUARD_WATCH_EVERY",
+        "watch_every",
+        100,
+        "a whole number >= 0, or off",
+        "Every this many optimizer steps one iteration's forward passes are watched: the largest float16 magnitude "
+        "inside each module (intermediates included), on the device; a module close to float16's limit becomes an "
+        "fp32 island before it overflows (see docs/islands.md). 0 or off: never.",
+        "AMPGUARD_WATCH_EVERY=500",
+        _parse_watch_every,
+    ),
+    Setting(
+        "AMPGUARD_HEADROOM",
+        "headroom",
+        4.0,
+        "a number from 1 to 65504",
+        "The headroom watch makes a module an fp32 island when its peak comes within this factor of float16's "
+        "65,504 (4: two bits, a peak of 16,376).",
+        "AMPGUARD_HEADROOM=16",
+        _number_parser(
+            float, 1.0, 65504.0, describe="a number from 1 to 65504 (a factor below float16's largest, 65,504)"
+        ),
+    ),
+    Setting(
         "AMPGUARD_MASTER_WEIGHTS",
         "master_weights",
         "fp16",
@@ -334,6 +365,8 @@ class Config:
     probe_steps: int = 200
     master_weights: str = "fp16"
     stats_file: str | None = None
+    watch_every: int = 100
+    headroom: float = 4.0
     underflow: str = "adapt"
     underflow_every: int = 100
 

@@ -184,7 +184,7 @@ class BufferGuard:
                 torch._foreach_copy_(self.snapshot, self.buffers)
         self.snapshot_step = step
 
-    def on_stats_read(self, overflowed: bool, step: int) -> None:
+    def on_stats_read(self, overflowed: bool, step: int, finite_only: bool = True) -> None:
         """Device mode, at each read of the scaler's device-side counters (a failure found costs one read here).
 
         ``overflowed``: a forward overflow happened since the previous read. If a
@@ -209,7 +209,7 @@ class BufferGuard:
                 f"a forward overflow since step {self.snapshot_step} (found at the read of step {step})",
                 [values for _, values in now],
             )
-        self.take_snapshot(step, finite_only=True)
+        self.take_snapshot(step, finite_only=finite_only)
 
     def report_unrestored(self, step: int) -> None:
         """After a forward overflow no copy covered: which buffers hold NaN/inf now (one read, once)."""

@@ -16,6 +16,11 @@ also
   :func:`note_verdict`) and, at the next forward overflow, names the module;
 * makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
+Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.fp32_islands.headroom`)
+sees one iteration's float16 peaks; its verdict rides on the same read (never
+while the probe is armed) and makes an island before an overflow, or names the
+module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`).
+
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
 optimizer steps without another forward overflow.
 
@@ -47,8 +52,11 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.islands as islands
+import ampguard.fp32_islands.watch_verdicts as watch_verdicts
+import ampguard.messages as messages
 from ampguard.distributed import distributed
 from ampguard.fp32_islands.buffers import BufferGuard
+from ampguard.fp32_islands.headroom import HeadroomWatch
 from ampguard.fp32_islands.probe import Probe
 from ampguard.log import event_logger
 from ampguard.scaler.counters import counters_of
@@ -63,19 +71,6 @@ if TYPE_CHECKING:
 # forward overflows pass before it arms again.
 FRUITLESS_VERDICTS = 3
 
-BACKING_OFF = (
-    "the forward-overflow probe looks less often: its last {count} verdicts made no fp32 island (the overflows "
-    "come from the data, from code outside any module, or from modules it may not change: see the warnings "
-    "above). It now lets {skip} forward overflows pass before it looks again, twice as many after each such "
-    "verdict. They are still skipped and counted, without lowering the loss scale."
-)
-
-UNLOCATED = (
-    "step {step} overflowed in the forward pass while the probe watched, but no module turned finite inputs "
-    "into inf/NaN: the batch itself held inf/NaN, the overflow is in code outside any module (a loss computed "
-    "by plain functions), an input passed only as a keyword argument, or compiled code. No fp32 island made."
-)
-
 
 @dataclass
 class _Healing:
@@ -83,6 +78,7 @@ class _Healing:
     max_islands: int
     probe_steps: int
     probe: Probe = field(default_factory=Probe)
+    watch: HeadroomWatch = field(default_factory=lambda: HeadroomWatch(0, 4.0))
     buffers: BufferGuard = field(default_factory=BufferGuard)
     verdict: int = 0  # the probe's verdict decoded from this iteration's read
     quiet_steps: int = 0
@@ -112,13 +108,15 @@ def _steps_of(scaler: Any) -> int:
 def activate(config: Config) -> None:
     global _active
     deactivate()
-    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps)
+    watch = HeadroomWatch(config.watch_every, config.headroom)
+    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps, watch=watch)
 
 
 def deactivate() -> None:
     global _active
     if _active is not None:
         _active.probe.disarm()
+        _active.watch.stop()
         _active.buffers.close()
         islands.clear()
     _active = None
@@ -132,14 +130,17 @@ def is_active() -> bool:
 
 
 def add_verdict(code: torch.Tensor, weight: float) -> torch.Tensor:
-    """``code`` plus ``weight * verdict`` while the probe is armed; ``code`` itself otherwise."""
-    if _active is None or not _active.probe.armed:
+    """``code`` plus ``weight * verdict`` while the probe is armed or the watch watched; ``code`` itself otherwise."""
+    if _active is None:
         return code
-    return _active.probe.add_to(code, weight)
+    if _active.probe.armed:
+        return _active.probe.add_to(code, weight)
+    return _active.watch.add_to(code, weight) if _active.watch.busy() else code
 
 
 def note_verdict(verdict: int) -> None:
-    """The probe's verdict as the host read it (the largest of the iteration's reads, on any rank)."""
+    """The verdict as the host read it (the largest of the iteration's reads, on any rank): the probe's, or the
+    headroom watch's."""
     if _active is not None and verdict:
         _active.verdict = max(_active.verdict, verdict)
 
@@ -148,11 +149,21 @@ def note_verdict(verdict: int) -> None:
 
 
 def end_iteration(scaler: Any, overflow: bool) -> None:
-    """Buffers, probe and islands after an update: ``overflow`` is the agreed forward-overflow verdict."""
+    """Buffers, probe, watch and islands after an update: ``overflow`` is the agreed forward-overflow verdict."""
     active = _active
     if active is None:
         return
     owner = _follow(active, scaler)
+    verdict = active.verdict if active.watch.in_read else 0
+    blamed = (active.watch.busy() or overflow) and _judge_watch(active, _steps_of(scaler), overflow, verdict)
+    try:
+        _end_iteration(active, scaler, owner, overflow, blamed)
+    finally:
+        if active.watch.every:
+            active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active))
+
+
+def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, blamed: bool) -> None:
     if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
     step = _steps_of(scaler)
@@ -165,7 +176,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         if overflow:
             active.quiet_steps = 0
             if not probe.armed:
-                if _may_arm(active):
+                if not blamed and _may_arm(active):
                     _arm(active)
                     logger.log(
                         logging.DEBUG if active.fruitless else logging.INFO,
@@ -180,7 +191,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
                 return
             call = probe.call(verdict)
             if call is None:  # no module to blame: the probe keeps watching (unless it backs off)
-                _warn_once("unlocated", UNLOCATED.format(step=step))
+                _warn_once("unlocated", messages.PROBE_UNLOCATED.format(step=step))
                 _after_verdict(active, made_island=False)
             else:
                 again = islands.holds(call[0])  # an island that overflows in float32 too
@@ -232,9 +243,35 @@ def _after_verdict(active: _Healing, made_island: bool, conclusive: bool = False
         active.skip_arming = 2 ** (active.fruitless - FRUITLESS_VERDICTS + 1)
         logger.log(
             logging.INFO if active.fruitless == FRUITLESS_VERDICTS else logging.DEBUG,
-            BACKING_OFF.format(count=active.fruitless, skip=active.skip_arming),
+            messages.PROBE_BACKING_OFF.format(count=active.fruitless, skip=active.skip_arming),
         )
+    _note_limit(active)
+
+
+def _note_limit(active: _Healing) -> None:
     active.exhausted = "(limit)" in islands.reported or len(islands.reported) >= active.max_islands
+
+
+# -- the headroom watch -----------------------------------------------------------------------
+
+
+def _may_watch(active: _Healing) -> bool:
+    return not (active.probe.armed or active.exhausted or active.stopped)
+
+
+def _judge_watch(active: _Healing, step: int, overflow: bool, verdict: int, watched: bool | None = None) -> bool:
+    """The watch's part of an update (:func:`ampguard.fp32_islands.watch_verdicts.judge`): True when it blamed."""
+    if active.watch.pending is not None:
+        active.verdict = 0  # the verdict read was the watch's
+    try:
+        may_blame = _may_watch(active)
+        watch, mode, limit = active.watch, active.mode, active.max_islands
+        return watch_verdicts.judge(watch, step, overflow, verdict, mode, limit, may_blame, watched)
+    except Exception as error:  # never the reason a run dies
+        _stop(active, "watch", error)
+        return False
+    finally:
+        _note_limit(active)
 
 
 def _follow(active: _Healing, scaler: Any) -> bool:
@@ -249,7 +286,9 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         return owner is scaler
     if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
         active.buffers.restart()
+        active.probe.disarm()  # it watched for the model before
         active.fruitless = active.skip_arming = 0  # the probe backed off for the model before, not this one
+        active.watch.last = None  # what the watch saw was the model before
     active.buffers_owner = weakref.ref(scaler)
     return True
 
@@ -274,6 +313,10 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     if active is None:
         return None
     owner = _follow(active, scaler)
+    if active.watch.every:  # its verdict waits for the next read of the counters (after_stats_read)
+        if active.watch.watching:
+            active.watch.finish()
+        active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active))
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return None
     try:
@@ -284,7 +327,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
             loss_check, verdict_value, skipped_value = read_to_host(torch.stack(values))
             overflow = loss_check != loss_check  # NaN: a loss was non-finite
             active.verdict = max(active.verdict, int(verdict_value))
-            if overflow and held:
+            if overflow:
                 active.seen_in_device_mode[scaler] = active.seen_in_device_mode.get(scaler, 0) + 1
             end_iteration(scaler, overflow)
             return bool(skipped_value > 0)
@@ -296,25 +339,37 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     return None
 
 
-def after_stats_read(scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True) -> None:
-    """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` of them held.
+def after_stats_read(
+    scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True, current: bool = True
+) -> None:
+    """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` with a non-finite loss.
 
     Buffers and the probe act on the overflows the host had not seen yet.
-    ``at_read``: learned at a read of the device-side counters, where the
-    buffers' copy is refreshed too; else from the rows' host copies, learned
-    every step, where only an overflow costs anything. Not
+    ``at_read``: learned at a read of the device-side counters; else from the
+    rows' host copies, learned every step. ``current``: the iterations told end
+    with the one just updated: the buffers' copy is refreshed (as host mode does
+    at each update; at reads keeping the copy's values where the buffers are
+    inf/NaN, since another scaler's overflow may not be known yet). Not
     under torch.distributed, where device mode backs off as torch does and no rank
     can ask the others (this read is not collective).
     """
     active = _active
     if active is None or distributed() is not None:
         return
-    unseen = max(forward_overflows - active.seen_in_device_mode.pop(scaler, 0), 0)
+    # Overflows the armed probe already read at their update are not news when their rows are told.
+    seen = active.seen_in_device_mode.pop(scaler, 0)
+    unseen = max(forward_overflows - seen, 0)
+    if seen > forward_overflows and not at_read:
+        active.seen_in_device_mode[scaler] = seen - forward_overflows  # their rows come later (a GPU)
     step = _steps_of(scaler)
     try:
-        if at_read or unseen:
-            active.buffers.on_stats_read(unseen > 0, step)
-        if unseen and not active.probe.armed and _may_arm(active):
+        if current or unseen:
+            active.buffers.on_stats_read(unseen > 0, step, finite_only=at_read or not current)
+        pending = active.watch.pending
+        verdict = pending.read_verdict() if pending is not None else 0  # the read the watch's verdict waited for
+        watched = pending.overflowed if pending is not None else None
+        blamed = _judge_watch(active, step, unseen > 0, verdict, watched) if pending is not None or unseen else False
+        if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"
             logger.log(
@@ -356,6 +411,7 @@ def stats_fields() -> dict[str, Any]:
     return {
         "fp32_islands": islands.names(),
         "buffers_restored": _active.buffers.restores if _active is not None else 0,
+        "headroom": _active.watch.last.tightest() if _active is not None and _active.watch.last is not None else (),
     }
 
 

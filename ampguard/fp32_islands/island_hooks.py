@@ -116,7 +116,9 @@ def attach(module: torch.nn.Module, island: Island) -> None:
     """Give ``module`` the island's hooks (any copied onto it before are taken off first)."""
     strip(module)
     _exclude_from_tracing()
-    island.handles.append(module.register_forward_pre_hook(EnterFloat32(), with_kwargs=True))
+    # First of the pre-hooks: those that compute a weight from parameters (old-style weight_norm, spectral_norm,
+    # prune) then compute it from the float32 copies of a half-precision module's parameters.
+    island.handles.append(module.register_forward_pre_hook(EnterFloat32(), prepend=True, with_kwargs=True))
     # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
     island.handles.append(module.register_forward_hook(LeaveFloat32(), prepend=True, always_call=True))
 

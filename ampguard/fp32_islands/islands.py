@@ -134,12 +134,19 @@ def decide(
     step: int,
     mode: str,
     max_islands: int,
+    made: str = messages.ISLAND_MADE,
+    reported: str = messages.ISLAND_REPORT,
+    limited: str = messages.ISLAND_LIMIT,
+    **details: Any,
 ) -> bool:
     """Make ``module`` an island, or report why not (each name once). True when a new island was made.
 
     ``root`` is the outermost module the forward pass called; the name is
     qualified from the top-level module above it (:mod:`ampguard.fp32_islands.model_tree`).
     ``outputs``: the dtypes of its floating outputs the probe saw under autocast.
+    ``made`` / ``reported`` / ``limited``: the messages for an island made /
+    named in report mode / refused at the limit (the headroom watch's own),
+    formatted with ``details`` too.
     """
     if holds(module):
         _report_unhelpful(module, step)
@@ -151,7 +158,7 @@ def decide(
     cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
     low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in LOW_PRECISION})
     line = permanent_line(name or "", device_type, half=bool(low))
-    what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__}
+    what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__, **details}
     what["parameters"] = (
         f"its {'/'.join(low)} parameters stay {'/'.join(low)} (upcast to float32 for each of its forward calls only)"
         if low
@@ -169,13 +176,13 @@ def decide(
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
         return False
     if mode == "report":
-        _report_once(name, messages.ISLAND_REPORT.format(**what))
+        _report_once(name, reported.format(**what))
         return False
     if len(names()) >= max_islands:
-        _report_once("(limit)", messages.ISLAND_LIMIT.format(limit=max_islands, names=", ".join(names()), **what))
+        _report_once("(limit)", limited.format(limit=max_islands, names=", ".join(names()), **what))
         return False
     make(module, name, outputs)
-    logger.warning(messages.ISLAND_MADE.format(**what))
+    logger.warning(made.format(**what))
     return True
 
 

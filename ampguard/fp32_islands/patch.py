@@ -51,8 +51,10 @@ class IslandsListener(listeners.StepListener):
     ) -> bool | None:
         return healing.end_device_iteration(scaler, check, held=held, row=row)
 
-    def on_counters_read(self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
-        healing.after_stats_read(scaler, forward_overflows, iterations, at_read)
+    def on_counters_read(
+        self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+    ) -> None:
+        healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
 
     def stats_fields(self) -> dict[str, Any]:
         return healing.stats_fields()

@@ -15,8 +15,10 @@ in device mode are reported at that read, even if they have ended since.
 Per iteration that is 3 kernels: the row, the forward-overflow hold (a
 ``heaviside`` that zeroes the found_inf torch's ``update()`` reads where the
 loss itself was non-finite: no back-off) and the floor/cap (``clamp_``). With
-the hold, such an iteration counts toward the growth interval in device mode
-(host mode leaves the growth tracker as it was).
+the hold, torch counts such an iteration toward the growth interval; where its
+row is known at its own update (the CPU, :mod:`ampguard.scaler.row_copies`)
+the scale and tracker are put back as host mode keeps them (:func:`_keep_scale`,
+a few ops after a failure only); on a GPU the row arrives later and the count stays.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ import ampguard.distributed as distributed
 import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
-from ampguard.scaler.row_copies import RowCopies
+from ampguard.scaler.row_copies import KnownRow, RowCopies
 from ampguard.syncs import read_to_host
 
 try:
@@ -99,10 +101,6 @@ class DeviceLedger:
         torch.stack([skipped, found, check, scale], out=row)
         self._held.append(held)
         return row
-
-    def held_overflow(self, index: int, rows: list[list[float]]) -> bool:
-        """Whether row ``index`` is a forward overflow that kept the scale."""
-        return self._held[index] and math.isnan(rows[index][2])
 
     def read(self, scale: torch.Tensor, tracker: torch.Tensor) -> tuple[list[list[float]], float, int]:
         """The rows, the scale and the growth tracker now: one host read."""
@@ -181,24 +179,43 @@ def update_in_device_mode(
     known = listeners.notify_device_update(scaler, check, hold, row)
     if known is not None and scaler._counters.last_skipped is None:
         scaler._counters.last_skipped = known
-    tell_known_rows(scaler, ledger)
+    rows = tell_known_rows(scaler, ledger)
+    if hold and rows and rows[-1].held and ledger.copies is not None and not ledger.copies.pending:
+        _keep_scale(scaler, rows[-1].scale)  # this iteration's forward overflow, known at its own update (CPU)
     if ledger.full:
         fold_device_ledger(scaler)
 
 
-def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> None:
+def _keep_scale(scaler: SafeGradScaler, scale: float) -> None:
+    """After a forward overflow's update: the scale and growth tracker as before it, as host mode keeps them.
+
+    The hold made torch's ``update()`` count the iteration as one without
+    overflow: the tracker went up by one, or wrapped to 0 and the scale grew.
+    A few ops, after a failure only.
+    """
+    assert scaler._scale is not None and scaler._growth_tracker is not None
+    tracker = scaler._growth_tracker
+    tracker.copy_(torch.where(tracker == 0, scaler._growth_interval - 1, tracker - 1))
+    scaler._scale.fill_(scale)
+
+
+def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownRow]:
     """The listeners learn the rows whose host copies are complete (no sync): forward overflows, skipped steps."""
     rows = ledger.copies.known() if ledger.copies is not None else []
     if not rows:
-        return
+        return rows
     ledger.told += len(rows)
     if scaler._counters.last_skipped is None and ledger.copies is not None and not ledger.copies.pending:
         scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-    listeners.notify_counters_read(scaler, sum(row.held for row in rows), len(rows), at_read=False)
+    current = ledger.copies is not None and not ledger.copies.pending
+    listeners.notify_counters_read(
+        scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=current
+    )
     for row in rows:
-        if row.unread_all_skipped:
-            for optimizer in row.unread:
-                listeners.notify_late_skip(scaler, optimizer)
+        skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
+        for optimizer in row.unread:
+            listeners.notify_step_known(scaler, optimizer, skipped)
+    return rows
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
@@ -240,9 +257,8 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
             replay.high,
         )
     untold = range(ledger.told, len(rows))  # the rows no host copy told yet
-    listeners.notify_counters_read(
-        scaler, sum(ledger.held_overflow(i, rows) for i in untold), len(untold), at_read=True
-    )
+    nonfinite = sum(math.isnan(rows[i][2]) for i in untold)
+    listeners.notify_counters_read(scaler, nonfinite, len(untold), at_read=True, current=True)
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

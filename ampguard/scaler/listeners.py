@@ -11,7 +11,7 @@ The scaler calls every registered listener at fixed points of an iteration:
 ``on_update``            ``update()`` in host mode: the iteration's verdict is known on the host
 ``on_device_update``     ``update()`` in device mode (fused optimizers): nothing is known on the host
 ``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
-``on_late_skip``         a fused optimizer's step was skipped on the device (learned an iteration or two later)
+``on_step_known``        a fused optimizer's step, stepped or skipped on the device, became known (at once on the CPU)
 ``stats_fields``         ``scaler.stats``: the fields of ScalerStats the listener fills
 ``save`` / ``load``      entries of ``scaler.state_dict()["ampguard"]``
 ======================  ======================================================================
@@ -77,16 +77,25 @@ class StepListener:
         """
         return None
 
-    def on_counters_read(self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
-        """The host learned the verdicts of ``iterations`` more device-mode iterations, ``forward_overflows`` held.
+    def on_counters_read(
+        self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+    ) -> None:
+        """The host learned the verdicts of ``iterations`` more device-mode iterations.
 
-        Each iteration is told once: from its row's host copy as soon as it is
-        complete (:mod:`ampguard.scaler.row_copies`; ``at_read`` False, at most
-        once per ``update()``), or at the ledger's read (``at_read`` True).
+        ``forward_overflows`` of them had a non-finite loss. Each iteration is
+        told once: from its row's host copy as soon as it is complete
+        (:mod:`ampguard.scaler.row_copies`; ``at_read`` False, at most once per
+        ``update()``), or at the ledger's read (``at_read`` True). ``current``:
+        they end with the iteration just updated (always at a read; on the CPU
+        for the copies too).
         """
 
-    def on_late_skip(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
-        """``optimizer``'s step was skipped on the device (a fused optimizer); its schedulers already advanced."""
+    def on_step_known(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+        """A fused ``optimizer``'s step (no host read told of it) is known: stepped, or skipped on the device.
+
+        In step order; at the step's own ``update()`` on the CPU, an iteration or
+        two later on CUDA (:mod:`ampguard.scaler.row_copies`).
+        """
 
     def stats_fields(self) -> dict[str, Any]:
         """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills."""
@@ -179,14 +188,16 @@ def notify_device_update(
     return known
 
 
-def notify_counters_read(scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool) -> None:
+def notify_counters_read(
+    scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+) -> None:
     for listener in _listeners:
-        _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read)
+        _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read, current)
 
 
-def notify_late_skip(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
     for listener in _listeners:
-        _guarded(listener, "late skip", "on_late_skip", scaler, optimizer)
+        _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
 
 
 def stats_fields() -> dict[str, Any]:

@@ -43,6 +43,7 @@ class KnownRow:
     found: bool  # an optimizer found inf/NaN gradients
     nonfinite_loss: bool
     held: bool  # a non-finite loss kept the scale: a forward overflow
+    scale: float  # the scale the iteration ran at
     unread: list[torch.optim.Optimizer]  # the optimizers stepped that no host read told of (fused; those alive)
     read_skips: int  # skips among the others, which the host read (so the rest of ``skipped`` is the unread ones')
 
@@ -86,12 +87,12 @@ class RowCopies:
             if event is not None and not event.query():
                 break
             self.pending.popleft()
-            skipped, found, check, _ = host.tolist()  # host memory: no device read
+            skipped, found, check, scale = host.tolist()  # host memory: no device read
             if event is not None:
                 self._free.append(host)
             nonfinite = check != check
             unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
-            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, unread, read_skips))
+            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, scale, unread, read_skips))
         return rows
 
     def _host_row(self) -> torch.Tensor:

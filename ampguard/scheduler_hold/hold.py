@@ -27,12 +27,14 @@ and accelerate hold the scheduler on a skipped step; this module makes every
   does not call the scheduler when ``optimizer.step_was_skipped``, so the
   scheduler is not called at all on that step and holds once, not twice.
 * **Fused optimizers** (``Adam(fused=True)``) skip on the device: torch's
-  GradScaler hands them the found-inf flag, and the host learns of a skip
-  from the iteration's verdict copied to host memory, one or two iterations
-  later on CUDA, at once on the CPU (:mod:`ampguard.scaler.row_copies`; no
-  synchronisation): :func:`note_late_skip`. Each of the optimizer's schedulers
-  then holds its next ``step()``: the advance the skipped step made is taken
-  back one step late, and the schedule is where a held one would be.
+  GradScaler hands them the found-inf flag, and the host learns of the step
+  from the iteration's verdict copied to host memory (no synchronisation,
+  :mod:`ampguard.scaler.row_copies`): on the CPU at the step's own
+  ``update()``, so :func:`note_step` is called before ``scheduler.step()`` as
+  for other optimizers; on CUDA one or two iterations later, so the attempts
+  are counted that much late and a skip holds the scheduler's ``step()`` that
+  many steps late (unless a later step of the optimizer, known at the same
+  time, was made: then the skip is not held).
 
 A scheduler whose first ``step()`` ampguard sees after some steps were
 attempted (``SequentialLR`` and ``ChainedScheduler``, whose constructors make
@@ -70,9 +72,6 @@ class _Steps:
         # LRScheduler.state_dict() saves every attribute. A new scheduler reusing an id starts afresh
         # with its initial step.
         self.advanced_at: dict[int, int] = {}
-        # Fused optimizers: skips learned after the fact, and how many of them each scheduler has held for.
-        self.late_skips = 0
-        self.late_held: dict[int, int] = {}
 
 
 class _State:
@@ -106,17 +105,6 @@ def note_step(optimizer: Any, skipped: bool) -> None:
         logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
 
 
-def note_late_skip(optimizer: Any) -> None:
-    """A step of ``optimizer`` the device skipped (a fused one), learned after its schedulers advanced for it."""
-    try:
-        steps = optimizer.__dict__.get(_ATTRIBUTE)
-        if steps is None:
-            steps = optimizer.__dict__[_ATTRIBUTE] = _Steps()
-        steps.late_skips += 1
-    except Exception:
-        logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
-
-
 def should_hold(scheduler: Any) -> bool:
     """Whether this ``scheduler.step()`` call is one to skip; records the advance when it is not."""
     optimizer_dict = getattr(getattr(scheduler, "optimizer", None), "__dict__", None)
@@ -126,12 +114,8 @@ def should_hold(scheduler: Any) -> bool:
     if steps is None:
         steps = optimizer_dict[_ATTRIBUTE] = _Steps()
     key = id(scheduler)
-    late_held = steps.late_held.setdefault(key, steps.late_skips)  # a new scheduler owes nothing
     # torch's initial step (made by the constructor, _step_count still 0) always runs.
     if getattr(scheduler, "_step_count", None) != 0:
-        if late_held < steps.late_skips:  # a fused step skipped after this scheduler advanced for it
-            steps.late_held[key] = late_held + 1
-            return True
         # A scheduler first seen now (SequentialLR and ChainedScheduler make no initial step; one
         # created before import ampguard) is taken as stepped once per optimizer step.
         advanced_at = steps.advanced_at.get(key, steps.attempts - steps.skipped_run)

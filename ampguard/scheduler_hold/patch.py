@@ -29,8 +29,8 @@ class StepsListener(listeners.StepListener):
     def on_read(self, scaler: Any, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
         scheduler_hold.note_step(optimizer, skipped)
 
-    def on_late_skip(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-        scheduler_hold.note_late_skip(optimizer)
+    def on_step_known(self, scaler: Any, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+        scheduler_hold.note_step(optimizer, skipped)
 
 
 LISTENER = StepsListener()

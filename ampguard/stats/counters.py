@@ -29,6 +29,8 @@ class ScalerStats:
         consecutive_skipped: iterations skipped in a row, up to now.
         fp32_islands: qualified names of the modules ampguard runs in float32 (docs/islands.md).
         buffers_restored: skipped forward overflows after which buffers were restored (docs/islands.md).
+        headroom: the modules the last headroom watch saw closest to float16's 65,504, with their peaks, the
+            tightest first (docs/islands.md).
         underflow_share: at the last sampled step, the share of the float16 gradient values of the backward
             pass that were subnormal or lost (``underflow_subnormal + underflow_lost``; docs/underflow.md).
         underflow_subnormal: the share subnormal (fewer than 11 significant bits).
@@ -54,6 +56,7 @@ class ScalerStats:
     consecutive_skipped: int
     fp32_islands: tuple[str, ...] = ()
     buffers_restored: int = 0
+    headroom: tuple[tuple[str, float], ...] = ()
     underflow_share: float = 0.0
     underflow_subnormal: float = 0.0
     underflow_lost: float = 0.0
@@ -69,8 +72,12 @@ class ScalerStats:
         return 100.0 * self.skipped / self.steps if self.steps else 0.0
 
     def as_dict(self) -> dict[str, Any]:
-        """Plain data, as JSON gives it back (``fp32_islands`` a list)."""
-        return {key: list(value) if isinstance(value, tuple) else value for key, value in asdict(self).items()}
+        """Plain data, as JSON gives it back (``fp32_islands`` a list; ``headroom`` a list of [name, peak] lists)."""
+        return {key: _plain(value) for key, value in asdict(self).items()}
+
+
+def _plain(value: Any) -> Any:
+    return [_plain(item) for item in value] if isinstance(value, tuple) else value
 
 
 @dataclass
@@ -99,6 +106,7 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
         f"clip_skipped={process_counters.clip_skipped}"
         + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
         + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
+        + (f" headroom={','.join(f'{name}:{peak:.4g}' for name, peak in stats.headroom)}" if stats.headroom else "")
         + (_underflow_text(stats) if stats.underflow_samples else "")
     )
 

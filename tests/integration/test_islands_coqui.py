@@ -64,7 +64,8 @@ def test_coqui_trainer_names_and_heals_the_overflowing_block(tmp_path, monkeypat
     stats = coqui.scaler.stats
     assert coqui.total_steps_done == STEPS
     assert stats.fp32_islands == ("net.blocks.1.attn",)
-    assert stats.skipped == stats.nonfinite_loss == 2  # batches 2 and 5; 8 and 11 train in float32
+    # batch 2, named there from what the headroom watch of step 2 saw; 5, 8 and 11 train in float32
+    assert stats.skipped == stats.nonfinite_loss == 1
     assert stats.min_scale_seen == 1024.0
     made = {r.getMessage() for r in caplog.records if r.getMessage().startswith("fp32 island:")}
     assert len(made) == 1 and made.pop().startswith("fp32 island: net.blocks.1.attn (Attention)")

@@ -91,7 +91,7 @@ def test_the_float16_mlp_becomes_an_island_and_the_loud_batches_train(transforme
     print(f"\nhf-trainer fused, float16 Llama, MLP loud every {LOUD_EVERY}: {stats}; without islands: {without}")
     assert without.nonfinite_loss == STEPS // LOUD_EVERY and without.fp32_islands == ()
     assert stats.fp32_islands == ("model.layers.1.mlp",)
-    assert stats.nonfinite_loss <= 2  # of 6 loud batches
+    assert stats.nonfinite_loss <= 1  # of 6 loud batches: the watch saw the MLP closest, and it is blamed at once
     mlp = trainer.model.model.layers[1].mlp
     assert {p.dtype for p in mlp.parameters()} == {torch.float16}  # the island computes in float32, keeps float16
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
