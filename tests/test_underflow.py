@@ -167,3 +167,15 @@ def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "uflow |" in out and "the scale grown 14 times for it; modules losing most: blocks." in out
+
+
+def test_under_torch_distributed_adapt_only_reports_mocked_world(monkeypatch, ampguard_log):
+    """Ranks training one model must keep one scale; each measures its own batch: no growth, one warning."""
+    import ampguard.underflow.listener as listener_module
+
+    monkeypatch.setattr(listener_module, "distributed", lambda: object())  # a world of ranks sharing gradients
+    run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
+    assert run.scaler.stats.underflow_growths == 0 and run.scaler.stats.scale == 1024.0
+    assert run.scaler.stats.underflow_samples == 1 and run.scaler.stats.underflow_share > 0.99
+    [warning] = records(ampguard_log, 30, "subnormal or lost")
+    assert "under torch.distributed" in warning.getMessage()

@@ -14,6 +14,9 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   :func:`~ampguard.underflow.policy.decide` may grow the scale
   (:func:`ampguard.scaler.policy.grow_now`: no read either).
 
+Under torch.distributed (ranks training one model) adapt only reports: every
+rank must keep the same scale, and each measures its own batch.
+
 Healthy steps cost a few comparisons; no step reads the device for this.
 ``scaler.stats`` shows the measurement of the scaler that stepped or updated last (the
 listeners' fields are the process's, as the fp32 islands' are).
@@ -29,6 +32,7 @@ from typing import Any
 import torch
 
 import ampguard.scaler.policy as scale_policy
+from ampguard.distributed import distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
 from ampguard.underflow.measure import Measurement, Transfer
@@ -39,6 +43,10 @@ logger = event_logger("underflow")
 GROWN = (
     "loss scale {before:g} -> {after:g} at step {step}: {share:.2%} of the float16 gradient values of the sampled "
     "backward pass were subnormal or lost{worst} (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
+)
+DISTRIBUTED = (
+    " (the scale is not grown for it under torch.distributed: every rank must keep the same scale, and each "
+    "measures its own batch)"
 )
 REPORTED = (
     "at loss scale {scale:g}, {share:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
@@ -128,17 +136,17 @@ class UnderflowListener(StepListener):
         state.last = measurement
         if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling):
             return False
-        if self.mode != "adapt":
+        shared = distributed() is not None  # ranks training one model: their scales must stay equal
+        if self.mode != "adapt" or shared:
             if not self.reported:
                 self.reported = True
-                logger.warning(
-                    REPORTED.format(
-                        scale=measurement.scale,
-                        share=measurement.underflow_share,
-                        step=measurement.step,
-                        worst=_worst(measurement),
-                    )
+                message = REPORTED.format(
+                    scale=measurement.scale,
+                    share=measurement.underflow_share,
+                    step=measurement.step,
+                    worst=_worst(measurement),
                 )
+                logger.warning(message + (DISTRIBUTED if shared and self.mode == "adapt" else ""))
             return False
         after = scale_policy.grow_now(scaler, below=state.ceiling)
         if after is not None and after <= scale:
