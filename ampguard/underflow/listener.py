@@ -68,7 +68,7 @@ class UnderflowListener(StepListener):
         self.mode = mode
         self.every = every
         self.states: weakref.WeakKeyDictionary[Any, ScaleState] = weakref.WeakKeyDictionary()
-        # The scaler updated last: scaler.stats shows its measurement (the listeners' fields are per process).
+        # The scaler that stepped or updated last: scaler.stats shows its measurement (listeners are told no other).
         self._latest: weakref.ref[Any] | None = None
         self.reported = False
 
