@@ -35,7 +35,7 @@ JSON_FIELDS = {
     "step_time",
     "syncs",
     "clip_idle",
-    "underflow_sample",
+    "sampled_steps",
     "import_time",
     "targets",
     "checks",
@@ -250,7 +250,11 @@ def test_bench_json_has_the_documented_fields(bench_json):
     else:
         assert set(bench_json["syncs"]["fused"]) == SYNC_FIELDS
     assert set(bench_json["clip_idle"]) == CLIP_FIELDS
-    assert set(bench_json["underflow_sample"]) == UNDERFLOW_SAMPLE_FIELDS
+    watched = bench_json["sampled_steps"]["headroom_watch"]
+    assert set(watched) == {"normal_ms", "watched_ms", "ratio", "every", "amortised", "pairs"}
+    assert watched["every"] == 100 and watched["ratio"] > 0
+    sample = bench_json["sampled_steps"]["underflow"]
+    assert set(sample) == UNDERFLOW_SAMPLE_FIELDS
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
     assert bench_json["targets"] == report.TARGETS
     assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)
@@ -275,7 +279,7 @@ def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
     assert bench_json["import_time"]["runs"] == 1
     assert bench_json["clip_idle"]["tensors"] == 100
     # bfloat16 autocast on the CPU has no float16 gradient: the sample counts none and reads nothing.
-    sample = bench_json["underflow_sample"]
+    sample = bench_json["sampled_steps"]["underflow"]
     assert sample["float16_gradient_values"] == 0 and sample["extra_reads"] == 0 and sample["every"] == 100
     assert bench_json["patches"] == {entry.name: entry.state for entry in ampguard.status()}
     assert bench_json["settings"]["autocast_dtype"] == "bfloat16"

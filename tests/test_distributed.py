@@ -229,9 +229,11 @@ def _check_ranks_agree(records: list[dict[str, Any]], forward_backoff: bool = Fa
     # The loss was inf only on rank 1 at the forward-overflow step; never at the backward one.
     assert first["loss_finite"] == [True] * STEPS
     assert second["loss_finite"] == [step != SKIPPED_STEPS[1] for step in range(STEPS)]
-    # Every counter agrees, except nonfinite_loss: it describes this rank's own loss.
+    # Every counter agrees, except nonfinite_loss: it describes this rank's own loss; and the headroom watch's
+    # peaks, each rank's own batches'.
     ours, theirs = dict(first["stats"]), dict(second["stats"])
     assert (ours.pop("nonfinite_loss"), theirs.pop("nonfinite_loss")) == (0, 1)
+    assert [name for name, _ in ours.pop("headroom")] == [name for name, _ in theirs.pop("headroom")]
     assert ours == theirs
     assert ours["steps"] == STEPS and ours["skipped"] == len(SKIPPED_STEPS)
     assert ours["consecutive_skipped"] == 0 and ours["scale"] == first["scale"][-1]

@@ -285,3 +285,39 @@ def test_the_measured_underflow_is_charted_and_the_modules_losing_most_named(tmp
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp_path / "underflow.png"
         assert report(capsys, str(path), "--png", str(png))[0] == 0 and png.stat().st_size > 0
+
+
+@pytest.fixture
+def watched(reinstall, tmp_path):
+    """A stats file from the islands test net with the headroom watch every 5 steps, stats every 10 of 30."""
+    from islands_support import make_net
+    from islands_support import train as train_net
+
+    path = tmp_path / "watched.jsonl"
+    reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="10", AMPGUARD_WATCH_EVERY="5")
+    model = make_net()
+    run = train_net(30, model=model, healthy=True)
+    return path, run.scaler.stats
+
+
+def test_the_headroom_the_watch_saw_is_reported_and_charted(watched, capsys):
+    path, stats = watched
+    assert stats.headroom  # the watch ran and reported its tightest modules
+    code, out, _ = report(capsys, str(path), "--json")
+    [scaler] = json.loads(out)[0]["scalers"]
+    assert scaler["headroom"] == [list(item) for item in stats.headroom]
+    closest = scaler["headroom_peak"]
+    assert closest["peak"] >= stats.headroom[0][1] and closest["step"] in (10, 20, 30)
+    code, out, _ = report(capsys, str(path))
+    assert code == 0
+    assert f"headroom: the closest to float16's 65,504 any stats line saw was {closest['module']}" in out
+    peak_row = next(line for line in out.splitlines() if line.strip().startswith("peak |"))
+    assert len([c for c in peak_row.split("|", 1)[1] if c != " "]) == 3  # one mark per stats line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
+def test_png_with_the_headroom_panel_is_written(watched, tmp_path, capsys):
+    path, _ = watched
+    png = tmp_path / "watched.png"
+    code, _, _ = report(capsys, str(path), "--png", str(png))
+    assert code == 0 and png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")

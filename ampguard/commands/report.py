@@ -20,6 +20,7 @@ from typing import Any
 
 from ampguard.stats.report import ReportError, Run, Series, read
 
+FLOAT16_MAX = 65504.0
 CHART_WIDTH = 60
 CHART_HEIGHT = 8
 
@@ -76,6 +77,12 @@ def render(path: str, runs: list[Run]) -> str:
                 f"loss scale {numbers['final_scale']:g} (range {numbers['scale_min']:g}..{numbers['scale_max']:g})"
             )
             out.extend("    " + line for line in chart(series))
+            peak = numbers["headroom_peak"]
+            if peak is not None:
+                out.append(
+                    f"    headroom: the closest to float16's 65,504 any stats line saw was {peak['module']} at "
+                    f"{peak['peak']:,.0f} ({peak['peak'] / FLOAT16_MAX:.0%}), step {peak['step']}"
+                )
             underflow = numbers["underflow"]
             if underflow["samples"]:
                 modules = ", ".join(f"{name} {share:.1%}" for name, share in underflow["modules"]) or "none"
@@ -125,11 +132,22 @@ def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) 
     skips = "".join(" " if c is None else "." if c[1] == 0 else str(c[1]) if c[1] < 10 else "#" for c in columns)
     lines.append(f"{'':>6} +{'-' * width}")
     lines.append(f"{'skip':>6} |{skips}")
+    watched = series.headroom()
+    if watched:
+        shares: list[float | None] = [None] * width
+        for step, _, peak in watched:
+            column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
+            shares[column] = max(shares[column] or 0.0, peak / FLOAT16_MAX)
+        lines.append(f"{'peak':>6} |{''.join(_share_mark(share) for share in shares)}")
     underflow = series.underflow()
     if underflow:
         lines.append(f"{'uflow':>6} |{_underflow_row(underflow, first, last, width)}")
     lines.append(f"{'step':>6}  {first:<{max(width - len(str(last)), 1)}}{last}")
     lines.append("        loss scale, log2 (* a stats line); skipped steps per interval (. none, # 10 or more)")
+    if watched:
+        lines.append(
+            "        peak: the tightest watched module's float16 peak, tenths of 65,504 (0: under 10%, # 90%+)"
+        )
     if underflow:
         lines.append("        float16 gradient underflow at the last sample (. below 1%, 0-9: 1-10%, ... 90-100%)")
     return lines
@@ -144,6 +162,12 @@ def _underflow_row(points: list[tuple[int, float]], first: int, last: int, width
     return "".join(cells)
 
 
+def _share_mark(share: float | None) -> str:
+    if share is None:
+        return " "
+    return "#" if share >= 0.9 else str(int(share * 10))
+
+
 def draw_png(runs: list[Run], path: str) -> None:
     """Scale (log2) above, skipped steps per interval below, one line per scaler of every run."""
     import matplotlib
@@ -151,14 +175,14 @@ def draw_png(runs: list[Run], path: str) -> None:
     matplotlib.use("Agg")  # a file, never a window
     import matplotlib.pyplot as plt
 
+    watched = any(series.headroom() for run in runs for series in run.series)
     measured = any(series.underflow() for run in runs for series in run.series)
+    panels = 2 + watched + measured
     figure, axes = plt.subplots(
-        3 if measured else 2,
-        1,
-        sharex=True,
-        figsize=(10, 8 if measured else 6),
-        gridspec_kw={"height_ratios": (2, 1, 1) if measured else (2, 1)},
-    )
+        panels, 1, sharex=True, figsize=(10, 4 + 2 * panels),
+        gridspec_kw={"height_ratios": (2,) + (1,) * (panels - 1)},
+    )  # fmt: skip
+    underflow_axes = axes[-1] if measured else None
     scale_axes, skip_axes = axes[0], axes[1]
     for run_number, run in enumerate(runs, start=1):
         for index, series in enumerate(run.series, start=1):
@@ -166,16 +190,24 @@ def draw_png(runs: list[Run], path: str) -> None:
             label = f"run {run_number} scaler {index}" if len(runs) > 1 else f"scaler {index}"
             scale_axes.step(steps, scales, where="post", marker=".", label=label)
             skip_axes.plot(steps, skipped, marker="o", linestyle="none", label=label)
-            if series.underflow():
+            if watched and series.headroom():
+                at, _, peaks = zip(*series.headroom())
+                axes[2].plot(at, [peak / FLOAT16_MAX for peak in peaks], marker=".", label=label)
+            if underflow_axes is not None and series.underflow():
                 underflow_steps, shares = zip(*series.underflow())
-                axes[2].plot(underflow_steps, [100 * share for share in shares], marker="o", label=label)
-    if measured:
-        axes[2].set_ylabel("underflow %")
-        axes[2].axhline(1.0, color="grey", linewidth=0.5)  # the policy's threshold
+                underflow_axes.plot(underflow_steps, [100 * share for share in shares], marker="o", label=label)
+    if underflow_axes is not None:
+        underflow_axes.set_ylabel("underflow %")
+        underflow_axes.axhline(1.0, color="grey", linewidth=0.5)  # the underflow policy's threshold
     scale_axes.set_yscale("log", base=2)
     scale_axes.set_ylabel("loss scale")
     scale_axes.legend(fontsize="small")
     skip_axes.set_ylabel("skipped per interval")
+    skip_axes.set_xlabel("optimizer step")
+    if watched:
+        axes[2].axhline(1.0, color="red", linewidth=0.8)
+        axes[2].set_ylabel("tightest peak / 65,504")
+        axes[2].set_xlabel("optimizer step")
     axes[-1].set_xlabel("optimizer step")
     figure.suptitle("ampguard: loss scale and skipped steps")
     figure.tight_layout()

@@ -195,6 +195,14 @@ class HeadroomWatch:
             self._watched_step = step + 1
             self._arm()
 
+    def watch_next(self, step: int) -> bool:
+        """Watch the next iteration now, off the schedule (``ampguard bench`` times a watched step this way)."""
+        if self._handles or self.pending is not None:
+            return False
+        self._watched_step = step + 1
+        self._arm()
+        return True
+
     def _arm(self) -> None:
         self._passes = 0
         self._slots = {}

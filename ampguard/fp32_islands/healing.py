@@ -126,6 +126,17 @@ def is_active() -> bool:
     return _active is not None
 
 
+def watch_next_iteration() -> bool:
+    """Have the headroom watch observe the next iteration, off its schedule (for ``ampguard bench``).
+
+    False when there is nothing to do it with: the patch is off, the watch is
+    switched off (``AMPGUARD_WATCH_EVERY=0``), stopped, or busy with a watch.
+    """
+    if _active is None or not _active.watch.every or not _may_watch(_active):
+        return False
+    return _active.watch.watch_next(0)
+
+
 # -- the scaler's one read -----------------------------------------------------------------
 
 

@@ -52,6 +52,17 @@ class Series:
             before = record["skipped"]
         return points
 
+    def headroom(self) -> list[tuple[int, str, float]]:
+        """``(step, module, peak)`` per stats line that carries the headroom watch's tightest module."""
+        tightest = []
+        for record in self.records:
+            watched = record.get("headroom")
+            if isinstance(watched, list) and watched and isinstance(watched[0], list) and len(watched[0]) == 2:
+                name, peak = watched[0]
+                if isinstance(name, str) and isinstance(peak, (int, float)) and math.isfinite(peak):
+                    tightest.append((record["steps"], name, float(peak)))
+        return tightest
+
     def underflow(self) -> list[tuple[int, float]]:
         """``(step, measured underflow share)`` per stats line with a measurement (AMPGUARD_UNDERFLOW)."""
         return [(r["steps"], float(r["underflow_share"])) for r in self.records if r.get("underflow_samples")]
@@ -66,6 +77,8 @@ class Series:
 
     def summary(self) -> dict[str, Any]:
         last = self.last
+        watched = self.headroom()
+        closest = max(watched, key=lambda point: point[2]) if watched else None
         return {
             "lines": [self.first_line, self.records[-1]["_line"]],
             "steps": last["steps"],
@@ -77,6 +90,9 @@ class Series:
             "scale_min": min(r["min_scale_seen"] for r in self.records),
             "scale_max": max(r["max_scale_seen"] for r in self.records),
             "fp32_islands": list(last.get("fp32_islands", [])),
+            # The headroom watch: its tightest modules at the last stats line, and the closest any line saw.
+            "headroom": [list(item) for item in last.get("headroom", [])],
+            "headroom_peak": {"step": closest[0], "module": closest[1], "peak": closest[2]} if closest else None,
             "underflow": {
                 "samples": last.get("underflow_samples", 0),
                 "growths": last.get("underflow_growths", 0),

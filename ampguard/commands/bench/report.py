@@ -26,6 +26,7 @@ from ampguard.commands.bench.runs import (
     fused_unavailable_reason,
     optimizer_name,
 )
+from ampguard.commands.bench.sampled import time_watched_step
 from ampguard.commands.bench.timing import time_idle_clip, time_steps
 from ampguard.commands.bench.underflow import time_sampled_step
 
@@ -105,8 +106,10 @@ def run(options: Options) -> dict[str, Any]:
             step_time[key] = time_steps(options, fused)
         say("timing clip_grad_norm_ with nothing scaled")
         clip_idle = time_idle_clip(options)
+        say("timing a step the headroom watch observes")
+        sampled_steps = {"headroom_watch": time_watched_step(options)}
         say("timing a step sampled for underflow against a healthy one")
-        underflow_sample = time_sampled_step(options)
+        sampled_steps["underflow"] = time_sampled_step(options)
     finally:
         log.logger.setLevel(previous_level)
     import_time = None
@@ -141,7 +144,7 @@ def run(options: Options) -> dict[str, Any]:
         "step_time": step_time,
         "syncs": syncs,
         "clip_idle": clip_idle,
-        "underflow_sample": underflow_sample,
+        "sampled_steps": sampled_steps,
         "import_time": import_time,
         "targets": dict(TARGETS),
     }
@@ -197,16 +200,28 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             f"<= {TARGETS['import_overhead_ms']:g} ms",
             verdict.get("import_overhead_ms", ""),
         ]
-    sample = result["underflow_sample"]
-    yield [
-        "a step sampled for underflow",
-        f"{sample['healthy_ms']:.2f} ms (healthy)",
-        f"{sample['sampled_ms']:.2f} ms",
-        f"median paired ratio {sample['ratio']:.3f}, {sample['extra_reads']:+d} read; every "
-        f"{sample['every']} steps: {sample['overhead_at_every']:+.2%} of the run",
-        "reported",
-        "",
-    ]
+    watched = result.get("sampled_steps", {}).get("headroom_watch")
+    if watched and "unavailable" not in watched:
+        yield [
+            "a step the headroom watch observes",
+            "-",
+            f"{watched['watched_ms']:.2f} ms",
+            f"x{watched['ratio']:.3f} an ordinary step ({watched['normal_ms']:.2f} ms); one in {watched['every']}: "
+            f"{watched['amortised']:+.2%} amortised (in the step-time ratio above)",
+            "",
+            "",
+        ]
+    sample = result.get("sampled_steps", {}).get("underflow")
+    if sample:
+        yield [
+            "a step sampled for underflow",
+            f"{sample['healthy_ms']:.2f} ms (healthy)",
+            f"{sample['sampled_ms']:.2f} ms",
+            f"median paired ratio {sample['ratio']:.3f}, {sample['extra_reads']:+d} read; every "
+            f"{sample['every']} steps: {sample['overhead_at_every']:+.2%} of the run",
+            "reported",
+            "",
+        ]
     clip = result["clip_idle"]
     yield [
         f"clip_grad_norm_, {clip['tensors']} tensors, nothing scaled",
