@@ -33,6 +33,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.patches.anomaly:AnomalyPatch",
     "ampguard.master_weights.patch:MasterWeightsPatch",
     "ampguard.scheduler_hold.patch:SchedulerHoldPatch",
+    "ampguard.underflow.patch:UnderflowPatch",
     "ampguard.trainer_logs.patch:TrainerLogsPatch",
 )
 

@@ -40,6 +40,19 @@ JSON_FIELDS = {
     "targets",
     "checks",
 }
+UNDERFLOW_SAMPLE_FIELDS = {
+    "healthy_ms",
+    "sampled_ms",
+    "ratio",
+    "ratio_min",
+    "ratio_max",
+    "ratio_stderr",
+    "extra_reads",
+    "float16_gradient_values",
+    "every",
+    "overhead_at_every",
+    "blocks",
+}
 STEP_TIME_FIELDS = {
     "optimizer",
     "torch_ms_per_step",
@@ -240,6 +253,8 @@ def test_bench_json_has_the_documented_fields(bench_json):
     watched = bench_json["sampled_steps"]["headroom_watch"]
     assert set(watched) == {"normal_ms", "watched_ms", "ratio", "every", "amortised", "pairs"}
     assert watched["every"] == 100 and watched["ratio"] > 0
+    sample = bench_json["sampled_steps"]["underflow"]
+    assert set(sample) == UNDERFLOW_SAMPLE_FIELDS
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
     assert bench_json["targets"] == report.TARGETS
     assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)
@@ -263,6 +278,9 @@ def test_bench_json_values_that_do_not_depend_on_the_machine(bench_json):
     assert bench_json["step_time"]["plain"]["blocks"] == 2
     assert bench_json["import_time"]["runs"] == 1
     assert bench_json["clip_idle"]["tensors"] == 100
+    # bfloat16 autocast on the CPU has no float16 gradient: the sample counts none and reads nothing.
+    sample = bench_json["sampled_steps"]["underflow"]
+    assert sample["float16_gradient_values"] == 0 and sample["extra_reads"] == 0 and sample["every"] == 100
     assert bench_json["patches"] == {entry.name: entry.state for entry in ampguard.status()}
     assert bench_json["settings"]["autocast_dtype"] == "bfloat16"
     for timing in filter(None, bench_json["step_time"].values()):
@@ -284,6 +302,7 @@ def test_bench_table_plain_text(bench_json):
     assert "syncs/step, AdamW" in text
     assert "import ampguard after torch" in text
     assert "clip_grad_norm_, 100 tensors, nothing scaled" in text
+    assert "a step sampled for underflow" in text
 
 
 def test_bench_rejects_a_device_it_does_not_have(capsys):

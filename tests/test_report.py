@@ -245,6 +245,48 @@ def test_a_file_without_the_install_time_is_dated_by_its_first_record(tmp_path, 
     assert code == 0 and "run 1: first record 1970-01-02 00:00:00 UTC, pid 7" in out
 
 
+def test_the_measured_underflow_is_charted_and_the_modules_losing_most_named(tmp_path, capsys):
+    """Stats lines with underflow_* fields (AMPGUARD_UNDERFLOW): a row of the chart, the summary, the PNG's panel."""
+    path = tmp_path / "underflow.jsonl"
+    shares = [0.97, 0.45, 0.05, 0.004]
+    records: list[dict] = [{"event": "start", "time": 1.0, "format": 1}]
+    for index, share in enumerate(shares, start=1):
+        records.append(
+            {
+                "event": "stats",
+                "time": 1.0 + index,
+                "steps": 10 * index,
+                "skipped": 0,
+                "no_grad_steps": 0,
+                "nonfinite_loss": 0,
+                "scale": 1024.0 * 2**index,
+                "min_scale_seen": 1024.0,
+                "max_scale_seen": 1024.0 * 2**index,
+                "underflow_share": share,
+                "underflow_samples": index,
+                "underflow_growths": index,
+                "underflow_modules": [["blocks.1.qkv", share], ["head", share / 2]] if index < 3 else [["head", share]],
+            }
+        )
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    code, out, _ = report(capsys, str(path), "--json")
+    [run] = json.loads(out)
+    assert code == 0 and run["scalers"][0]["underflow"] == {
+        "samples": 4,
+        "growths": 4,
+        "last_share": 0.004,
+        "max_share": 0.97,
+        "modules": [["blocks.1.qkv", 0.97], ["head", 0.485]],
+    }
+    code, out, _ = report(capsys, str(path))
+    row = next(line for line in out.splitlines() if line.strip().startswith("uflow |")).split("|", 1)[1]
+    assert [c for c in row if c != " "] == ["9", "4", "0", "."]
+    assert "modules losing most: blocks.1.qkv 97.0%, head 48.5%" in out
+    if importlib.util.find_spec("matplotlib") is not None:
+        png = tmp_path / "underflow.png"
+        assert report(capsys, str(path), "--png", str(png))[0] == 0 and png.stat().st_size > 0
+
+
 @pytest.fixture
 def watched(reinstall, tmp_path):
     """A stats file from the islands test net with the headroom watch every 5 steps, stats every 10 of 30."""

@@ -333,6 +333,15 @@ def test_stats_snapshot_attributes_and_as_dict():
         "fp32_islands": [],
         "buffers_restored": 0,
         "headroom": [],
+        "underflow_share": 0.0,
+        "underflow_subnormal": 0.0,
+        "underflow_lost": 0.0,
+        "underflow_grad_peak": 0.0,
+        "underflow_values": 0,
+        "underflow_step": 0,
+        "underflow_samples": 0,
+        "underflow_growths": 0,
+        "underflow_modules": [],
     }
     with pytest.raises(AttributeError):
         stats.steps = 3  # a snapshot
@@ -380,7 +389,7 @@ def test_disabled_scaler_counts_steps_and_is_torchs_passthrough():
 
 LINE = re.compile(
     r"^stats step=(\d+) scale=(\S+) skipped=(\d+) skipped_total=(\d+) \((\d+\.\d\d)%\) no_grad=(\d+) "
-    r"nonfinite_loss=(\d+) consecutive_skipped=\d+ scale_range=\S+\.\.\S+ clip_skipped=\d+( headroom=\S+)?$"
+    r"nonfinite_loss=(\d+) consecutive_skipped=\d+ scale_range=\S+\.\.\S+ clip_skipped=\d+( headroom=\S+)?( underflow=.*)?$"
 )
 
 

@@ -83,6 +83,14 @@ def render(path: str, runs: list[Run]) -> str:
                     f"    headroom: the closest to float16's 65,504 any stats line saw was {peak['module']} at "
                     f"{peak['peak']:,.0f} ({peak['peak'] / FLOAT16_MAX:.0%}), step {peak['step']}"
                 )
+            underflow = numbers["underflow"]
+            if underflow["samples"]:
+                modules = ", ".join(f"{name} {share:.1%}" for name, share in underflow["modules"]) or "none"
+                out.append(
+                    f"    float16 gradient underflow: {underflow['last_share']:.2%} at the last sample "
+                    f"(at most {underflow['max_share']:.2%}), {underflow['samples']} steps sampled, "
+                    f"the scale grown {underflow['growths']} times for it; modules losing most: {modules}"
+                )
         out.append(f"  fp32 islands: {', '.join(summary['fp32_islands']) or 'none'}")
         events = summary["events"]
         out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
@@ -131,13 +139,27 @@ def chart(series: Series, width: int = CHART_WIDTH, height: int = CHART_HEIGHT) 
             column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
             shares[column] = max(shares[column] or 0.0, peak / FLOAT16_MAX)
         lines.append(f"{'peak':>6} |{''.join(_share_mark(share) for share in shares)}")
+    underflow = series.underflow()
+    if underflow:
+        lines.append(f"{'uflow':>6} |{_underflow_row(underflow, first, last, width)}")
     lines.append(f"{'step':>6}  {first:<{max(width - len(str(last)), 1)}}{last}")
     lines.append("        loss scale, log2 (* a stats line); skipped steps per interval (. none, # 10 or more)")
     if watched:
         lines.append(
             "        peak: the tightest watched module's float16 peak, tenths of 65,504 (0: under 10%, # 90%+)"
         )
+    if underflow:
+        lines.append("        float16 gradient underflow at the last sample (. below 1%, 0-9: 1-10%, ... 90-100%)")
     return lines
+
+
+def _underflow_row(points: list[tuple[int, float]], first: int, last: int, width: int) -> str:
+    """The measured underflow share per chart column: ``.`` below 1% (the policy's threshold), else its tens."""
+    cells = [" "] * width
+    for step, share in points:
+        column = round((step - first) / (last - first) * (width - 1)) if last > first else 0
+        cells[column] = "." if share < 0.01 else str(min(int(share * 10), 9))
+    return "".join(cells)
 
 
 def _share_mark(share: float | None) -> str:
@@ -154,10 +176,13 @@ def draw_png(runs: list[Run], path: str) -> None:
     import matplotlib.pyplot as plt
 
     watched = any(series.headroom() for run in runs for series in run.series)
+    measured = any(series.underflow() for run in runs for series in run.series)
+    panels = 2 + watched + measured
     figure, axes = plt.subplots(
-        3 if watched else 2, 1, sharex=True, figsize=(10, 8 if watched else 6),
-        gridspec_kw={"height_ratios": (2, 1, 1) if watched else (2, 1)},
+        panels, 1, sharex=True, figsize=(10, 4 + 2 * panels),
+        gridspec_kw={"height_ratios": (2,) + (1,) * (panels - 1)},
     )  # fmt: skip
+    underflow_axes = axes[-1] if measured else None
     scale_axes, skip_axes = axes[0], axes[1]
     for run_number, run in enumerate(runs, start=1):
         for index, series in enumerate(run.series, start=1):
@@ -168,6 +193,12 @@ def draw_png(runs: list[Run], path: str) -> None:
             if watched and series.headroom():
                 at, _, peaks = zip(*series.headroom())
                 axes[2].plot(at, [peak / FLOAT16_MAX for peak in peaks], marker=".", label=label)
+            if underflow_axes is not None and series.underflow():
+                underflow_steps, shares = zip(*series.underflow())
+                underflow_axes.plot(underflow_steps, [100 * share for share in shares], marker="o", label=label)
+    if underflow_axes is not None:
+        underflow_axes.set_ylabel("underflow %")
+        underflow_axes.axhline(1.0, color="grey", linewidth=0.5)  # the underflow policy's threshold
     scale_axes.set_yscale("log", base=2)
     scale_axes.set_ylabel("loss scale")
     scale_axes.legend(fontsize="small")
@@ -177,6 +208,7 @@ def draw_png(runs: list[Run], path: str) -> None:
         axes[2].axhline(1.0, color="red", linewidth=0.8)
         axes[2].set_ylabel("tightest peak / 65,504")
         axes[2].set_xlabel("optimizer step")
+    axes[-1].set_xlabel("optimizer step")
     figure.suptitle("ampguard: loss scale and skipped steps")
     figure.tight_layout()
     figure.savefig(path, dpi=100)

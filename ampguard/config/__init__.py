@@ -317,6 +317,27 @@ SETTINGS: tuple[Setting, ...] = (
         "AMPGUARD_MASTER_WEIGHTS=all",
         _choice_parser(("fp16", "all", "off")),
     ),
+    Setting(
+        "AMPGUARD_UNDERFLOW",
+        "underflow",
+        "adapt",
+        "adapt, report or off",
+        "Sampled steps measure how much of the float16 gradient traffic the loss scale loses to underflow: grow "
+        "the scale while that is material and the gradients have room, only report it, or measure nothing "
+        "(see docs/underflow.md).",
+        "AMPGUARD_UNDERFLOW=report",
+        _choice_parser(("adapt", "report", "off"), patch="underflow"),
+    ),
+    Setting(
+        "AMPGUARD_UNDERFLOW_EVERY",
+        "underflow_every",
+        100,
+        "a whole number >= 1",
+        "Optimizer steps between two underflow samples (the next step is sampled too while the scale grows for "
+        "underflow).",
+        "AMPGUARD_UNDERFLOW_EVERY=500",
+        _number_parser(int, 1, describe="a whole number >= 1"),
+    ),
 )
 
 SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}
@@ -346,6 +367,8 @@ class Config:
     stats_file: str | None = None
     watch_every: int = 100
     headroom: float = 4.0
+    underflow: str = "adapt"
+    underflow_every: int = 100
 
     def as_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

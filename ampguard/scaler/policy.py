@@ -14,6 +14,8 @@ import ctypes
 import math
 from typing import TYPE_CHECKING
 
+import torch
+
 import ampguard.messages as messages
 import ampguard.scaler.diagnose as diagnose
 from ampguard.errors import ScaleCollapseError
@@ -84,3 +86,31 @@ def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
         scaler._counters.stall_error = ScaleCollapseError(message)
     else:
         logger.critical(message, extra=event("stall"))
+
+
+def grow_now(scaler: SafeGradScaler, below: float = math.inf) -> float | None:
+    """Grow the scale by the growth factor now, within the cap and below ``below``; restart the growth interval.
+
+    For a capability that knows the gradients have room (ampguard.underflow). No
+    host read: in host mode the mirror is grown with the device's scale and the
+    new scale returned (the old one when it cannot grow); in device mode (no
+    mirror) the growth is made on the device and None returned (the ledger's
+    rows record it).
+    """
+    assert scaler._scale is not None and scaler._growth_tracker is not None
+    counters = scaler._counters
+    current = counters.mirror_scale
+    if current is None:
+        grown_tensor = scaler._scale * scaler._growth_factor
+        allowed = (grown_tensor < below) & (grown_tensor <= scaler._max_scale)
+        scaler._scale.copy_(torch.where(allowed, grown_tensor, scaler._scale))
+        scaler._growth_tracker.copy_(torch.where(allowed, 0, scaler._growth_tracker))
+        return None
+    grown = bounded(scaler, f32(current * scaler._growth_factor))
+    if not math.isfinite(grown) or grown <= current or grown >= below:
+        return current
+    scaler._scale.fill_(grown)
+    scaler._growth_tracker.fill_(0)
+    counters.mirror_scale, counters.mirror_tracker = grown, 0
+    counters.min_seen, counters.max_seen = min(counters.min_seen, grown), max(counters.max_seen, grown)
+    return grown

@@ -31,6 +31,19 @@ class ScalerStats:
         buffers_restored: skipped forward overflows after which buffers were restored (docs/islands.md).
         headroom: the modules the last headroom watch saw closest to float16's 65,504, with their peaks, the
             tightest first (docs/islands.md).
+        underflow_share: at the last sampled step, the share of the float16 gradient values of the backward
+            pass that were subnormal or lost (``underflow_subnormal + underflow_lost``; docs/underflow.md).
+        underflow_subnormal: the share subnormal (fewer than 11 significant bits).
+        underflow_lost: the share lost: zeros a 4x scale would have kept (estimated) and the values of
+            gradients without a single normal value.
+        underflow_grad_peak: the largest float16 gradient magnitude of the sampled step (scaled).
+        underflow_values: the float16 gradient values the last sample counted (0 with no float16 gradient:
+            bfloat16 or float32 training).
+        underflow_step: the optimizer step sampled last (0: none yet).
+        underflow_samples: steps sampled so far.
+        underflow_growths: times the measured underflow grew the scale (``AMPGUARD_UNDERFLOW=adapt``).
+        underflow_modules: the modules that lost the largest share of their gradient values at the last
+            sample, with that share (at most 3).
     """
 
     steps: int
@@ -44,6 +57,15 @@ class ScalerStats:
     fp32_islands: tuple[str, ...] = ()
     buffers_restored: int = 0
     headroom: tuple[tuple[str, float], ...] = ()
+    underflow_share: float = 0.0
+    underflow_subnormal: float = 0.0
+    underflow_lost: float = 0.0
+    underflow_grad_peak: float = 0.0
+    underflow_values: int = 0
+    underflow_step: int = 0
+    underflow_samples: int = 0
+    underflow_growths: int = 0
+    underflow_modules: tuple[tuple[str, float], ...] = ()
 
     @property
     def skipped_percent(self) -> float:
@@ -85,6 +107,16 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
         + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
         + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
         + (f" headroom={','.join(f'{name}:{peak:.4g}' for name, peak in stats.headroom)}" if stats.headroom else "")
+        + (_underflow_text(stats) if stats.underflow_samples else "")
+    )
+
+
+def _underflow_text(stats: ScalerStats) -> str:
+    worst = ",".join(f"{name}:{share:.2%}" for name, share in stats.underflow_modules)
+    return (
+        f" underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
+        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step}) underflow_growths={stats.underflow_growths}"
+        + (f" underflow_modules={worst}" if worst else "")
     )
 
 

@@ -63,6 +63,18 @@ class Series:
                     tightest.append((record["steps"], name, float(peak)))
         return tightest
 
+    def underflow(self) -> list[tuple[int, float]]:
+        """``(step, measured underflow share)`` per stats line with a measurement (AMPGUARD_UNDERFLOW)."""
+        return [(r["steps"], float(r["underflow_share"])) for r in self.records if r.get("underflow_samples")]
+
+    def underflow_modules(self, count: int = 3) -> list[tuple[str, float]]:
+        """The modules that lost the largest share of their float16 gradients at any stats line, with that share."""
+        worst: dict[str, float] = {}
+        for record in self.records:
+            for name, share in record.get("underflow_modules") or ():
+                worst[name] = max(worst.get(name, 0.0), float(share))
+        return sorted(worst.items(), key=lambda item: -item[1])[:count]
+
     def summary(self) -> dict[str, Any]:
         last = self.last
         watched = self.headroom()
@@ -81,6 +93,13 @@ class Series:
             # The headroom watch: its tightest modules at the last stats line, and the closest any line saw.
             "headroom": [list(item) for item in last.get("headroom", [])],
             "headroom_peak": {"step": closest[0], "module": closest[1], "peak": closest[2]} if closest else None,
+            "underflow": {
+                "samples": last.get("underflow_samples", 0),
+                "growths": last.get("underflow_growths", 0),
+                "last_share": last.get("underflow_share", 0.0),
+                "max_share": max((share for _, share in self.underflow()), default=0.0),
+                "modules": [list(item) for item in self.underflow_modules()],
+            },
         }
 
 

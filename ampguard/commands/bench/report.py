@@ -28,6 +28,7 @@ from ampguard.commands.bench.runs import (
 )
 from ampguard.commands.bench.sampled import time_watched_step
 from ampguard.commands.bench.timing import time_idle_clip, time_steps
+from ampguard.commands.bench.underflow import time_sampled_step
 
 SCHEMA_VERSION = 1
 
@@ -107,6 +108,8 @@ def run(options: Options) -> dict[str, Any]:
         clip_idle = time_idle_clip(options)
         say("timing a step the headroom watch observes")
         sampled_steps = {"headroom_watch": time_watched_step(options)}
+        say("timing a step sampled for underflow against a healthy one")
+        sampled_steps["underflow"] = time_sampled_step(options)
     finally:
         log.logger.setLevel(previous_level)
     import_time = None
@@ -206,6 +209,17 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             f"x{watched['ratio']:.3f} an ordinary step ({watched['normal_ms']:.2f} ms); one in {watched['every']}: "
             f"{watched['amortised']:+.2%} amortised (in the step-time ratio above)",
             "",
+            "",
+        ]
+    sample = result.get("sampled_steps", {}).get("underflow")
+    if sample:
+        yield [
+            "a step sampled for underflow",
+            f"{sample['healthy_ms']:.2f} ms (healthy)",
+            f"{sample['sampled_ms']:.2f} ms",
+            f"median paired ratio {sample['ratio']:.3f}, {sample['extra_reads']:+d} read; every "
+            f"{sample['every']} steps: {sample['overhead_at_every']:+.2%} of the run",
+            "reported",
             "",
         ]
     clip = result["clip_idle"]

@@ -1,0 +1,9 @@
+"""The underflow patch: how much of float16's gradient traffic the loss scale loses, and a scale that follows.
+
+- ``measure``: the sampled step's hooks and counts (:class:`~ampguard.underflow.measure.Sampler`).
+- ``policy``: when measured underflow grows the scale (:func:`~ampguard.underflow.policy.decide`).
+- ``listener``: the SafeGradScaler step listener that samples, decides and reports.
+- ``patch``: ``AMPGUARD_UNDERFLOW=adapt|report|off``.
+
+docs/underflow.md describes the behaviour and the numbers behind the thresholds.
+"""

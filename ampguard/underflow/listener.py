@@ -1,0 +1,196 @@
+"""The SafeGradScaler step listener that samples a step, reads its measurement and acts on it.
+
+Registered by the underflow patch (:mod:`ampguard.underflow.patch`); the scaler
+never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleState`):
+
+* at the end of an ``update()``, when a sample is due, the sampler is armed for
+  the next iteration (the first update arms the second step; then every
+  ``AMPGUARD_UNDERFLOW_EVERY`` steps, and the very next step while the policy
+  grows the scale);
+* at the end of the sampled iteration's ``update()``, the sample's counts start
+  for the host (:class:`~ampguard.underflow.measure.Transfer`: no synchronisation);
+  at that update on the CPU, at a later one on CUDA when the copy is done, the
+  measurement is known and, with ``AMPGUARD_UNDERFLOW=adapt``,
+  :func:`~ampguard.underflow.policy.decide` may grow the scale
+  (:func:`ampguard.scaler.policy.grow_now`: no read either).
+
+Under torch.distributed (ranks training one model) adapt only reports: every
+rank must keep the same scale, and each measures its own batch.
+
+Healthy steps cost a few comparisons; no step reads the device for this.
+``scaler.stats`` shows the measurement of the scaler that stepped or updated last (the
+listeners' fields are the process's, as the fp32 islands' are).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import weakref
+from typing import Any
+
+import torch
+
+import ampguard.scaler.policy as scale_policy
+from ampguard.distributed import distributed
+from ampguard.log import event_logger
+from ampguard.scaler.listeners import StepListener
+from ampguard.underflow.measure import Measurement, Transfer
+from ampguard.underflow.policy import ScaleState, decide
+
+logger = event_logger("underflow")
+
+GROWN = (
+    "loss scale {before:g} -> {after:g} at step {step}: {share:.2%} of the float16 gradient values of the sampled "
+    "backward pass were subnormal or lost{worst} (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
+)
+DISTRIBUTED = (
+    " (the scale is not grown for it under torch.distributed: every rank must keep the same scale, and each "
+    "measures its own batch)"
+)
+REPORTED = (
+    "at loss scale {scale:g}, {share:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
+    "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
+)
+
+
+def _worst(measurement: Measurement) -> str:
+    worst = measurement.worst_modules()
+    return " (most in " + ", ".join(f"{name} {share:.0%}" for name, share in worst) + ")" if worst else ""
+
+
+class UnderflowListener(StepListener):
+    """``mode``: "adapt" (measure and grow) or "report" (measure only); ``every``: steps between samples."""
+
+    name = "underflow"
+
+    def __init__(self, mode: str, every: int) -> None:
+        self.mode = mode
+        self.every = every
+        self.states: weakref.WeakKeyDictionary[Any, ScaleState] = weakref.WeakKeyDictionary()
+        # The scaler that stepped or updated last: scaler.stats shows its measurement (listeners are told no other).
+        self._latest: weakref.ref[Any] | None = None
+        self.reported = False
+
+    def state_of(self, scaler: Any) -> ScaleState:
+        """``scaler``'s state, which ``scaler.stats`` shows from now on (called at each of its updates and reads)."""
+        self._latest = weakref.ref(scaler)
+        state = self.states.get(scaler)
+        if state is None:
+            state = self.states[scaler] = ScaleState()
+            weakref.finalize(scaler, state.sampler.disarm)  # a scaler dropped mid-sample leaves no hook behind
+        return state
+
+    def stop(self) -> None:
+        """The patch is reverted: no more hooks."""
+        for state in list(self.states.values()):
+            state.sampler.disarm()
+
+    # -- host mode -------------------------------------------------------------------------------
+
+    def on_read(self, scaler: Any, optimizer: Any, field: int, skipped: bool) -> None:
+        self._latest = weakref.ref(scaler)  # the scaler stepping now is the one scaler.stats is asked of
+
+    def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:
+        state = self.state_of(scaler)
+        counters = scaler._counters
+        overflowed = bool(counters.last_skipped) and not forward_overflow
+        state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
+        if state.sampler.armed:
+            state.pending = Transfer(state.sampler.finish(), counters.steps, state.sampled_at)
+            state.pending_skipped = bool(counters.last_skipped)
+        grown: bool | None = None
+        if state.pending is not None and state.pending.ready:
+            measurement, _ = state.pending.result()
+            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=state.pending_skipped)
+        self._schedule(scaler, state, grown)
+
+    # -- device mode (fused optimizers) ------------------------------------------------------------
+
+    def on_device_update(
+        self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    ) -> bool | None:
+        state = self.state_of(scaler)
+        if state.sampler.armed:
+            tallies = state.sampler.finish()
+            if row is not None and scaler._scale is not None:
+                # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
+                extra = torch.cat([row[3:4], row[0:3], scaler._scale.reshape(1).to(row.dtype)])
+                state.pending = Transfer(tallies, scaler._counters.steps, math.nan, extra)
+                state.pending_held = held
+        grown: bool | None = None
+        if state.pending is not None and state.pending.ready:
+            measurement, (_, _, found, loss_check, scale) = state.pending.result()
+            overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
+            state.note_scale(scale, overflowed, scaler._backoff_factor)
+            grown = self._act(scaler, state, measurement, scale, skipped=found > 0)
+        self._schedule(scaler, state, grown)
+        return None
+
+    # -- both ----------------------------------------------------------------------------------
+
+    def _act(self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool) -> bool:
+        """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
+        state.pending = None
+        state.samples += 1
+        state.last = measurement
+        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling):
+            return False
+        shared = distributed() is not None  # ranks training one model: their scales must stay equal
+        if self.mode != "adapt" or shared:
+            if not self.reported:
+                self.reported = True
+                message = REPORTED.format(
+                    scale=measurement.scale,
+                    share=measurement.underflow_share,
+                    step=measurement.step,
+                    worst=_worst(measurement),
+                )
+                logger.warning(message + (DISTRIBUTED if shared and self.mode == "adapt" else ""))
+            return False
+        after = scale_policy.grow_now(scaler, below=state.ceiling)
+        if after is not None and after <= scale:
+            return False
+        state.growths += 1
+        message = GROWN.format(
+            before=scale,
+            after=after if after is not None else scale * scaler._growth_factor,
+            step=measurement.step,
+            share=measurement.underflow_share,
+            worst=_worst(measurement),
+        )
+        if not self.reported:
+            self.reported = True
+            logger.info(message)
+        elif logger.isEnabledFor(logging.DEBUG):
+            logger.debug(message)
+        return True
+
+    def _schedule(self, scaler: Any, state: ScaleState, grown: bool | None) -> None:
+        """Arm the sampler for the next iteration when a sample is due (none while one is on its way)."""
+        step = scaler._counters.steps
+        if grown is not None:  # a sample was just acted on
+            state.next_sample = step + (1 if grown else self.every)
+        if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
+            state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
+            state.sampler.arm()
+
+    # -- what the scaler shows -------------------------------------------------------------------
+
+    def stats_fields(self) -> dict[str, Any]:
+        scaler = self._latest() if self._latest is not None else None
+        state = self.states.get(scaler) if scaler is not None else None
+        if state is None or state.last is None:
+            return {}
+        last = state.last
+        return {
+            "underflow_share": round(last.underflow_share, 6),
+            "underflow_subnormal": round(last.subnormal_share, 6),
+            "underflow_lost": round(last.flushed_share, 6),
+            "underflow_grad_peak": last.total.peak,
+            "underflow_values": last.total.values,
+            "underflow_step": last.step,
+            "underflow_samples": state.samples,
+            "underflow_growths": state.growths,
+            "underflow_modules": last.worst_modules(),
+        }

@@ -1,0 +1,342 @@
+"""The sampled measurement: how much of one backward pass's float16 gradient traffic the loss scale loses.
+
+Armed for one optimizer step (:meth:`Sampler.arm`), a global module forward
+hook walks the autograd graph each module call just built and registers a
+pre-hook on every node found: the node's incoming gradient (the gradient of
+the tensor that op produced) is counted when the backward pass reaches it, if
+it is float16. Every gradient is counted once, in the innermost module whose
+output led to it (children finish their forward before their parent); the
+gradients of float16 weight copies (autocast's casts) are counted with the
+module that cast them. Nothing is changed: the hooks return nothing.
+
+Per module, on the device (:class:`Tally`): the number of values, of exact
+zeros, of values below ``2**-22`` (zeros and the two lowest subnormal
+octaves) and of values below ``2**-14`` (zeros and subnormals), and the
+largest magnitude. :class:`Transfer` brings them to the host without a
+synchronisation (on CUDA a copy into pinned memory and an event polled later). Healthy steps run none of this: the hooks exist only
+between :meth:`Sampler.arm` and :meth:`Sampler.finish`.
+
+What the counts mean (:class:`Measurement`): a subnormal keeps fewer than
+11 significant bits (at ``2**-24`` just one); an exact zero may be a true zero
+(a ReLU's mask, padding) or a value flushed by the scale. The flushed share is
+estimated from the two octaves just above float16's smallest subnormal: as
+many values lie in the two octaves just below (a smooth log-magnitude density,
+which gradients have: Chmiel et al. 2021), and those are the zeros a loss
+scale 4x as large would have kept (never more than the zeros counted).
+"""
+
+from __future__ import annotations
+
+import math
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampguard.syncs import read_to_host
+
+SMALLEST_NORMAL = 2.0**-14
+LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
+FLOAT16_MAX = 65504.0
+
+# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a split's
+# pieces, a clone's): walked through, not counted twice.
+SAME_VALUES = frozenset(
+    {
+        "AliasBackward0",
+        "CloneBackward0",
+        "ExpandBackward0",
+        "PermuteBackward0",
+        "ReshapeAliasBackward0",
+        "SplitBackward0",
+        "SplitWithSizesBackward0",
+        "SqueezeBackward0",
+        "SqueezeBackward1",
+        "SqueezeBackward2",
+        "TBackward0",
+        "TransposeBackward0",
+        "UnbindBackward0",
+        "UnsafeSplitBackward0",
+        "UnsafeViewBackward0",
+        "UnsqueezeBackward0",
+        "ViewBackward0",
+    }
+)
+
+
+class Tally:
+    """One module's counts on the device and its peak magnitude.
+
+    ``counts``: ``[zeros, below 2**-22, below 2**-14]`` of the gradients that hold a normal value, and the
+    number of values of those that hold none (every value zero or subnormal: a gradient the scale sank).
+    """
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name = name
+        self.values = 0  # known on the host: the sizes of the gradients counted
+        self.counts = torch.zeros(4, dtype=torch.int64, device=device)
+        self.peak = torch.zeros((), dtype=torch.float32, device=device)
+
+    def add(self, gradient: torch.Tensor) -> None:
+        magnitude = gradient.detach().abs()
+        peak = magnitude.amax().float()
+        sunk = peak < SMALLEST_NORMAL  # no normal value left: every value counts as lost
+        below = torch.stack(
+            [(magnitude == 0).sum(), (magnitude < LOW_OCTAVES).sum(), (magnitude < SMALLEST_NORMAL).sum()]
+        )
+        counts = torch.cat([torch.where(sunk, 0, below), (sunk * gradient.numel()).reshape(1)])
+        self.counts.add_(counts.to(self.counts.device, non_blocking=True))
+        torch.maximum(self.peak, peak.to(self.peak.device, non_blocking=True), out=self.peak)
+        self.values += gradient.numel()
+
+
+@dataclass(frozen=True)
+class Counts:
+    """The host's counts of one module, or of all."""
+
+    values: int = 0
+    zeros: int = 0
+    low: int = 0  # zeros and the two lowest subnormal octaves
+    below_normal: int = 0  # zeros and subnormals
+    sunk: int = 0  # values of gradients without a normal value (all counted as lost)
+    peak: float = 0.0
+
+    @property
+    def subnormal(self) -> int:
+        return self.below_normal - self.zeros
+
+    @property
+    def flushed(self) -> int:
+        """Values lost: zeros a 4x scale would have kept (estimated: see the module's docstring), and every
+        value of the gradients the scale sank below the normal range."""
+        return min(self.zeros, self.low - self.zeros) + self.sunk
+
+    @property
+    def underflow(self) -> int:
+        """Values degraded (subnormal) or lost (flushed) at the current scale."""
+        return self.subnormal + self.flushed
+
+    def share(self, count: int) -> float:
+        return count / self.values if self.values else 0.0
+
+    def __add__(self, other: Counts) -> Counts:
+        return Counts(
+            self.values + other.values,
+            self.zeros + other.zeros,
+            self.low + other.low,
+            self.below_normal + other.below_normal,
+            self.sunk + other.sunk,
+            max(self.peak, other.peak),
+        )
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One sampled step: the counts of every module that had float16 gradients, and their sum."""
+
+    step: int
+    scale: float
+    total: Counts
+    modules: dict[str, Counts] = field(default_factory=dict)
+
+    @property
+    def subnormal_share(self) -> float:
+        return self.total.share(self.total.subnormal)
+
+    @property
+    def flushed_share(self) -> float:
+        return self.total.share(self.total.flushed)
+
+    @property
+    def underflow_share(self) -> float:
+        return self.total.share(self.total.underflow)
+
+    def worst_modules(self, count: int = 3) -> tuple[tuple[str, float], ...]:
+        """The modules that lose the largest share of their gradient values, with that share."""
+        ranked = sorted(
+            ((name, counts.share(counts.underflow)) for name, counts in self.modules.items() if counts.underflow),
+            key=lambda item: -item[1],
+        )
+        return tuple((name, round(share, 6)) for name, share in ranked[:count])
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+class Sampler:
+    """Owns one sampled step: its hooks while armed, its tallies until read.
+
+    An armed sampler that is never finished (its scaler dropped, training over
+    with the sample due) disarms itself after :data:`MAX_CALLS` outermost module
+    calls: it never keeps walking and holding graphs.
+    """
+
+    MAX_CALLS = 64
+
+    def __init__(self) -> None:
+        self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
+        self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+        self._visited: set[Any] = set()
+        self._handles: list[Any] = []
+        self._depth = 0
+        self._calls = 0  # outermost module calls since armed
+        self._inputs: list[set[Any]] = []  # per module call in progress: the nodes of its inputs (where its walk ends)
+        self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
+        self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
+
+    @property
+    def armed(self) -> bool:
+        return bool(self._handles)
+
+    def arm(self) -> None:
+        """Hooks on for the next forward and backward passes."""
+        if self.armed:
+            return
+        self._session += 1
+        self.tallies, self._visited, self._depth, self._names, self._inputs = {}, set(), 0, {}, []
+        self._calls = 0
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
+            nn.modules.module.register_module_forward_hook(self._post_forward),
+        ]
+
+    def disarm(self) -> None:
+        """No more hooks on module calls; node hooks already registered stay until their graph is freed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._visited = set()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self._depth == 0:
+            self._calls += 1
+            if self._calls > self.MAX_CALLS:  # nobody finishes this sample
+                self.disarm()
+                self.tallies = {}
+                return
+        if self._depth == 0 and id(module) not in self._names:
+            for name, child in module.named_modules():
+                self._names.setdefault(id(child), name or type(module).__name__)
+        self._depth += 1
+        self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.armed:
+            return
+        self._depth = max(self._depth - 1, 0)
+        inputs = self._inputs.pop() if self._inputs else set()
+        if not torch.is_grad_enabled():
+            return
+        nodes = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        if nodes:
+            self._hook_graph(module, nodes, inputs)
+
+    def _hook_graph(self, module: nn.Module, stack: list[Any], inputs: set[Any]) -> None:
+        """Hook the nodes this module call made that no module inside it hooked: from its outputs down to
+        its inputs' nodes (its caller's). The walk goes through what its children hooked to reach the nodes
+        it made itself between them (an attention's matmuls between its projections)."""
+        slot = id(module)
+        session = self._session
+        seen = set(inputs)
+        while stack:
+            node = stack.pop()
+            if node is None or node in seen:
+                continue
+            seen.add(node)
+            kind = type(node).__name__
+            if kind == "AccumulateGrad":
+                continue
+            if node not in self._visited and kind not in SAME_VALUES:
+                self._visited.add(node)
+                node.register_prehook(lambda grads, slot=slot, session=session: self._count(slot, session, grads))
+            stack.extend(next_node for next_node, _ in node.next_functions)
+        self._modules[slot] = module
+
+    def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
+        if session != self._session:
+            return
+        for gradient in gradients:
+            if gradient is None or gradient.dtype != torch.float16 or gradient.numel() == 0:
+                continue
+            tally = self.tallies.get(slot)
+            if tally is None:
+                module = self._modules.get(slot)
+                name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
+                tally = self.tallies[slot] = Tally(name, gradient.device)
+            tally.add(gradient)
+
+    def finish(self) -> list[Tally]:
+        """End the sample: no more counting; the tallies, to :func:`read`."""
+        self.disarm()
+        self._session += 1
+        tallies, self.tallies = list(self.tallies.values()), {}
+        return tallies
+
+
+class Transfer:
+    """A sample's counts on their way to the host, known without a synchronisation.
+
+    On CUDA a ``non_blocking`` copy into pinned memory and an event, polled by
+    :attr:`ready` (``Event.query()``); on the CPU the counts are host memory
+    already. On another accelerator (no event to poll) :meth:`result` reads them
+    (one counted read, on the step that finds the sample finished).
+    """
+
+    def __init__(self, tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None) -> None:
+        self.step, self.scale = step, scale
+        self.tallies = [(t.name, t.values) for t in tallies]
+        device = tallies[0].counts.device if tallies else extra.device if extra is not None else torch.device("cpu")
+        exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
+        pieces = [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
+        if extra is not None:
+            pieces.append(extra.to(device, exact).flatten())
+        self._packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact)
+        self._event: Any = None
+        if device.type == "cuda":
+            host = torch.empty(self._packed.shape, dtype=exact, pin_memory=True)
+            host.copy_(self._packed, non_blocking=True)
+            self._packed, self._event = host, torch.cuda.Event()
+            self._event.record()
+
+    @property
+    def ready(self) -> bool:
+        return self._event is None or bool(self._event.query())
+
+    def result(self) -> tuple[Measurement, list[float]]:
+        """The measurement, and the values of the caller's ``extra``; waits for a CUDA copy not yet done."""
+        if self._event is not None:
+            self._event.synchronize()
+        on_host = self._packed.device.type == "cpu"  # host memory (pinned or CPU tensors): no device read
+        values = self._packed.tolist() if on_host else read_to_host(self._packed)
+        modules: dict[str, Counts] = {}
+        for index, (name, count) in enumerate(self.tallies):
+            zeros, low, below, sunk, peak = values[5 * index : 5 * index + 5]
+            counts = Counts(count, int(zeros), int(low), int(below), int(sunk), float(peak))
+            modules[name] = modules[name] + counts if name in modules else counts
+        total = Counts()
+        for counts in modules.values():
+            total = total + counts
+        rest = values[5 * len(self.tallies) :]
+        scale = rest[0] if math.isnan(self.scale) and rest else self.scale
+        return Measurement(self.step, scale, total, modules), rest
+
+
+def read(
+    tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None
+) -> tuple[Measurement, list[float]]:
+    """The tallies on the host at once, and the values of ``extra``.
+
+    ``scale``: the loss scale the sampled step ran at (NaN: it is the first value of ``extra``).
+    """
+    return Transfer(tallies, step, scale, extra).result()

@@ -1,0 +1,41 @@
+"""Patch ``underflow``: sampled steps measure the float16 gradients the loss scale loses, and the scale follows.
+
+Registers :class:`~ampguard.underflow.listener.UnderflowListener` with every
+SafeGradScaler (:mod:`ampguard.scaler.listeners`); torch itself is not changed.
+``AMPGUARD_UNDERFLOW=adapt`` (default) grows the scale while the measured
+underflow is material and the gradients have room, ``report`` only measures
+and reports, ``off`` measures nothing. docs/underflow.md describes it.
+"""
+
+from __future__ import annotations
+
+import ampguard.scaler.listeners as listeners
+from ampguard.config import Config
+from ampguard.patch import Patch
+from ampguard.underflow.listener import UnderflowListener
+
+
+class UnderflowPatch(Patch):
+    name = "underflow"
+    summary = (
+        "sampled steps measure how much of the float16 gradient traffic the loss scale loses to underflow "
+        "(scaler.stats underflow_*); the scale grows while that is material and the gradients have room"
+    )
+    requires_torch = ">=2.3"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listener: UnderflowListener | None = None
+
+    def apply(self, config: Config) -> None:
+        if config.underflow == "off":
+            return
+        self.listener = UnderflowListener(config.underflow, config.underflow_every)
+        listeners.add(self.listener)
+
+    def revert(self) -> None:
+        if self.listener is not None:
+            listeners.remove(self.listener)
+            self.listener.stop()
+            self.listener = None
+        super().revert()
