@@ -179,3 +179,12 @@ def test_under_torch_distributed_adapt_only_reports_mocked_world(monkeypatch, am
     assert run.scaler.stats.underflow_samples == 1 and run.scaler.stats.underflow_share > 0.99
     [warning] = records(ampguard_log, 30, "subnormal or lost")
     assert "under torch.distributed" in warning.getMessage()
+
+
+def test_each_scaler_shows_its_own_measurement():
+    """Two scalers in one process (two models): each one's stats carry its own samples, not the last stepped's."""
+    quiet = train(ampguard.SafeGradScaler("cpu"), steps=3)  # an ordinary run: next to no underflow
+    loud = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=3)
+    assert loud.scaler.stats.underflow_share > 0.5
+    assert quiet.scaler.stats.underflow_share < 0.01  # (before: the last stepped scaler's, loud's)
+    assert quiet.scaler.stats.underflow_values == loud.scaler.stats.underflow_values  # the same net, counted alike

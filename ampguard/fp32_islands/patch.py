@@ -56,7 +56,7 @@ class IslandsListener(listeners.StepListener):
     ) -> None:
         healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
 
-    def stats_fields(self) -> dict[str, Any]:
+    def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
         return healing.stats_fields()
 
     def save(self) -> dict[str, Any]:

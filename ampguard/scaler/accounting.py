@@ -193,7 +193,7 @@ def snapshot(scaler: SafeGradScaler) -> ScalerStats:
         min_scale_seen=scaler._counters.min_seen,
         max_scale_seen=scaler._counters.max_seen,
         consecutive_skipped=scaler._counters.consecutive,
-        **listeners.stats_fields(),
+        **listeners.stats_fields(scaler),
     )
 
 

@@ -97,8 +97,8 @@ class StepListener:
         two later on CUDA (:mod:`ampguard.scaler.row_copies`).
         """
 
-    def stats_fields(self) -> dict[str, Any]:
-        """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills."""
+    def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
+        """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills for ``scaler``."""
         return {}
 
     def save(self) -> dict[str, Any]:
@@ -200,9 +200,9 @@ def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, 
         _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
 
 
-def stats_fields() -> dict[str, Any]:
+def stats_fields(scaler: SafeGradScaler) -> dict[str, Any]:
     """The fields every listener fills in ``scaler.stats``."""
-    return _merged("stats", "stats_fields")
+    return _merged("stats", "stats_fields", scaler)
 
 
 def save() -> dict[str, Any]:
@@ -215,10 +215,10 @@ def load(entries: dict[str, Any]) -> None:
         _guarded(listener, "load_state_dict()", "load", entries)
 
 
-def _merged(where: str, method: str) -> dict[str, Any]:
+def _merged(where: str, method: str, *args: Any) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for listener in _listeners:
-        merged.update(_guarded(listener, where, method) or {})
+        merged.update(_guarded(listener, where, method, *args) or {})
     return merged
 
 

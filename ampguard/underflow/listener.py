@@ -68,13 +68,10 @@ class UnderflowListener(StepListener):
         self.mode = mode
         self.every = every
         self.states: weakref.WeakKeyDictionary[Any, ScaleState] = weakref.WeakKeyDictionary()
-        # The scaler that stepped or updated last: scaler.stats shows its measurement (listeners are told no other).
-        self._latest: weakref.ref[Any] | None = None
         self.reported = False
 
     def state_of(self, scaler: Any) -> ScaleState:
-        """``scaler``'s state, which ``scaler.stats`` shows from now on (called at each of its updates and reads)."""
-        self._latest = weakref.ref(scaler)
+        """``scaler``'s state (made at its first update)."""
         state = self.states.get(scaler)
         if state is None:
             state = self.states[scaler] = ScaleState()
@@ -87,9 +84,6 @@ class UnderflowListener(StepListener):
             state.sampler.disarm()
 
     # -- host mode -------------------------------------------------------------------------------
-
-    def on_read(self, scaler: Any, optimizer: Any, field: int, skipped: bool) -> None:
-        self._latest = weakref.ref(scaler)  # the scaler stepping now is the one scaler.stats is asked of
 
     def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:
         state = self.state_of(scaler)
@@ -177,9 +171,8 @@ class UnderflowListener(StepListener):
 
     # -- what the scaler shows -------------------------------------------------------------------
 
-    def stats_fields(self) -> dict[str, Any]:
-        scaler = self._latest() if self._latest is not None else None
-        state = self.states.get(scaler) if scaler is not None else None
+    def stats_fields(self, scaler: Any) -> dict[str, Any]:
+        state = self.states.get(scaler)
         if state is None or state.last is None:
             return {}
         last = state.last
