@@ -15,6 +15,7 @@ ampguard differs on purpose: there the torch side runs the *substitute* those do
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -22,6 +23,7 @@ import math
 import pickle
 import sys
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -120,8 +122,9 @@ def _scaler(program: dict[str, Any]) -> Any:
 
 
 def _loss(trainees: list[Trainee], seed: int, step: int, micro: int) -> torch.Tensor:
-    """Bounded, so never inf/NaN however far a huge gradient moved the weights: a non-finite loss is one of
-    ampguard's intended differences (it keeps the scale), not generated here."""
+    """Bounded, so finite however far a huge gradient moved the weights; NaN only once the weights are (a huge
+    gradient clipped with max_norm=inf: torch's own coefficient is inf/inf). Then :func:`_keep_scale` applies
+    ampguard's intended difference to torch's run."""
     generator = torch.Generator().manual_seed(seed * 1000 + step * 10 + micro)
     total = torch.zeros(())
     for trainee in trainees:
@@ -248,6 +251,18 @@ def _masters(trainee: Trainee) -> list[torch.Tensor]:
     return trainee.stepped if trainee.stepped is not trainee.params else []
 
 
+@contextlib.contextmanager
+def _keep_scale(scaler: Any, forward_overflow: bool) -> Iterator[None]:
+    """torch's substitute for ampguard's intended difference (docs/torch-parity.md): an iteration skipped because
+    a loss was itself inf/NaN keeps the scale and the growth tracker (torch backs off)."""
+    keep = forward_overflow and not UNDER_AMPGUARD and scaler._scale is not None
+    before = (scaler._scale.clone(), scaler._growth_tracker.clone()) if keep else None
+    yield
+    if before is not None:
+        scaler._scale.copy_(before[0])
+        scaler._growth_tracker.copy_(before[1])
+
+
 def run_program(program: dict[str, Any]) -> list[dict[str, Any]]:
     """Every step's outcome: returned norms, skip flags, scale, growth tracker, parameters, optimizer state."""
     seed = program["seed"]
@@ -257,8 +272,10 @@ def run_program(program: dict[str, Any]) -> list[dict[str, Any]]:
     for number, step in enumerate(program["steps"]):
         outcome: dict[str, Any] = {}
         try:
+            nonfinite_loss = False
             for micro in range(step["micro"]):
                 loss = _loss(trainees, seed, number, micro)
+                nonfinite_loss |= not bool(torch.isfinite(loss))
                 scaler.scale(loss).backward()
                 for inject in step["inject"]:
                     if inject["micro"] == micro:
@@ -277,7 +294,8 @@ def run_program(program: dict[str, Any]) -> list[dict[str, Any]]:
                 skipped.append(bool(flag is not None and flag.item() > 0))
                 trainee.copy_masters_back()
             outcome["skipped"] = skipped
-            scaler.update(step["new_scale"])
+            with _keep_scale(scaler, nonfinite_loss and step["new_scale"] is None and any(skipped)):
+                scaler.update(step["new_scale"])
             outcome["any_skipped"] = scaler.last_step_skipped if UNDER_AMPGUARD else any(skipped)
             _step_schedulers(trainees, skipped)
             for trainee in trainees:

@@ -127,7 +127,11 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
         members = sorted(draw(st.lists(st.sampled_from(indices), min_size=1, unique=True)))
         modes = ["unscaled"]
         if not any(optimizers[i]["half"] for i in members):
-            modes += ["forgotten", "scaled_threshold"]
+            modes += ["scaled_threshold"]
+            # A forgotten unscale_ gives the recipe's norm bit for bit where the scale is known on the host; with
+            # a fused optimizer in the loop (device mode) it is not, and the last bits may differ (docs/clipping.md).
+            if not any(optimizer["implementation"] == "fused" for optimizer in optimizers):
+                modes += ["forgotten"]
         mode = draw(st.sampled_from(modes))
         if mode == "unscaled":
             unscale = sorted(set(unscale) | set(members))
@@ -153,13 +157,27 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
 @st.composite
 def programs(draw: st.DrawFn) -> dict[str, Any]:
     optimizers = draw(st.lists(optimizer_specs(), min_size=1, max_size=2))
+    drawn = draw(st.lists(steps(optimizers), min_size=1, max_size=6))
     return {
         "seed": draw(st.integers(0, 2**16)),
         "init_scale": 2.0 ** draw(st.integers(0, 24)),
         "growth_interval": draw(st.integers(1, 3)),
         "optimizers": optimizers,
-        "steps": draw(st.lists(steps(optimizers), min_size=1, max_size=6)),
+        "steps": _host_known_scale_for_forgotten_unscale(drawn),
     }
+
+
+def _host_known_scale_for_forgotten_unscale(drawn: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """After ``update(new_scale)`` the scaler keeps its books on the device until its next read, so the scale is
+    not known on the host, and a forgotten ``unscale_``'s norm may differ from the recipe's in the last bits
+    (docs/clipping.md): such a clip is drawn as the scaled-threshold idiom instead."""
+    device_mode = False
+    for step in drawn:
+        if device_mode and step["clip"] is not None and step["clip"]["mode"] == "forgotten":
+            step["clip"]["mode"] = "scaled_threshold"
+            step["unscale"] = [i for i in step["unscale"] if i not in step["clip"]["optimizers"]]
+        device_mode = device_mode or step["new_scale"] is not None
+    return drawn
 
 
 def _first_difference(want: list[dict[str, Any]], got: list[dict[str, Any]]) -> str | None:
