@@ -6,12 +6,11 @@ watch's suspect), but here it never overflows: the overflow comes from elsewhere
 
 from __future__ import annotations
 
+import pytest
 import torch
 from islands_support import CLASSES, DIM, batch, fresh_islands, make_net  # noqa: F401
 from scaler_support import one_thread  # noqa: F401  (fixtures)
 from torch import nn
-
-import pytest
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
