@@ -33,7 +33,7 @@ def tightest(model: nn.Module) -> tuple[str, float]:
 def test_watch_review_a_checkpointed_attention_keeps_its_logits_watched(reinstall, monkeypatch):
     """Checkpointing recomputes the attention in backward(), on the CPU in the caller's thread: the watch takes the
     recomputation for a new outermost call and strikes the attention off the candidates ("called as the root too"), so
-    its logits (5,124 here, its own code's) are no longer seen: the module the watch exists for is invisible."""
+    its logits (thousands here, its own code's) are no longer seen: the module the watch exists for is invisible."""
     reinstall(AMPGUARD_WATCH_EVERY="1")
     plain = tightest(make_net())
     assert plain[0] == "blocks.1.attn" and plain[1] > 65504 / 64
