@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import gc
+import logging
 
 import pytest
 import torch
 from islands_support import fresh_islands  # noqa: F401
-from scaler_support import one_thread  # noqa: F401  (fixtures)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -89,3 +90,29 @@ def test_watch_review_a_watched_pass_keeps_memory_per_module_not_per_call(reinst
         model(torch.randn(4, 8))  # watched when every == 1 (an evaluation pass before the step)
         kept = live_tensors() - before
     assert kept < 100  # a few per module, as with the watch off
+
+
+def test_watch_review_a_nested_tensor_in_a_watched_pass_does_not_stop_the_watch(reinstall, ampguard_log):
+    """A float16 nn.TransformerEncoder evaluated with a padding mask takes torch's fast path, which packs the batch
+    into a nested tensor (layout strided, dtype float16): ``aminmax`` has no NestedTensor kernel, so the watch stops
+    for the rest of the run (one WARNING holding torch's whole dispatcher table, about 10 KB)."""
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).half()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    padding = torch.zeros(4, 6, dtype=torch.bool)
+    padding[:, 5] = True
+    for _ in range(3):
+        x = torch.randn(4, 6, 16).half()
+        optimizer.zero_grad(set_to_none=True)
+        model.train()
+        loss = model(x).float().pow(2).mean()
+        model.eval()
+        with torch.no_grad():
+            model(x, src_key_padding_mask=padding)  # an evaluation pass inside the watched iteration
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert not records(ampguard_log, logging.WARNING, "headroom watch stopped")
+    assert scaler.stats.headroom  # it still watches
