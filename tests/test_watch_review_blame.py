@@ -1,0 +1,75 @@
+"""Review of the headroom watch's blame at a sudden forward overflow (issue 23 item 3), against the probe alone.
+
+The net is tests/islands_support.py's: ``blocks.1.attn`` has logits within 64x of float16's limit on every batch (the
+watch's suspect), but here it never overflows: the overflow comes from elsewhere.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from islands_support import CLASSES, DIM, batch, fresh_islands, make_net  # noqa: F401
+from scaler_support import one_thread  # noqa: F401  (fixtures)
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
+
+
+class SpikyHead(nn.Module):
+    """The classifier head, scaling its logits up by ``gain`` and back down: in float16 a spike batch's 1e6 is inf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(DIM, CLASSES)
+        self.gain = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) * self.gain / self.gain  # harmless in float32
+
+
+SPIKES = (5, 8, 11, 14)
+
+
+def run(head: bool, nan_batch: int | None = None, steps: int = 30) -> tuple[list[int], tuple[str, ...]]:
+    model = make_net()
+    if head:
+        model.head = SpikyHead()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
+    lost = []
+    for step in range(steps):
+        x, y = batch(step, healthy=True)
+        if step == nan_batch:
+            x[0, 0, 0] = float("nan")  # a corrupt sample: the data's fault, no module's
+        if head:
+            model.head.gain = 1e6 if step in SPIKES else 1.0
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        if not torch.isfinite(loss):
+            lost.append(step)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return lost, scaler.stats.fp32_islands
+
+
+def test_watch_review_a_sudden_overflow_elsewhere_makes_no_wrong_island_and_loses_no_more_than_the_probe(reinstall):
+    """The head overflows at steps 5, 8, 11, 14; the watch blames blocks.1.attn (its tightest) at step 5: a permanent
+    wrong island, and the head is found one overflow later than by the probe alone (3 batches lost, not 2)."""
+    reinstall(AMPGUARD_WATCH_EVERY="0")
+    probe_lost, probe_islands = run(head=True)
+    assert probe_lost == [5, 8] and probe_islands == ("head",)  # the probe alone: armed at 5, names the head at 8
+    reinstall(AMPGUARD_WATCH_EVERY="100")
+    lost, islands = run(head=True)
+    assert "blocks.1.attn" not in islands  # it never overflowed: its island is float32 compute for nothing, for good
+    assert len(lost) <= len(probe_lost)
+
+
+def test_watch_review_a_nan_batch_makes_no_island(reinstall):
+    """One sample of the data is NaN at step 5: no module overflowed (the probe alone makes no island), but the watch
+    makes blocks.1.attn a permanent island and tells the user to make it permanent in their code."""
+    reinstall(AMPGUARD_WATCH_EVERY="0")
+    assert run(head=False, nan_batch=5) == ([5], ())
+    reinstall(AMPGUARD_WATCH_EVERY="100")
+    assert run(head=False, nan_batch=5) == ([5], ())

@@ -1,0 +1,118 @@
+"""Review of the headroom watch's pass (its module hooks and TorchDispatchMode) against plain torch."""
+
+from __future__ import annotations
+
+import gc
+import logging
+
+import pytest
+import torch
+from islands_support import fresh_islands  # noqa: F401
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
+from torch import nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+import ampguard
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
+
+
+class Recurrent(nn.Module):
+    """A cell applied once per time step inside one forward pass (an RNN, a decoding loop)."""
+
+    def __init__(self, steps: int) -> None:
+        super().__init__()
+        self.cell = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+        self.steps = steps
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x
+        for _ in range(self.steps):
+            h = torch.tanh(self.cell(h))
+            if self.interrupt:
+                raise KeyboardInterrupt  # Ctrl-C in a notebook, in the middle of the forward pass
+        return self.head(h).float().mean()
+
+
+def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 8))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def setup(steps: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    torch.manual_seed(0)
+    model = Recurrent(steps)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    return model, optimizer, torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+
+def test_watch_review_a_keyboard_interrupt_in_a_watched_forward_leaves_no_dispatch_mode(reinstall):
+    """torch calls always_call forward hooks on an Exception, not on a KeyboardInterrupt: the watch's dispatch mode
+    stays pushed and its module stack never empties, so every op the user runs next (evaluation, generation in the
+    notebook) goes through Python and is sampled, with no MAX_PASSES bound, until some step() comes."""
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    model, optimizer, scaler = setup(steps=3)
+    one_step(model, optimizer, scaler)  # the next iteration is watched
+    model.interrupt = True
+    with pytest.raises(KeyboardInterrupt), torch.autocast("cpu", dtype=torch.float16):
+        model(torch.randn(4, 8))
+    model.interrupt = False
+    try:
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            model(torch.randn(4, 8))  # plain torch: an ordinary forward pass, no mode around it
+            assert _get_current_dispatch_mode() is None
+    finally:
+        ampguard.uninstall()  # (the mode, left pushed, must not leak into the next test)
+        ampguard.install()
+
+
+def live_tensors() -> int:
+    gc.collect()
+    return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
+
+
+@pytest.mark.parametrize("every", ["0", "1"])
+def test_watch_review_a_watched_pass_keeps_memory_per_module_not_per_call(reinstall, every: str):
+    """One forward pass calling a cell 2,000 times: the watch keeps a (min, max) pair of 0-dim device tensors for every
+    float16 op of every call until step() (4,000 tensors here; a decoding loop under gradient accumulation: millions,
+    each its own allocation on a GPU). A running peak per module would keep one."""
+    reinstall(AMPGUARD_WATCH_EVERY=every)
+    model, optimizer, scaler = setup(steps=2000)
+    one_step(model, optimizer, scaler)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        before = live_tensors()
+        model(torch.randn(4, 8))  # watched when every == 1 (an evaluation pass before the step)
+        kept = live_tensors() - before
+    assert kept < 100  # a few per module, as with the watch off
+
+
+def test_watch_review_a_nested_tensor_in_a_watched_pass_does_not_stop_the_watch(reinstall, ampguard_log):
+    """A float16 nn.TransformerEncoder evaluated with a padding mask takes torch's fast path, which packs the batch
+    into a nested tensor (layout strided, dtype float16): ``aminmax`` has no NestedTensor kernel, so the watch stops
+    for the rest of the run (one WARNING holding torch's whole dispatcher table, about 10 KB)."""
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    torch.manual_seed(0)
+    model = nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 2, 32, batch_first=True), 2).half()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    padding = torch.zeros(4, 6, dtype=torch.bool)
+    padding[:, 5] = True
+    for _ in range(3):
+        x = torch.randn(4, 6, 16).half()
+        optimizer.zero_grad(set_to_none=True)
+        model.train()
+        loss = model(x).float().pow(2).mean()
+        model.eval()
+        with torch.no_grad():
+            model(x, src_key_padding_mask=padding)  # an evaluation pass inside the watched iteration
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert not records(ampguard_log, logging.WARNING, "headroom watch stopped")
+    assert scaler.stats.headroom  # it still watches

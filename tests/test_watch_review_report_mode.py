@@ -1,0 +1,52 @@
+"""Review of the headroom watch in report mode (``AMPGUARD_FP32_ISLANDS=report``: name, change nothing)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from islands_support import Net, batch, fresh_islands  # noqa: F401
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
+from torch import nn
+
+pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
+
+
+def two_hot_blocks() -> Net:
+    """Blocks 1 and 2 both have attention logits within AMPGUARD_HEADROOM=4 of float16's limit (block 1's higher)."""
+    torch.manual_seed(0)
+    model = Net(blocks=3, hot=1, sharpness=90.0)
+    with torch.no_grad():
+        model.blocks[2].attn.q.weight.mul_(70.0 / 0.3)
+        model.blocks[2].attn.k.weight.mul_(70.0 / 0.3)
+    return model
+
+
+def train(steps: int) -> tuple[nn.Module, torch.amp.GradScaler]:
+    model = two_hot_blocks()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-6)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    for _ in range(steps):
+        x, y = batch(0, healthy=True)  # the same batch: the peaks keep their order
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = nn.functional.cross_entropy(model(x), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return model, scaler  # (islands live as long as their model)
+
+
+def test_watch_review_report_mode_names_every_module_auto_mode_would_make_an_island(reinstall, ampguard_log):
+    """Auto mode makes both blocks islands (block 1 at one watch, block 2 at the next, once block 1 is an island and
+    no longer a candidate). Report mode changes nothing, so block 1 stays the verdict of every watch, and block 2,
+    as close to the limit, is never named: the user learns of one module per run."""
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    _model, scaler = train(6)  # (the model held: islands live as long as it)
+    assert scaler.stats.fp32_islands == ("blocks.1.attn", "blocks.2.attn")
+    reinstall(AMPGUARD_WATCH_EVERY="1", AMPGUARD_FP32_ISLANDS="report")
+    ampguard_log.clear()
+    train(6)
+    named = records(ampguard_log, logging.WARNING, "headroom watch: ")
+    assert {record.getMessage().split(" ")[2] for record in named} == {"blocks.1.attn", "blocks.2.attn"}
