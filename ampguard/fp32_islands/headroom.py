@@ -70,6 +70,15 @@ SHOWN = 3
 MAX_PASSES = 64
 
 
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def _in_backward() -> bool:
+    """Whether the autograd engine is running a backward pass on this thread (checkpointing recomputes there)."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return current is not None and current() != -1
+
+
 class _HostCopy:
     """A small device tensor copied to the host without waiting (pinned memory, ``non_blocking``).
 
@@ -92,8 +101,12 @@ class _HostCopy:
             self.event = torch.cuda.Event()
             self.event.record()
 
+    def ready(self) -> bool:
+        """Whether the values are on the host: reading them costs no synchronisation."""
+        return self.host is not None and (self.event is None or bool(self.event.query()))
+
     def values(self) -> list[Any]:
-        if self.host is not None and (self.event is None or self.event.query()):
+        if self.ready() and self.host is not None:
             return list(self.host.tolist())
         return read_to_host(self.device_tensor)
 
@@ -172,6 +185,7 @@ class HeadroomWatch:
         self._passes = 0
         self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
+        self._period = -1  # the last ``(step - 1) // every`` seen at an update
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
         self.last: Sighting | None = None  # the last sighting whose iteration did not overflow
@@ -188,7 +202,10 @@ class HeadroomWatch:
 
     def after_update(self, step: int, may_watch: bool) -> None:
         """At the end of an update: arm for the next iteration when due (``may_watch``: the probe is not armed)."""
-        if self.every and step % self.every == 1 % self.every:
+        # Due at the first update of each period of ``every`` optimizer steps: with several optimizers per
+        # iteration the step count moves by more than one per update, so "step % every == 1" could never hold.
+        if self.every and (step - 1) // self.every != self._period:
+            self._period = (step - 1) // self.every
             self._due = True
         if self._due and may_watch and not self._handles and self.pending is None:
             self._due = False
@@ -234,6 +251,8 @@ class HeadroomWatch:
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
         if threading.get_ident() != self._thread or self._opaque is not None or is_compiling():
+            return
+        if _in_backward():  # activation checkpointing recomputing a forward: not a new pass
             return
         try:
             if not self._stack and (is_compiled(module) or self._passes >= MAX_PASSES):
@@ -284,9 +303,10 @@ class HeadroomWatch:
             return
         for tensor in output if isinstance(output, (tuple, list)) else (output,):
             if (
-                isinstance(tensor, torch.Tensor)
+                type(tensor) in _PLAIN_TENSORS  # not a subclass (DTensor ...): its aminmax may not exist
                 and tensor.dtype == torch.float16
                 and tensor.layout == torch.strided
+                and not tensor.is_nested  # (nn.TransformerEncoder's fast path: no aminmax for them)
                 and tensor.numel()
             ):
                 low, high = torch.aminmax(tensor)
@@ -334,9 +354,10 @@ class HeadroomWatch:
             self.every = 0
             self._due = False
             logger.warning(
-                "ampguard's headroom watch stopped after an error (%r) and does not watch again; training goes on "
-                "without it (forward overflows are still found by the probe).",
-                error,
+                "ampguard's headroom watch stopped after an error (%s: %s) and does not watch again; training goes "
+                "on without it (forward overflows are still found by the probe).",
+                type(error).__name__,
+                str(error).splitlines()[0][:200] if str(error) else "",
             )
 
     def add_to(self, code: torch.Tensor, weight: float) -> torch.Tensor:

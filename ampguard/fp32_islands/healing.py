@@ -377,9 +377,12 @@ def after_stats_read(
         if current or unseen:
             active.buffers.on_stats_read(unseen > 0, step, finite_only=at_read or not current)
         pending = active.watch.pending
-        verdict = pending.read_verdict() if pending is not None else 0  # the read the watch's verdict waited for
-        watched = pending.overflowed if pending is not None else None
-        blamed = _judge_watch(active, step, unseen > 0, verdict, watched) if pending is not None or unseen else False
+        # The watch's verdict once its host copy has landed (no read); until then it stays pending (a GPU).
+        ready = pending is not None and pending.summary.ready()
+        verdict = pending.read_verdict() if pending is not None and ready else 0
+        watched = pending.overflowed if pending is not None and ready else None
+        judge = ready or (unseen > 0 and pending is None)
+        blamed = _judge_watch(active, step, unseen > 0, verdict, watched) if judge else False
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"

@@ -47,7 +47,10 @@ def tightest(wrap: bool) -> str | None:
     return headroom[0][0] if headroom else None
 
 
-def test_watch_review_forward_passes_in_worker_threads_are_watched(reinstall):
+@pytest.mark.xfail(
+    strict=True, reason="open (docs/islands.md, limits): forward passes in other threads are not watched"
+)
+def test_forward_passes_in_worker_threads_are_watched(reinstall):
     """The watch keeps to the thread that called update() (its hooks return at once elsewhere, and its dispatch mode
     is thread-local), so a model run in worker threads is never watched: no island ahead, no blame at the first
     overflow, with nothing said. The probe (a threading.local stack) does see such passes."""

@@ -38,7 +38,8 @@ def train(steps: int) -> tuple[nn.Module, torch.amp.GradScaler]:
     return model, scaler  # (islands live as long as their model)
 
 
-def test_watch_review_report_mode_names_every_module_auto_mode_would_make_an_island(reinstall, ampguard_log):
+@pytest.mark.xfail(strict=True, reason="open (docs/islands.md, limits): report mode names the tightest module only")
+def test_report_mode_names_every_module_auto_mode_would_make_an_island(reinstall, ampguard_log):
     """Auto mode makes both blocks islands (block 1 at one watch, block 2 at the next, once block 1 is an island and
     no longer a candidate). Report mode changes nothing, so block 1 stays the verdict of every watch, and block 2,
     as close to the limit, is never named: the user learns of one module per run."""

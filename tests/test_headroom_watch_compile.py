@@ -11,8 +11,19 @@ from torch import nn
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
-@pytest.mark.parametrize("every", ["0", "1"])
-def test_watch_review_a_compiled_submodule_runs_its_compiled_graph_on_watched_steps(reinstall, every: str):
+@pytest.mark.parametrize(
+    "every",
+    [
+        "0",
+        pytest.param(
+            "1",
+            marks=pytest.mark.xfail(
+                strict=True, reason="open (docs/islands.md, limits): a compiled submodule runs eagerly on watched steps"
+            ),
+        ),
+    ],
+)
+def test_a_compiled_submodule_runs_its_compiled_graph_on_watched_steps(reinstall, every: str):
     """``model.encoder = torch.compile(encoder)`` (a common partial compile): dynamo does not run compiled code while a
     TorchDispatchMode is active, so on each watched iteration the region runs eagerly (with inductor: other kernels,
     other float16 rounding, so the watched step's results differ from an unwatched one's, and it is slower). The docs

@@ -18,7 +18,10 @@ def half_net() -> Net:
     return Net(blocks=2, hot=1, sharpness=30.0)
 
 
-def test_watch_review_an_island_of_a_float16_model_without_autocast_computes_in_float32(ampguard_log):
+@pytest.mark.xfail(
+    strict=True, reason="open (docs/islands.md, limits): an island casts inputs to float32 only under autocast"
+)
+def test_an_island_of_a_float16_model_without_autocast_computes_in_float32(ampguard_log):
     """``model.half()`` trained without autocast (masters on), every 10th batch 8x louder. In float32 the loud batches
     are finite; the watch blames blocks.1.attn at the first (step 9) and makes it an island, but an island casts its
     inputs only under autocast: q, k, v still get float16 inputs and weights, the logits still overflow, every loud

@@ -30,7 +30,7 @@ def tightest(model: nn.Module) -> tuple[str, float]:
     return scaler.stats.headroom[0]
 
 
-def test_watch_review_a_checkpointed_attention_keeps_its_logits_watched(reinstall, monkeypatch):
+def test_a_checkpointed_attention_keeps_its_logits_watched(reinstall, monkeypatch):
     """Checkpointing recomputes the attention in backward(), on the CPU in the caller's thread: the watch takes the
     recomputation for a new outermost call and strikes the attention off the candidates ("called as the root too"), so
     its logits (thousands here, its own code's) are no longer seen: the module the watch exists for is invisible."""

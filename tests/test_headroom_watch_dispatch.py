@@ -52,7 +52,11 @@ def setup(steps: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradS
     return model, optimizer, torch.amp.GradScaler("cpu", init_scale=1024.0)
 
 
-def test_watch_review_a_keyboard_interrupt_in_a_watched_forward_leaves_no_dispatch_mode(reinstall):
+@pytest.mark.xfail(
+    strict=True,
+    reason="open (docs/islands.md, limits): a KeyboardInterrupt in a watched forward leaves the watch on until the next update",
+)
+def test_a_keyboard_interrupt_in_a_watched_forward_leaves_no_dispatch_mode(reinstall):
     """torch calls always_call forward hooks on an Exception, not on a KeyboardInterrupt: the watch's dispatch mode
     stays pushed and its module stack never empties, so every op the user runs next (evaluation, generation in the
     notebook) goes through Python and is sampled, with no MAX_PASSES bound, until some step() comes."""
@@ -77,8 +81,20 @@ def live_tensors() -> int:
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
 
 
-@pytest.mark.parametrize("every", ["0", "1"])
-def test_watch_review_a_watched_pass_keeps_memory_per_module_not_per_call(reinstall, every: str):
+@pytest.mark.parametrize(
+    "every",
+    [
+        "0",
+        pytest.param(
+            "1",
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open (docs/islands.md, limits): the watch keeps two scalars per float16 op per call",
+            ),
+        ),
+    ],
+)
+def test_a_watched_pass_keeps_memory_per_module_not_per_call(reinstall, every: str):
     """One forward pass calling a cell 2,000 times: the watch keeps a (min, max) pair of 0-dim device tensors for every
     float16 op of every call until step() (4,000 tensors here; a decoding loop under gradient accumulation: millions,
     each its own allocation on a GPU). A running peak per module would keep one."""
@@ -92,7 +108,7 @@ def test_watch_review_a_watched_pass_keeps_memory_per_module_not_per_call(reinst
     assert kept < 100  # a few per module, as with the watch off
 
 
-def test_watch_review_a_nested_tensor_in_a_watched_pass_does_not_stop_the_watch(reinstall, ampguard_log):
+def test_a_nested_tensor_in_a_watched_pass_does_not_stop_the_watch(reinstall, ampguard_log):
     """A float16 nn.TransformerEncoder evaluated with a padding mask takes torch's fast path, which packs the batch
     into a nested tensor (layout strided, dtype float16): ``aminmax`` has no NestedTensor kernel, so the watch stops
     for the rest of the run (one WARNING holding torch's whole dispatcher table, about 10 KB)."""

@@ -16,7 +16,7 @@ from torch import nn
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
-def test_watch_review_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(reinstall, monkeypatch):
+def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(reinstall, monkeypatch):
     """The watch's copy is modelled as a GPU's: not reached during the update that queued it, reached by the next.
     Torch reads nothing on the host with a fused optimizer; ampguard must not either. Today the update of the watched
     iteration tells the listeners the rows known so far, and ``after_stats_read`` decodes the pending verdict at once

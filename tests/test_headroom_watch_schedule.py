@@ -12,7 +12,7 @@ pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
 @pytest.mark.parametrize("optimizers", [1, 2])
-def test_watch_review_the_watch_runs_with_two_optimizers_on_one_scaler(optimizers: int):
+def test_the_watch_runs_with_two_optimizers_on_one_scaler(optimizers: int):
     """A body and a head with their own optimizers (AdamW + SGD, Muon + AdamW), one scaler, the default
     AMPGUARD_WATCH_EVERY=100: the schedule tests ``steps % 100 == 1`` on the scaler's step() count, which goes up by 2
     per iteration, so it is never odd: the watch never runs (no island ahead, no blame at a first overflow)."""
