@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,3 +97,17 @@ def problem(privates: Iterable[Private]) -> str | None:
         if missing:
             return f"{private.path} has no {', '.join(missing)} parameter"
     return None
+
+
+def is_compiling() -> bool:
+    """Whether dynamo is tracing the caller (``torch.compiler.is_compiling``; ``torch._dynamo``'s before 2.3).
+
+    Global module hooks return at once then: dynamo would trace them, and on torch 2.3 a hook that looks at
+    modules recursed until the process aborted.
+    """
+    import torch
+
+    check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if check is None:
+        check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return bool(check and check())

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 from islands_support import BATCH, CLASSES, DIM, EVERY, TOKENS, Net, batch, fresh_islands, make_net  # noqa: F401
-from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
+from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
 import ampguard
@@ -177,6 +177,7 @@ def test_watch_every_values(value: str, every: int):
     assert ampguard.config.load({}).watch_every == 100 and ampguard.config.load({}).headroom == 4.0
 
 
+@needs_fused_adam
 def test_with_a_fused_optimizer_the_first_overflow_is_blamed_without_a_read(reinstall, ampguard_log):
     """Device mode reads nothing per step: the step's row (ampguard/scaler/row_copies.py) and the watch of step 2
     (its own host copy) are known without a read, so the first overflow (step 10) blames the block at its own

@@ -8,6 +8,8 @@ from islands_support import fresh_islands  # noqa: F401
 from scaler_support import one_thread  # noqa: F401  (fixtures)
 from torch import nn
 
+from ampguard.patch import torch_release
+
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
@@ -18,7 +20,9 @@ pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
         pytest.param(
             "1",
             marks=pytest.mark.xfail(
-                strict=True, reason="open (docs/islands.md, limits): a compiled submodule runs eagerly on watched steps"
+                torch_release().release >= (2, 4),  # torch 2.3.1's dynamo runs it under the mode (a graph break)
+                strict=True,
+                reason="open (docs/islands.md, limits): a compiled submodule runs eagerly on watched steps",
             ),
         ),
     ],

@@ -10,12 +10,13 @@ from __future__ import annotations
 import pytest
 import torch
 from islands_support import batch, fresh_islands, make_net  # noqa: F401
-from scaler_support import one_thread  # noqa: F401  (fixtures)
+from scaler_support import needs_fused_adam, one_thread  # noqa: F401  (fixtures)
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
 
+@needs_fused_adam
 def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(reinstall, monkeypatch):
     """The watch's copy is modelled as a GPU's: not reached during the update that queued it, reached by the next.
     Torch reads nothing on the host with a fused optimizer; ampguard must not either. Today the update of the watched

@@ -13,7 +13,7 @@ import logging
 
 import pytest
 import torch
-from islands_support import EVERY, batch, fresh_islands, make_net, train  # noqa: F401
+from islands_support import EVERY, batch, fresh_islands, make_net, probe_only, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from test_islands import stock_scaler
 
@@ -117,6 +117,7 @@ def test_an_earlier_checkpoint_s_short_name_still_loads_where_it_names_one_modul
     assert len(records(ampguard_log, logging.INFO, "fp32 island xtts.gpt.blocks.1.attn (Attention) re-applied")) == 1
 
 
+@pytest.mark.usefixtures("probe_only")  # (the headroom watch would blame the block at its first overflow)
 def test_an_earlier_checkpoint_s_short_name_that_fits_several_modules_is_not_re_applied(reinstall, ampguard_log):
     recipe, optimizer, state = trained_recipe(["1"], full_names=False)
     run = resume(reinstall, recipe, optimizer, state, steps=EVERY)

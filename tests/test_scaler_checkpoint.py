@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import logging
 import pickle
+from typing import Any
 
 import pytest
 import torch
@@ -140,7 +141,7 @@ def test_weights_only_load_of_a_saved_state_dict(tmp_path):
     assert loaded == run.scaler.state_dict()
     scaler = safe()
     scaler.load_state_dict(loaded)
-    assert scaler.stats.as_dict() == run.scaler.stats.as_dict()
+    assert carried(scaler.stats) == carried(run.scaler.stats)
     torch_scaler = stock()
     torch_scaler.load_state_dict(loaded)
     assert torch_scaler.get_scale() == run.scaler.get_scale()
@@ -161,12 +162,12 @@ def test_pickling_between_iterations_like_torch(optimizer):
     run = train(safe(**HYPER), optimizer=optimizer, steps=25, faults=FAULTS_A)
     restored = pickle.loads(pickle.dumps(run.scaler))
     assert type(restored) is SafeGradScaler
-    assert restored.stats.as_dict() == run.scaler.stats.as_dict()
+    assert carried(restored.stats) == carried(run.scaler.stats)
     assert restored.get_scale() == run.scaler.get_scale() and restored._scale is None  # lazily re-created, as torch
     a = train(run.scaler, optimizer=optimizer, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
     b = train(restored, optimizer=optimizer, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
     assert same_parameters(a.model, b.model)
-    assert a.scaler.stats.as_dict() == b.scaler.stats.as_dict()
+    assert carried(a.scaler.stats) == carried(b.scaler.stats)
 
 
 def test_a_scaler_pickled_with_the_earlier_per_iteration_attributes_unpickles_and_trains_the_same():
@@ -187,7 +188,7 @@ def test_a_scaler_pickled_with_the_earlier_per_iteration_attributes_unpickles_an
     a = train(run.scaler, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
     b = train(restored, steps=20, faults=FAULTS_B, model=copy.deepcopy(run.model), seed=4)
     assert same_parameters(a.model, b.model)
-    assert a.scaler.stats.as_dict() == b.scaler.stats.as_dict()
+    assert carried(a.scaler.stats) == carried(b.scaler.stats)
 
 
 def _pickle_refused_mid_iteration(scaler) -> None:
@@ -228,3 +229,9 @@ def test_torch_scaler_pickled_before_install_unpickles_as_a_working_safegradscal
     stats = restored.stats
     assert (stats.steps, stats.skipped, stats.scale) == (3, 1, 256.0)  # grew at the 3rd good step, then backed off
     assert restored._scale.item() == 256.0
+
+
+def carried(stats: Any) -> dict[str, Any]:
+    """What a checkpoint or a pickle carries of ``scaler.stats``: all but the underflow measurements, which are
+    this process's per scaler object and start afresh in a loaded or unpickled scaler (docs/underflow.md)."""
+    return {key: value for key, value in stats.as_dict().items() if not key.startswith("underflow_")}

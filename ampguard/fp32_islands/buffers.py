@@ -42,9 +42,9 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
-from ampguard.fp32_islands.probe import is_compiling
 from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
+from ampguard.torch_privates import is_compiling
 
 logger = event_logger("buffers")
 

@@ -43,10 +43,11 @@ from torch.nn.modules import module as nn_module
 
 import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
-from ampguard.fp32_islands.probe import MAX_CALLS, is_compiled, is_compiling, qualified_name
+from ampguard.fp32_islands.probe import MAX_CALLS, is_compiled, qualified_name
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
+from ampguard.torch_privates import is_compiling
 
 logger = event_logger("island")
 
@@ -211,6 +212,11 @@ class HeadroomWatch:
             self._due = False
             self._watched_step = step + 1
             self._arm()
+
+    def restart(self) -> None:
+        """Another model trains now (the scaler before was freed): forget the last sighting, watch its 2nd step."""
+        self.last = None
+        self._period = -1
 
     def watch_next(self, step: int) -> bool:
         """Watch the next iteration now, off the schedule (``ampguard bench`` times a watched step this way)."""

@@ -299,7 +299,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         active.buffers.restart()
         active.probe.disarm()  # it watched for the model before
         active.fruitless = active.skip_arming = 0  # the probe backed off for the model before, not this one
-        active.watch.last = None  # what the watch saw was the model before
+        active.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
     active.buffers_owner = weakref.ref(scaler)
     return True
 

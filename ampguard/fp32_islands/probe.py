@@ -25,7 +25,6 @@ nothing, so a compiled model is seen as one module.
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -33,6 +32,7 @@ from torch.nn.modules import module as nn_module
 
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.torch_privates import is_compiling
 
 # The verdict travels as index + 1 in VERDICT_BITS bits of the scaler's packed read (ampguard.scaler.listeners).
 VERDICT_BITS = 20
@@ -48,13 +48,6 @@ WRAPPERS = {
     # attribute lookups on to it, so a name in the model works on the wrapper too.
     "_FabricModule": "_original_module",
 }
-
-
-def is_compiling() -> bool:
-    check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if check is None:
-        check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return bool(check and check())
 
 
 def nonfinite_mark(leaves: list[torch.Tensor]) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ampguard.syncs import read_to_host
+from ampguard.torch_privates import is_compiling
 
 SMALLEST_NORMAL = 2.0**-14
 LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
@@ -219,6 +220,8 @@ class Sampler:
         self._visited = set()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if is_compiling():
+            return
         if self._depth == 0:
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
@@ -232,7 +235,7 @@ class Sampler:
         self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.armed:
+        if not self.armed or is_compiling():
             return
         self._depth = max(self._depth - 1, 0)
         inputs = self._inputs.pop() if self._inputs else set()
