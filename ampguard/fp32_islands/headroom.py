@@ -186,7 +186,8 @@ class HeadroomWatch:
         self._passes = 0
         self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
-        self._period = -1  # the last ``(step - 1) // every`` seen at an update
+        # Per scaler: the last ``(step - 1) // every`` seen at its update (each model is watched at its 2nd step).
+        self._periods: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
         self.last: Sighting | None = None  # the last sighting whose iteration did not overflow
@@ -201,12 +202,12 @@ class HeadroomWatch:
 
     # -- the schedule ------------------------------------------------------------------------------
 
-    def after_update(self, step: int, may_watch: bool) -> None:
+    def after_update(self, step: int, may_watch: bool, scaler: Any = None) -> None:
         """At the end of an update: arm for the next iteration when due (``may_watch``: the probe is not armed)."""
         # Due at the first update of each period of ``every`` optimizer steps: with several optimizers per
         # iteration the step count moves by more than one per update, so "step % every == 1" could never hold.
-        if self.every and (step - 1) // self.every != self._period:
-            self._period = (step - 1) // self.every
+        if self.every and scaler is not None and (step - 1) // self.every != self._periods.get(scaler, -1):
+            self._periods[scaler] = (step - 1) // self.every
             self._due = True
         if self._due and may_watch and not self._handles and self.pending is None:
             self._due = False
@@ -216,7 +217,6 @@ class HeadroomWatch:
     def restart(self) -> None:
         """Another model trains now (the scaler before was freed): forget the last sighting, watch its 2nd step."""
         self.last = None
-        self._period = -1
 
     def watch_next(self, step: int) -> bool:
         """Watch the next iteration now, off the schedule (``ampguard bench`` times a watched step this way)."""

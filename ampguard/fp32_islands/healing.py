@@ -171,7 +171,7 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
         _end_iteration(active, scaler, owner, overflow, blamed)
     finally:
         if active.watch.every:
-            active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active))
+            active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active), scaler=scaler)
 
 
 def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, blamed: bool) -> None:
@@ -327,7 +327,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     if active.watch.every:  # its verdict waits for the next read of the counters (after_stats_read)
         if active.watch.watching:
             active.watch.finish()
-        active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active))
+        active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active), scaler=scaler)
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return None
     try:
