@@ -10,6 +10,7 @@ gradients bounded whatever the input size.
 
 from __future__ import annotations
 
+import gc
 import math
 from collections import namedtuple
 from collections.abc import Callable
@@ -207,7 +208,9 @@ def train(
 
 @pytest.fixture
 def fresh_islands():
-    """Islands and reports are process state: the test starts without any (install again)."""
+    """Islands and reports are process state: the test starts without any (install again), and without earlier
+    tests' models still waiting in reference cycles (islands are named and restored among the live models)."""
+    gc.collect()
     ampguard.uninstall()
     ampguard.install()
 
