@@ -86,6 +86,11 @@ class DeviceLedger:
         self.told = 0
 
     @property
+    def rows_current(self) -> bool:
+        """Every row written is known on the host (on the CPU, always after an update)."""
+        return self.copies is not None and not self.copies.pending
+
+    @property
     def full(self) -> bool:
         return len(self._held) >= self.MAX_ROWS
 
@@ -180,7 +185,7 @@ def update_in_device_mode(
     if known is not None and scaler._counters.last_skipped is None:
         scaler._counters.last_skipped = known
     rows = tell_known_rows(scaler, ledger)
-    if hold and rows and rows[-1].held and ledger.copies is not None and not ledger.copies.pending:
+    if hold and rows and rows[-1].held and ledger.rows_current:
         _keep_scale(scaler, rows[-1].scale)  # this iteration's forward overflow, known at its own update (CPU)
     if ledger.full:
         fold_device_ledger(scaler)
@@ -205,11 +210,10 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownR
     if not rows:
         return rows
     ledger.told += len(rows)
-    if scaler._counters.last_skipped is None and ledger.copies is not None and not ledger.copies.pending:
+    if scaler._counters.last_skipped is None and ledger.rows_current:
         scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-    current = ledger.copies is not None and not ledger.copies.pending
     listeners.notify_counters_read(
-        scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=current
+        scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=ledger.rows_current
     )
     for row in rows:
         skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
