@@ -1,4 +1,4 @@
-"""Counting host-device synchronisations, for tests and ``ampguard bench``.
+"""Host-device synchronisations: counted (for tests and ``ampguard bench``), and avoided (:class:`HostCopy`).
 
 torch's host reads of device values dispatch ``aten::_local_scalar_dense``
 (``.item()``, ``float()``, ``bool()`` on a tensor): :class:`HostReadCounter`
@@ -55,3 +55,51 @@ class HostReadCounter(TorchDispatchMode):
         if func._schema.name == "aten::_local_scalar_dense":
             self.by_source["aten::_local_scalar_dense"] += 1
         return func(*args, **(kwargs or {}))
+
+
+class HostCopy:
+    """A small device tensor's values on their way to the host, known without a synchronisation.
+
+    On CUDA a ``non_blocking`` copy into pinned memory (``into``, or a new
+    buffer) followed by an event: :attr:`ready` polls the event
+    (``Event.query()``, no synchronisation). On the CPU the tensor is host memory
+    already and ready at once. On other accelerators (no event to poll) it is
+    never ready. :meth:`values` returns the host copy once ready; before that it
+    reads the device tensor as ampguard reads anything (:func:`read_to_host`:
+    one counted synchronisation).
+
+    Example::
+
+        copy = HostCopy(verdict)  # at the end of a step: queued behind the step's kernels
+        ...
+        if copy.ready:  # at a later step: the device has got there, reading costs nothing
+            values = copy.values()
+    """
+
+    def __init__(self, tensor: torch.Tensor, into: torch.Tensor | None = None) -> None:
+        self.device_tensor = tensor
+        self.event: Any = None
+        self.host: torch.Tensor | None = None
+        if tensor.device.type == "cpu":
+            self.host = tensor
+        elif tensor.device.type == "cuda":
+            self.host = into if into is not None else torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            self.host.copy_(tensor, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        """Whether a copy from ``device`` can become :attr:`ready` without a synchronisation."""
+        return device.type in ("cpu", "cuda")
+
+    @property
+    def ready(self) -> bool:
+        """Whether the values are on the host: reading them costs no synchronisation."""
+        return self.host is not None and (self.event is None or bool(self.event.query()))
+
+    def values(self) -> list[Any]:
+        """The values: the host copy when :attr:`ready`, else one counted read of the device tensor."""
+        if self.ready and self.host is not None:
+            return list(self.host.tolist())
+        return read_to_host(self.device_tensor)

@@ -256,7 +256,7 @@ def test_an_error_inside_the_watch_stops_it_with_one_warning_and_training_goes_o
 def test_the_host_copy_on_a_mocked_cuda_device_is_read_only_when_its_event_is_not_reached(monkeypatch):
     """On CUDA the watch's summary travels to pinned memory with a non-blocking copy and an event: used as it is
     once the event is reached (no read), read as anything else (counted) before. The device is mocked."""
-    from ampguard.fp32_islands import headroom
+    from ampguard import syncs
 
     class FakeEvent:
         reached = False
@@ -280,12 +280,12 @@ def test_the_host_copy_on_a_mocked_cuda_device_is_read_only_when_its_event_is_no
         return real_empty(*args, **kwargs)
 
     reads = []
-    monkeypatch.setattr(headroom, "read_to_host", lambda tensor: reads.append(tensor) or [1.0, 2.0, 3.0])
+    monkeypatch.setattr(syncs, "read_to_host", lambda tensor: reads.append(tensor) or [1.0, 2.0, 3.0])
     with monkeypatch.context() as patched:
         patched.setattr(torch, "empty", empty)
         patched.setattr(torch.cuda, "Event", FakeEvent)
         patched.setattr(torch.Tensor, "copy_", lambda self, source, non_blocking=False: self.fill_(7.0))
-        copy = headroom._HostCopy(FakeCudaTensor())
+        copy = syncs.HostCopy(FakeCudaTensor())  # type: ignore[arg-type]
     assert pinned == [True]
     assert copy.values() == [1.0, 2.0, 3.0] and len(reads) == 1  # the event not reached: read (one sync)
     FakeEvent.reached = True

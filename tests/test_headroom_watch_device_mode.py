@@ -1,7 +1,7 @@
 """Review of the headroom watch with a fused optimizer (the scaler's device mode) on a GPU, the device mocked.
 
 On CUDA the watch's summary reaches the host through a non-blocking copy and an event; a copy whose event is not
-reached yet is read with a sync (``_HostCopy.values``). Device mode learns each iteration's ledger row from its own
+reached yet is read with a sync (``ampguard.syncs.HostCopy.values``). Device mode learns each iteration's ledger row from its own
 host copy, queued *before* the watch's in ``update()``, and tells the listeners at the updates after.
 """
 
@@ -22,6 +22,7 @@ def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(rein
     Torch reads nothing on the host with a fused optimizer; ampguard must not either. Today the update of the watched
     iteration tells the listeners the rows known so far, and ``after_stats_read`` decodes the pending verdict at once
     from a copy queued microseconds earlier: one sync per watch."""
+    from ampguard import syncs
     from ampguard.fp32_islands import headroom
 
     reinstall(AMPGUARD_WATCH_EVERY="5")
@@ -35,18 +36,17 @@ def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(rein
         def query(self) -> bool:
             return updates[0] > self.queued_at  # the device reaches the copy after the update that queued it
 
-    original_init = headroom._HostCopy.__init__
-
-    def init(self, tensor: torch.Tensor) -> None:
-        original_init(self, tensor)
-        self.event = GpuEvent()
+    class GpuCopy(syncs.HostCopy):
+        def __init__(self, tensor: torch.Tensor) -> None:
+            super().__init__(tensor)
+            self.event = GpuEvent()
 
     def read_to_host(tensor: torch.Tensor) -> list[float]:
         reads.append(updates[0])
         return list(tensor.tolist())
 
-    monkeypatch.setattr(headroom._HostCopy, "__init__", init)
-    monkeypatch.setattr(headroom, "read_to_host", read_to_host)
+    monkeypatch.setattr(headroom, "HostCopy", GpuCopy)
+    monkeypatch.setattr(syncs, "read_to_host", read_to_host)
     torch.manual_seed(0)
     model = make_net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)

@@ -142,7 +142,15 @@ class _Event:
 
 
 def test_a_row_copied_from_the_gpu_is_known_once_its_event_completed_mocked_cuda_event(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "Event", _Event)
+    class MockedCudaCopy(syncs.HostCopy):
+        """The copy into a pinned ring row, with an event the mocked GPU reaches when ``_Event.landed`` is set."""
+
+        def __init__(self, tensor: torch.Tensor, into: torch.Tensor | None = None) -> None:
+            super().__init__(tensor)
+            assert into is not None  # a CUDA row is copied into the ring
+            self.host, self.event = into.copy_(tensor), _Event()
+
+    monkeypatch.setattr(ampguard.scaler.row_copies, "HostCopy", MockedCudaCopy)
     monkeypatch.setattr(RowCopies, "_host_row", lambda self: torch.empty(4))  # pinned memory needs CUDA
     copies = RowCopies(torch.device("cuda"))
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
@@ -154,3 +162,4 @@ def test_a_row_copied_from_the_gpu_is_known_once_its_event_completed_mocked_cuda
     (row,) = copies.known()
     assert (row.skipped, row.found, row.nonfinite_loss, row.held, row.unread) == (1, True, True, True, [optimizer])
     assert copies.known() == [] and syncs._reads_by_ampguard == before
+    assert len(copies._free) == 1  # the ring row is used again

@@ -17,7 +17,7 @@ within ``AMPGUARD_HEADROOM`` of float16's limit, else 0. The verdict rides on
 the scaler's one host read, as the probe's does (the two never run in the same
 iteration); :mod:`ampguard.fp32_islands.watch_verdicts` makes the island. The
 verdict and the few highest peaks are also copied to the host without waiting
-(:class:`_HostCopy`), before the read the scaler makes next, so that naming the
+(:class:`~ampguard.syncs.HostCopy`), before the read the scaler makes next, so that naming the
 island, blaming a module at a forward overflow (the one the last watch saw
 closest, when its peak was within :data:`BLAME_BOUND` of the limit), device
 mode's verdict and ``scaler.stats`` read nothing more.
@@ -46,7 +46,7 @@ from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.probe import MAX_CALLS, is_compiled, qualified_name
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
-from ampguard.syncs import read_to_host
+from ampguard.syncs import HostCopy
 from ampguard.torch_privates import is_compiling
 
 logger = event_logger("island")
@@ -80,38 +80,6 @@ def _in_backward() -> bool:
     return current is not None and current() != -1
 
 
-class _HostCopy:
-    """A small device tensor copied to the host without waiting (pinned memory, ``non_blocking``).
-
-    The copy is queued at the end of the watched iteration, before the read the
-    scaler makes next (the found_inf read of ``step()``, or device mode's
-    counters read), which waits for it: by the time the values are wanted they
-    are on the host, and reading them costs no synchronisation. On the CPU the
-    tensor itself is the copy. Should the copy not be complete (a CUDA event not
-    reached yet, an accelerator without events), it is read as ampguard reads
-    anything else (:func:`ampguard.syncs.read_to_host`, one counted sync).
-    """
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.device_tensor = tensor
-        self.event: Any = None
-        self.host: torch.Tensor | None = tensor if tensor.device.type == "cpu" else None
-        if tensor.device.type == "cuda":
-            self.host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            self.host.copy_(tensor, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-
-    def ready(self) -> bool:
-        """Whether the values are on the host: reading them costs no synchronisation."""
-        return self.host is not None and (self.event is None or bool(self.event.query()))
-
-    def values(self) -> list[Any]:
-        if self.ready() and self.host is not None:
-            return list(self.host.tolist())
-        return read_to_host(self.device_tensor)
-
-
 @dataclass
 class Sighting:
     """One watched iteration: the candidates' peaks and the verdict, on the device (and on its way to the host)."""
@@ -120,7 +88,7 @@ class Sighting:
     outputs: list[tuple[str, ...] | None]  # each candidate's output dtypes under autocast (for its island)
     verdict: torch.Tensor  # float32 scalar: index + 1 of the candidate within the headroom, 0 when none
     # [verdict, 1 if a watched float16 tensor held NaN or +inf, the SHOWN highest peaks, their indices]
-    summary: _HostCopy
+    summary: HostCopy
     step: int = 0  # the optimizer step whose forward passes were watched
     clean: bool = False  # its iteration had no forward overflow (set at its update)
     blamed: bool = False  # a forward overflow was blamed on what it saw (once per sighting)
@@ -136,7 +104,7 @@ class Sighting:
         return None if module is None or root is None else (module, root, self.outputs[index])
 
     def tightest(self) -> tuple[tuple[str, float], ...]:
-        """The candidates with the highest peaks, named from their root (no read: see :class:`_HostCopy`)."""
+        """The candidates with the highest peaks, named from their root (no read: see :class:`~ampguard.syncs.HostCopy`)."""
         if self.shown is None:
             self.read_verdict()
         return self.shown or ()
@@ -348,7 +316,7 @@ class HeadroomWatch:
         if len(slots) > MAX_CALLS:  # the verdict must fit its bits of the scaler's read
             fits = fits & (order[0] < MAX_CALLS)
         verdict = torch.where(fits, order[0] + 1, 0).float()
-        summary = _HostCopy(torch.cat([verdict.reshape(1), nonfinite.reshape(1), values, order.float()]))
+        summary = HostCopy(torch.cat([verdict.reshape(1), nonfinite.reshape(1), values, order.float()]))
         modules = [(slot.module, slot.root) for slot in slots]
         outputs = [slot.outputs for slot in slots]
         return Sighting(modules, outputs, verdict, summary, step=self._watched_step)
@@ -392,7 +360,7 @@ class HeadroomWatch:
         """The module the last clean sighting saw closest to the limit, its peak and step, when within BLAME_BOUND.
 
         Modules that became islands since are passed over (their float32 output, given back as float16, is the
-        overflow of their caller). Once per sighting; no read (:class:`_HostCopy`).
+        overflow of their caller). Once per sighting; no read (:class:`~ampguard.syncs.HostCopy`).
         """
         sighting = self.last
         if sighting is None or sighting.blamed:

@@ -378,7 +378,7 @@ def after_stats_read(
             active.buffers.on_stats_read(unseen > 0, step, finite_only=at_read or not current)
         pending = active.watch.pending
         # The watch's verdict once its host copy has landed (no read); until then it stays pending (a GPU).
-        ready = pending is not None and pending.summary.ready()
+        ready = pending is not None and pending.summary.ready
         verdict = pending.read_verdict() if pending is not None and ready else 0
         watched = pending.overflowed if pending is not None and ready else None
         judge = ready or (unseen > 0 and pending is None)

@@ -4,10 +4,10 @@ A fused optimizer skips on the device, and ampguard used to learn of a skip
 only at the next read of the ledger (a stats line, ``scaler.stats``, a
 checkpoint: every ``AMPGUARD_STATS_EVERY`` steps). Now each row
 (``[skipped, found, check, scale]``, :mod:`ampguard.scaler.ledger`) is also
-copied into host memory as it is written: on CUDA a ``non_blocking`` copy into
-pinned memory followed by an event, which :meth:`RowCopies.known` polls
-(``Event.query()``: no synchronisation) at each later ``update()``; a row is
-known one or two iterations after it was written, when the GPU has got there.
+copied into host memory as it is written (:class:`~ampguard.syncs.HostCopy`: on
+CUDA a ``non_blocking`` copy into pinned memory followed by an event, which
+:meth:`RowCopies.known` polls without a synchronisation at each later
+``update()``); a row is known one or two iterations after it was written, when the GPU has got there.
 On the CPU the row is host memory already and is known at once.
 
 What is learned early goes to the listeners (:mod:`ampguard.scaler.listeners`):
@@ -26,13 +26,11 @@ from __future__ import annotations
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-
-class _Event(Protocol):
-    def query(self) -> bool: ...
+from ampguard.syncs import HostCopy
 
 
 @dataclass
@@ -60,36 +58,27 @@ class RowCopies:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.pending: deque[tuple[torch.Tensor, _Event | None, bool, list[weakref.ref[Any]], int]] = deque()
+        self.pending: deque[tuple[HostCopy, bool, list[weakref.ref[Any]], int]] = deque()
         self._free: list[torch.Tensor] = []
 
     @staticmethod
     def supported(device: torch.device) -> bool:
-        return device.type in ("cpu", "cuda")
+        return HostCopy.supported(device)
 
     def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], read_skips: int) -> None:
         """Start the copy of ``row`` (just written on the device) to the host."""
         refs = [weakref.ref(optimizer) for optimizer in unread]
-        if self.device.type == "cpu":  # host memory already, written synchronously: nothing to copy or wait for
-            self.pending.append((row, None, held, refs, read_skips))
-            return
-        host = self._host_row()
-        host.copy_(row, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        self.pending.append((host, event, held, refs, read_skips))
+        into = self._host_row() if self.device.type == "cuda" else None  # (a CPU row is host memory already)
+        self.pending.append((HostCopy(row, into), held, refs, read_skips))
 
     def known(self) -> list[KnownRow]:
         """The rows whose copies are complete, oldest first (each returned once). No synchronisation."""
         rows: list[KnownRow] = []
-        while self.pending:
-            host, event, held, refs, read_skips = self.pending[0]
-            if event is not None and not event.query():
-                break
-            self.pending.popleft()
-            skipped, found, check, scale = host.tolist()  # host memory: no device read
-            if event is not None:
-                self._free.append(host)
+        while self.pending and self.pending[0][0].ready:
+            copy, held, refs, read_skips = self.pending.popleft()
+            skipped, found, check, scale = copy.values()  # ready: host memory, no device read
+            if copy.event is not None and copy.host is not None:
+                self._free.append(copy.host)
             nonfinite = check != check
             unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
             rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, scale, unread, read_skips))
