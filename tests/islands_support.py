@@ -179,18 +179,21 @@ def train(
     healthy: bool = False,
     check_losses: bool = True,
     after_update: Any = None,
+    batch_of: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> Result:
     """fp16 autocast on CPU with a GradScaler (default: whatever class ``torch.amp.GradScaler`` is now).
 
+    ``model`` is what is called (a wrapper of the trained module, with ``optimizer`` given, works too).
     ``healthy``: no batch overflows. ``check_losses``: count non-finite losses (one host read per step).
-    ``after_update(step)`` runs after each ``scaler.update()``.
+    ``after_update(step)`` runs after each ``scaler.update()``. ``batch_of(step)``: the batches, instead of
+    :func:`batch`.
     """
     model = make_net() if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01) if optimizer is None else optimizer
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100) if scaler is None else scaler
     result = Result(model, optimizer, scaler)
     for step in range(start, start + steps):
-        x, y = batch(step, healthy)
+        x, y = batch(step, healthy) if batch_of is None else batch_of(step)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16):
             loss = nn.functional.cross_entropy(model(x), y)

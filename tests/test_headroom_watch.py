@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
-from islands_support import BATCH, CLASSES, DIM, EVERY, TOKENS, Net, batch, fresh_islands, make_net  # noqa: F401
+from islands_support import BATCH, CLASSES, DIM, EVERY, TOKENS, Net, batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
@@ -223,17 +223,14 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
     model = Net(sharpness=0.3)
     model.blocks[0].attn = Storm()
     states: list[tuple[bool, bool]] = []
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", **HYPER)
-    for step in range(6 * EVERY):
-        x, y = batch(step)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        states.append((healing._active.probe.armed, healing._active.watch.watching))
+    train(
+        6 * EVERY,
+        model=model,
+        scaler=scaler,
+        check_losses=False,
+        after_update=lambda _: states.append((healing._active.probe.armed, healing._active.watch.watching)),
+    )
     assert any(probe for probe, _ in states) and any(watch for _, watch in states)
     assert not any(probe and watch for probe, watch in states)
     assert scaler.stats.fp32_islands == ("blocks.0.attn",)  # found by the probe

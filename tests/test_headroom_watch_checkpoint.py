@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from islands_support import Block, batch, fresh_islands, make_net  # noqa: F401
+from islands_support import Block, batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import one_thread  # noqa: F401  (fixtures)
 from torch import nn
 
@@ -17,17 +17,7 @@ def checkpointed_block_forward(self: Block, x: torch.Tensor) -> torch.Tensor:
 
 
 def tightest(model: nn.Module) -> tuple[str, float]:
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(3):
-        x, y = batch(step, healthy=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    return scaler.stats.headroom[0]
+    return train(3, model=model, healthy=True, check_losses=False).scaler.stats.headroom[0]
 
 
 def test_a_checkpointed_attention_keeps_its_logits_watched(reinstall, monkeypatch):

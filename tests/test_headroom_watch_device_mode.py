@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from islands_support import batch, fresh_islands, make_net  # noqa: F401
+from islands_support import batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import needs_fused_adam, one_thread  # noqa: F401  (fixtures)
-from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -50,14 +49,9 @@ def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(rein
     torch.manual_seed(0)
     model = make_net()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
-    for step in range(12):
-        x, y = batch(step, healthy=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(model(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
+
+    def one_update_later(step: int) -> None:
         updates[0] += 1
-        scaler.update()
+
+    train(12, model=model, optimizer=optimizer, healthy=True, check_losses=False, after_update=one_update_later)
     assert reads == []  # healthy steps, watched ones included: no read torch does not make

@@ -6,7 +6,7 @@ import concurrent.futures
 
 import pytest
 import torch
-from islands_support import batch, fresh_islands, make_net  # noqa: F401
+from islands_support import batch, fresh_islands, make_net, train  # noqa: F401
 from scaler_support import one_thread  # noqa: F401  (fixtures)
 from torch import nn
 
@@ -34,16 +34,7 @@ def tightest(wrap: bool) -> str | None:
     model = make_net()
     called = ThreadedReplicas(model) if wrap else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
-    for step in range(3):
-        x, y = batch(step, healthy=True)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = nn.functional.cross_entropy(called(x), y)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-    headroom = scaler.stats.headroom
+    headroom = train(3, model=called, optimizer=optimizer, healthy=True, check_losses=False).scaler.stats.headroom
     return headroom[0][0] if headroom else None
 
 

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import torch
-from islands_support import EVERY, batch, fresh_islands, make_net, probe_only, train  # noqa: F401  (fixture)
+from islands_support import EVERY, Result, batch, fresh_islands, make_net, probe_only, train  # noqa: F401  (fixture)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
 from test_buffers import Masked, conv_net, iteration, run, two_models
 from test_islands import HYPER, ISLAND, global_hooks, module_hooks
@@ -46,10 +46,8 @@ def fused(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
 
 
-@pytest.mark.usefixtures("probe_only")  # with the watch: 2 lost (tests/test_headroom_watch.py)
-def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstall, ampguard_log):
-    reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
-    steps = 300
+def fused_runs(steps: int) -> tuple[Result, Result]:
+    """The net with ``AdamW(fused=True)`` for ``steps``: under torch's GradScaler, then under ampguard's."""
     reference_model = make_net()
     reference = train(
         steps,
@@ -58,7 +56,14 @@ def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstal
         scaler=ampguard.scaler.TorchGradScaler("cpu", **HYPER),
     )
     model = make_net()
-    healed = train(steps, model=model, optimizer=fused(model))
+    return reference, train(steps, model=model, optimizer=fused(model))
+
+
+@pytest.mark.usefixtures("probe_only")  # with the watch: 2 lost (tests/test_headroom_watch.py)
+def test_a_block_overflowing_every_10th_batch_heals_after_the_next_read(reinstall, ampguard_log):
+    reinstall(AMPGUARD_STATS_EVERY=str(READ_EVERY))
+    steps = 300
+    reference, healed = fused_runs(steps)
     assert reference.nonfinite_losses == steps // EVERY == 30  # torch loses every 10th batch
     # Overflows at steps 10 and 20 (1-based) are found at the read of step 20; the probe then watches,
     # and the overflow of step 30 names the block. None after that.

@@ -17,8 +17,7 @@ import pytest
 import torch
 from islands_support import EVERY, fresh_islands, make_net, probe_only, train  # noqa: F401  (fixtures)
 from scaler_support import ampguard_log, needs_fused_adam, one_thread, records  # noqa: F401  (fixtures)
-from test_islands import HYPER
-from test_islands_fused import reads_by_step
+from test_islands_fused import fused_runs, reads_by_step
 from test_scheduler_hold import OVERFLOWS, Run, warmup_lambda
 from torch import nn
 
@@ -39,15 +38,7 @@ def test_a_fused_optimizer_heals_at_the_second_overflow_with_the_default_stats_i
     """Every 10th batch overflows in blocks.1.attn: torch loses all 30, the probe alone 2 (was 3 with a read every
     20 steps, and all of them until the first read with the default AMPGUARD_STATS_EVERY=500)."""
     steps = 300
-    reference_model = make_net()
-    reference = train(
-        steps,
-        model=reference_model,
-        optimizer=fused(reference_model),
-        scaler=ampguard.scaler.TorchGradScaler("cpu", **HYPER),
-    )
-    model = make_net()
-    healed = train(steps, model=model, optimizer=fused(model))
+    reference, healed = fused_runs(steps)
     assert reference.nonfinite_losses == steps // EVERY == 30
     assert healed.nonfinite_losses == healed.scaler.stats.nonfinite_loss == 2
     assert healed.scaler.stats.fp32_islands == ("blocks.1.attn",)
