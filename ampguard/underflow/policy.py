@@ -65,6 +65,15 @@ class ScaleState:
     pending: Transfer | None = None  # a sample's counts on their way to the host
     pending_skipped: bool = False  # (host mode) its step was skipped
     pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
+    pending_shared: bool = False  # ranks training one model: its totals are the ranks' (agreed), acted on in step
+    last_agreed: bool = False  # the sample taken last had the ranks' totals (an exchange may fail)
+
+    def take(self) -> Transfer:
+        """The sample on its way, now acted on."""
+        pending = self.pending
+        assert pending is not None
+        self.pending, self.last_agreed = None, pending.agreed
+        return pending
 
     def note_scale(self, scale: float, overflowed: bool, backoff_factor: float) -> None:
         """After an update: an overflow sets the ceiling; growing to it by torch's schedule lifts it."""
