@@ -98,7 +98,9 @@ def test_no_step_reads_the_device_for_the_measurement(reinstall, optimizer_class
 def test_device_mode_grows_the_scale_too(float32_tail):
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, optimizer_class=DeviceSkipSGD)
     stats = run.scaler.stats
-    assert stats.underflow_growths >= 10 and stats.scale >= 2.0**20
+    # As in host mode: 14 growths to the cap (2**24) at steps 2-15, the 15th sample finds no room, then one sample
+    # every 100 steps (before: at the cap the device's no-op growth counted, and every later step was sampled).
+    assert stats.underflow_growths == 14 and stats.scale == 2.0**24 and stats.underflow_samples == 17
     assert relative_gap(run.tail_mean(), float32_tail) <= TOLERANCE
 
 

@@ -163,7 +163,7 @@ class UnderflowListener(StepListener):
         """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
         state.samples += 1
         state.last = measurement
-        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling):
+        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
             return False
         unagreed = state.pending_shared and not state.last_agreed  # ranks whose scales must stay equal
         if self.mode != "adapt" or unagreed:
