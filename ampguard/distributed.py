@@ -1,9 +1,10 @@
-"""Whether the ranks of a torch.distributed job train one model together, and what they agree on a skipped step.
+"""Whether the ranks of a torch.distributed job train one model together, and what they agree on.
 
 Only ranks that train one model (DDP, FSDP) skip the same steps, so only then
 may a skipped step exchange "was a loss inf/NaN on any rank" and the
-listeners' fields between the ranks (:func:`agree_on_skip`); healthy steps
-never do.
+listeners' fields between the ranks (:func:`agree_on_skip`), and a step the
+underflow patch sampled (at the same optimizer steps on every rank) its
+totals (:func:`agree_on_underflow`); healthy steps never exchange anything.
 """
 
 from __future__ import annotations
@@ -39,8 +40,8 @@ _shared_gradients: bool | None = None
 def ranks_share_gradients() -> bool:
     """Whether a DDP, FSDP or FSDP2 module exists in this process: its gradients are all-reduced across ranks.
 
-    Looked up once, at the first skipped step (a scan of live objects: a cost
-    after a failure only, never on a healthy step), and kept for the process.
+    Looked up once, at the first skipped or underflow-sampled step (a scan of
+    live objects: never on a healthy step), and kept for the process.
     """
     global _shared_gradients
     if _shared_gradients is None:
@@ -75,10 +76,7 @@ def agree_on_skip(loss_nonfinite: bool, fields: list[int]) -> tuple[bool, list[i
     if dist is None:
         return loss_nonfinite, fields
     try:
-        device = (
-            torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-        )
-        values = torch.tensor([float(loss_nonfinite), *map(float, fields)], device=device)
+        values = torch.tensor([float(loss_nonfinite), *map(float, fields)], device=_backend_device(dist))
         dist.all_reduce(values, op=dist.ReduceOp.MAX)
         agreed = read_to_host(values)
         # Kept until the next exchange: a gloo thread must never free this tensor's Python object, which
@@ -90,3 +88,45 @@ def agree_on_skip(loss_nonfinite: bool, fields: list[int]) -> tuple[bool, list[i
             logger.warning("ampguard could not exchange a skipped step's verdict between ranks (%r).", error)
         return loss_nonfinite, fields
     return bool(agreed[0]), [int(value) for value in agreed[1:]]
+
+
+def _backend_device(dist: Any) -> torch.device:
+    """Where the backend's collectives run: NCCL the current CUDA device, gloo (and the rest) the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+_last_totals: tuple[torch.Tensor, ...] = ()
+_totals_failed = False
+
+
+def agree_on_underflow(totals: torch.Tensor) -> torch.Tensor | None:
+    """On an underflow-sampled step: the ranks' totals together (``[values, zeros, low, below_normal, sunk, peak]``).
+
+    Two all-reduces on the backend's device, SUM of the five counts and MAX of
+    the peak, when the ranks train one model (:func:`distributed`); every rank
+    calls it on the same step with a tensor of the same size (zeros where it
+    counted nothing). ``totals`` as it is alone, and None when the exchange
+    fails (said once): the caller then only reports that sample. No read: the
+    result stays on the device.
+    """
+    global _last_totals, _totals_failed
+    dist = distributed()
+    if dist is None:
+        return totals
+    try:
+        device = _backend_device(dist)
+        counts = totals[:5].to(device, torch.float64, copy=True)
+        peak = totals[5:6].to(device, torch.float64, copy=True)
+        dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        _last_totals = (counts, peak)  # kept until the next exchange (see agree_on_skip)
+    except Exception as error:
+        if not _totals_failed:
+            _totals_failed = True
+            logger.warning(
+                "ampguard could not exchange a sampled step's underflow between ranks (%r); "
+                "the scale is not grown for that sample.",
+                error,
+            )
+        return None
+    return torch.cat([counts, peak])

@@ -98,7 +98,9 @@ def test_no_step_reads_the_device_for_the_measurement(reinstall, optimizer_class
 def test_device_mode_grows_the_scale_too(float32_tail):
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, optimizer_class=DeviceSkipSGD)
     stats = run.scaler.stats
-    assert stats.underflow_growths >= 10 and stats.scale >= 2.0**20
+    # As in host mode: 14 growths to the cap (2**24) at steps 2-15, the 15th sample finds no room, then one sample
+    # every 100 steps (before: at the cap the device's no-op growth counted, and every later step was sampled).
+    assert stats.underflow_growths == 14 and stats.scale == 2.0**24 and stats.underflow_samples == 17
     assert relative_gap(run.tail_mean(), float32_tail) <= TOLERANCE
 
 
@@ -175,16 +177,105 @@ def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall
     assert "uflow |" in out and "the scale grown 14 times for it; modules losing most: blocks." in out
 
 
-def test_under_torch_distributed_adapt_only_reports_mocked_world(monkeypatch, ampguard_log):
-    """Ranks training one model must keep one scale; each measures its own batch: no growth, one warning."""
+def _world_of_ranks(monkeypatch, other_rank):
+    """torch.distributed mocked: ranks sharing gradients, whose exchange adds ``other_rank(totals)`` (None: it
+    fails); returns the list of the steps' local totals exchanged."""
     import ampguard.underflow.listener as listener_module
 
-    monkeypatch.setattr(listener_module, "distributed", lambda: object())  # a world of ranks sharing gradients
+    exchanged = []
+
+    def agree(totals):
+        exchanged.append(totals.tolist())
+        other = other_rank(totals)
+        if other is None:
+            return None
+        return torch.cat([totals[:5] + other[:5], torch.maximum(totals[5:], other[5:])])
+
+    monkeypatch.setattr(listener_module, "distributed", lambda: object())
+    monkeypatch.setattr(listener_module, "agree_on_underflow", agree, raising=False)
+    return exchanged
+
+
+def test_under_torch_distributed_the_ranks_agreed_totals_decide_mocked_world(monkeypatch, reinstall, ampguard_log):
+    """Ranks training one model grow on their measurement together: the totals exchanged decide, the same on
+    every rank; before, adapt only reported under torch.distributed."""
+    # Another rank just like this one (its batch underflows as much): the scale grows as for one process.
+    exchanged = _world_of_ranks(monkeypatch, lambda totals: totals.clone())
+    run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
+    stats = run.scaler.stats
+    assert stats.underflow_growths == 4 and stats.scale == 1024.0 * 2**4  # sampled at steps 2, 3, 4, 5
+    assert len(exchanged) == 4 and all(len(totals) == 6 for totals in exchanged)
+    assert stats.underflow_values == 2 * exchanged[-1][0] == 2 * (2 * 112864 + 1284)  # the ranks' values
+    [grown] = records(ampguard_log, 20, "loss scale 1024 -> 2048")
+    assert "all ranks" in grown.getMessage()
+
+    # Another rank whose 100x as many values are all normal: together 1% or less, so not grown, though this
+    # rank's own measurement alone would.
+    _world_of_ranks(monkeypatch, lambda totals: torch.tensor([100 * totals[0].item(), 0, 0, 0, 0, 1.0]))
+    run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
+    assert run.scaler.stats.underflow_growths == 0 and run.scaler.stats.scale == 1024.0
+    assert 0 < run.scaler.stats.underflow_share <= 0.01
+
+    # An exchange that fails: that sample is only reported, once.
+    reinstall(AMPGUARD_UNDERFLOW="adapt")  # a listener that has not reported yet
+    _world_of_ranks(monkeypatch, lambda totals: None)
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
     assert run.scaler.stats.underflow_growths == 0 and run.scaler.stats.scale == 1024.0
     assert run.scaler.stats.underflow_samples == 1 and run.scaler.stats.underflow_share > 0.99
     [warning] = records(ampguard_log, 30, "subnormal or lost")
-    assert "under torch.distributed" in warning.getMessage()
+    assert "could not agree" in warning.getMessage()
+
+
+def _copy_done_after(polls_until_done: int, waits: list[int]):
+    """A Transfer as on CUDA (a copy and an event) whose event is found done after that many polls per sample;
+    ``waits`` gets the step of each sample whose result was asked before (Event.synchronize() on CUDA)."""
+    from ampguard.underflow.measure import Transfer
+
+    polls: list[int] = []
+
+    class MockedCopy(Transfer):
+        copying = True
+
+        @property
+        def ready(self) -> bool:
+            polls.append(self.step)
+            return polls.count(self.step) > polls_until_done
+
+        def result(self):
+            if not self.ready:
+                waits.append(self.step)
+            return super().result()
+
+    return MockedCopy
+
+
+def test_under_torch_distributed_a_cuda_sample_is_acted_on_the_update_after_it_mocked_event(monkeypatch):
+    """CUDA (mocked): each rank's event is found done at a different update, so ranks training one model act at
+    the update after the sample's, waiting for the copy there if it is not done: every rank grows at the same
+    step. Two "ranks" here, one whose copy is done at once and one whose copy is never done when polled."""
+    import ampguard.underflow.listener as listener_module
+
+    _world_of_ranks(monkeypatch, lambda totals: totals.clone())
+    scales: dict[str, list[float]] = {}
+    for rank, polls_until_done in (("fast", 0), ("slow", 10**6)):
+        waits: list[int] = []
+        monkeypatch.setattr(listener_module, "Transfer", _copy_done_after(polls_until_done, waits))
+        scaler = ampguard.SafeGradScaler("cpu")
+        scales[rank] = []
+        update = scaler.update
+
+        def recorded_update(update=update, scaler=scaler, out=scales[rank]):
+            update()
+            out.append(scaler.get_scale())
+
+        scaler.update = recorded_update
+        train(scaler, loss_factor=1e-8, steps=12)
+        stats = scaler.stats
+        # Sampled at steps 2, 4, 6, 8, 10, each acted on at the next update (which grows and arms the next).
+        assert stats.underflow_samples == 5 and stats.underflow_growths == 5 and stats.underflow_step == 10
+        assert waits == ([] if rank == "fast" else [2, 4, 6, 8, 10])
+    assert scales["fast"] == scales["slow"]
+    assert scales["fast"] == [1024.0] * 2 + [1024.0 * 2**k for k in (1, 1, 2, 2, 3, 3, 4, 4, 5, 5)]
 
 
 def test_each_scaler_shows_its_own_measurement():

@@ -14,8 +14,17 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   :func:`~ampguard.underflow.policy.decide` may grow the scale
   (:func:`ampguard.scaler.policy.grow_now`: no read either).
 
-Under torch.distributed (ranks training one model) adapt only reports: every
-rank must keep the same scale, and each measures its own batch.
+Under torch.distributed, ranks training one model (DDP, FSDP) must keep one
+scale while each measures its own batch. With ``adapt`` they agree on one
+measurement: at the end of the sampled iteration's ``update()`` (the same
+optimizer step on every rank: the schedule depends only on the step counter
+and the decisions) the totals are all-reduced
+(:func:`ampguard.distributed.agree_on_underflow`; the per-module counts stay
+the rank's own), and the decision is taken at the same update on every rank:
+that one on the CPU, the next one on CUDA, waiting for the copy there if it is
+not done (whose event each rank would find done at a different update). An
+exchange that fails leaves that sample reported only. Ranks training models of
+their own sample and grow alone.
 
 Healthy steps cost a few comparisons; no step reads the device for this.
 ``scaler.stats`` shows the measurement of the scaler that stepped or updated last (the
@@ -32,10 +41,10 @@ from typing import Any
 import torch
 
 import ampguard.scaler.policy as scale_policy
-from ampguard.distributed import distributed
+from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
-from ampguard.underflow.measure import Measurement, Transfer
+from ampguard.underflow.measure import Measurement, Transfer, totals
 from ampguard.underflow.policy import ScaleState, decide
 
 logger = event_logger("underflow")
@@ -45,9 +54,10 @@ GROWN = (
     "backward pass were subnormal or lost{worst} (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
 )
 DISTRIBUTED = (
-    " (the scale is not grown for it under torch.distributed: every rank must keep the same scale, and each "
-    "measures its own batch)"
+    " (the scale is not grown for it: the ranks of this torch.distributed job could not agree on the measurement, "
+    "and every rank must keep the same scale)"
 )
+AGREED = " (the share of all ranks' values; the modules are this rank's)"
 REPORTED = (
     "at loss scale {scale:g}, {share:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
     "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
@@ -90,12 +100,13 @@ class UnderflowListener(StepListener):
         counters = scaler._counters
         overflowed = bool(counters.last_skipped) and not forward_overflow
         state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
-        if state.sampler.armed:
-            state.pending = Transfer(state.sampler.finish(), counters.steps, state.sampled_at)
+        fresh = state.sampler.armed
+        if fresh:
+            self._start(state, counters.steps, state.sampled_at)
             state.pending_skipped = bool(counters.last_skipped)
         grown: bool | None = None
-        if state.pending is not None and state.pending.ready:
-            measurement, _ = state.pending.result()
+        if self._due(state, fresh):
+            measurement, _ = state.take().result()
             grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=state.pending_skipped)
         self._schedule(scaler, state, grown)
 
@@ -105,16 +116,18 @@ class UnderflowListener(StepListener):
         self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         state = self.state_of(scaler)
-        if state.sampler.armed:
-            tallies = state.sampler.finish()
+        fresh = state.sampler.armed
+        if fresh:
             if row is not None and scaler._scale is not None:
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
                 extra = torch.cat([row[3:4], row[0:3], scaler._scale.reshape(1).to(row.dtype)])
-                state.pending = Transfer(tallies, scaler._counters.steps, math.nan, extra)
+                self._start(state, scaler._counters.steps, math.nan, extra)
                 state.pending_held = held
+            else:
+                state.sampler.finish()
         grown: bool | None = None
-        if state.pending is not None and state.pending.ready:
-            measurement, (_, _, found, loss_check, scale) = state.pending.result()
+        if self._due(state, fresh):
+            measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)
             grown = self._act(scaler, state, measurement, scale, skipped=found > 0)
@@ -123,15 +136,37 @@ class UnderflowListener(StepListener):
 
     # -- both ----------------------------------------------------------------------------------
 
+    def _start(self, state: ScaleState, step: int, scale: float, extra: torch.Tensor | None = None) -> None:
+        """End the sample; its counts start for the host. Ranks training one model first agree on its totals
+        (adapt only: report mode reports each rank's own)."""
+        tallies = state.sampler.finish()
+        state.pending_shared = self.mode == "adapt" and distributed() is not None
+        agreed = agree_on_underflow(totals(tallies)) if state.pending_shared else None
+        state.pending = Transfer(tallies, step, scale, extra, total=agreed)
+
+    @staticmethod
+    def _due(state: ScaleState, fresh: bool) -> bool:
+        """Whether the sample on its way is acted on at this update (``fresh``: the update that started it).
+
+        Alone: once its copy is known, never waiting. Ranks training one model: at the same update on every
+        rank, the sample's own where its counts are known at once, else the next one (waiting for the copy
+        there if need be: each rank's event would be found done at a different update).
+        """
+        pending = state.pending
+        if pending is None:
+            return False
+        if not state.pending_shared:
+            return pending.ready
+        return not (fresh and pending.copying)
+
     def _act(self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool) -> bool:
         """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
-        state.pending = None
         state.samples += 1
         state.last = measurement
-        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling):
+        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
             return False
-        shared = distributed() is not None  # ranks training one model: their scales must stay equal
-        if self.mode != "adapt" or shared:
+        unagreed = state.pending_shared and not state.last_agreed  # ranks whose scales must stay equal
+        if self.mode != "adapt" or unagreed:
             if not self.reported:
                 self.reported = True
                 message = REPORTED.format(
@@ -140,7 +175,7 @@ class UnderflowListener(StepListener):
                     step=measurement.step,
                     worst=_worst(measurement),
                 )
-                logger.warning(message + (DISTRIBUTED if shared and self.mode == "adapt" else ""))
+                logger.warning(message + (DISTRIBUTED if unagreed else ""))
             return False
         after = scale_policy.grow_now(scaler, below=state.ceiling)
         if after is not None and after <= scale:
@@ -151,7 +186,7 @@ class UnderflowListener(StepListener):
             after=after if after is not None else scale * scaler._growth_factor,
             step=measurement.step,
             share=measurement.underflow_share,
-            worst=_worst(measurement),
+            worst=_worst(measurement) + (AGREED if state.pending_shared else ""),
         )
         if not self.reported:
             self.reported = True

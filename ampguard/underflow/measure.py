@@ -105,6 +105,12 @@ class Counts:
     sunk: int = 0  # values of gradients without a normal value (all counted as lost)
     peak: float = 0.0
 
+    @classmethod
+    def read(cls, *values: float) -> Counts:
+        """From the host's copy: ``values, zeros, low, below_normal, sunk, peak`` (counts as floats)."""
+        count, zeros, low, below_normal, sunk, peak = values
+        return cls(int(count), int(zeros), int(low), int(below_normal), int(sunk), float(peak))
+
     @property
     def subnormal(self) -> int:
         return self.below_normal - self.zeros
@@ -287,6 +293,21 @@ class Sampler:
         return tallies
 
 
+def totals(tallies: list[Tally]) -> torch.Tensor:
+    """All tallies in one float64 tensor, ``[values, zeros, low, below_normal, sunk, peak]``, on their device.
+
+    The same size whatever was counted (zeros on the CPU when nothing was): what
+    ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). No read.
+    """
+    device = tallies[0].counts.device if tallies else torch.device("cpu")
+    total = torch.zeros(6, dtype=torch.float64, device=device)
+    total[0] = float(sum(t.values for t in tallies))
+    for t in tallies:
+        total[1:5] += t.counts.to(device, torch.float64)
+        torch.maximum(total[5], t.peak.to(device, torch.float64), out=total[5])
+    return total
+
+
 class Transfer:
     """A sample's counts on their way to the host, known without a synchronisation.
 
@@ -294,14 +315,34 @@ class Transfer:
     :attr:`ready` (``Event.query()``); on the CPU the counts are host memory
     already. On another accelerator (no event to poll) :meth:`result` reads them
     (one counted read, on the step that finds the sample finished).
+
+    ``total``: the ranks' totals (:func:`totals` agreed between them), which the
+    measurement's total then is; its modules stay this rank's.
     """
 
-    def __init__(self, tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None) -> None:
+    def __init__(
+        self,
+        tallies: list[Tally],
+        step: int,
+        scale: float,
+        extra: torch.Tensor | None = None,
+        total: torch.Tensor | None = None,
+    ) -> None:
         self.step, self.scale = step, scale
         self.tallies = [(t.name, t.values) for t in tallies]
-        device = tallies[0].counts.device if tallies else extra.device if extra is not None else torch.device("cpu")
+        self.agreed = total is not None
+        device = (
+            tallies[0].counts.device
+            if tallies
+            else extra.device
+            if extra is not None
+            else total.device
+            if total is not None
+            else torch.device("cpu")
+        )
         exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
-        pieces = [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
+        pieces = [total.to(device, exact)] if total is not None else []
+        pieces += [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
         if extra is not None:
             pieces.append(extra.to(device, exact).flatten())
         self._packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact)
@@ -313,6 +354,11 @@ class Transfer:
             self._event.record()
 
     @property
+    def copying(self) -> bool:
+        """Whether the counts come through a copy and an event (CUDA): :attr:`ready` may be False for a while."""
+        return self._event is not None
+
+    @property
     def ready(self) -> bool:
         return self._event is None or bool(self._event.query())
 
@@ -322,14 +368,17 @@ class Transfer:
             self._event.synchronize()
         on_host = self._packed.device.type == "cpu"  # host memory (pinned or CPU tensors): no device read
         values = self._packed.tolist() if on_host else read_to_host(self._packed)
+        agreed = values[:6] if self.agreed else []
+        values = values[len(agreed) :]
         modules: dict[str, Counts] = {}
         for index, (name, count) in enumerate(self.tallies):
-            zeros, low, below, sunk, peak = values[5 * index : 5 * index + 5]
-            counts = Counts(count, int(zeros), int(low), int(below), int(sunk), float(peak))
+            counts = Counts.read(count, *values[5 * index : 5 * index + 5])
             modules[name] = modules[name] + counts if name in modules else counts
         total = Counts()
         for counts in modules.values():
             total = total + counts
+        if agreed:
+            total = Counts.read(*agreed)
         rest = values[5 * len(self.tallies) :]
         scale = rest[0] if math.isnan(self.scale) and rest else self.scale
         return Measurement(self.step, scale, total, modules), rest

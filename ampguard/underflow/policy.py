@@ -8,7 +8,7 @@ for the growth interval, when
 * its largest gradient, grown, stays :data:`HEADROOM` times below float16's
   65,504 (``peak * growth_factor * HEADROOM <= 65504``);
 * the grown scale stays below the last scale that overflowed (:attr:`ScaleState.ceiling`),
-  until torch's own schedule has grown past it.
+  until torch's own schedule has grown past it, and within the scaler's cap.
 
 An overflow still backs off as torch's rule says. While the rule grows the
 scale, the next step is sampled too; otherwise every ``AMPGUARD_UNDERFLOW_EVERY``
@@ -37,17 +37,23 @@ def has_headroom(peak: float, growth_factor: float) -> bool:
     return math.isfinite(peak) and peak * growth_factor * HEADROOM <= FLOAT16_MAX
 
 
-def decide(scale: float, growth_factor: float, measurement: Measurement, ceiling: float = math.inf) -> bool:
+def decide(
+    scale: float, growth_factor: float, measurement: Measurement, ceiling: float = math.inf, cap: float = math.inf
+) -> bool:
     """Whether the measured underflow grows ``scale`` now (see the module's docstring).
 
     ``measurement`` ran at ``measurement.scale``; its peak is taken to ``scale``
-    (torch's update may have grown or halved the scale since).
+    (torch's update may have grown or halved the scale since). ``cap``: the
+    largest scale allowed (``AMPGUARD_MAX_SCALE``).
     """
     if measurement.total.values == 0 or measurement.scale <= 0:
         return False
     peak = measurement.total.peak * scale / measurement.scale
     return (
-        measurement.underflow_share > MATERIAL and has_headroom(peak, growth_factor) and scale * growth_factor < ceiling
+        measurement.underflow_share > MATERIAL
+        and has_headroom(peak, growth_factor)
+        and scale * growth_factor < ceiling
+        and scale * growth_factor <= cap
     )
 
 
@@ -65,6 +71,15 @@ class ScaleState:
     pending: Transfer | None = None  # a sample's counts on their way to the host
     pending_skipped: bool = False  # (host mode) its step was skipped
     pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
+    pending_shared: bool = False  # ranks training one model: its totals are the ranks' (agreed), acted on in step
+    last_agreed: bool = False  # the sample taken last had the ranks' totals (an exchange may fail)
+
+    def take(self) -> Transfer:
+        """The sample on its way, now acted on."""
+        pending = self.pending
+        assert pending is not None
+        self.pending, self.last_agreed = None, pending.agreed
+        return pending
 
     def note_scale(self, scale: float, overflowed: bool, backoff_factor: float) -> None:
         """After an update: an overflow sets the ceiling; growing to it by torch's schedule lifts it."""
