@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampguard.syncs import read_to_host
+from ampguard.syncs import HostCopy
 from ampguard.torch_privates import is_compiling
 
 SMALLEST_NORMAL = 2.0**-14
@@ -312,9 +312,9 @@ class Transfer:
     """A sample's counts on their way to the host, known without a synchronisation.
 
     On CUDA a ``non_blocking`` copy into pinned memory and an event, polled by
-    :attr:`ready` (``Event.query()``); on the CPU the counts are host memory
-    already. On another accelerator (no event to poll) :meth:`result` reads them
-    (one counted read, on the step that finds the sample finished).
+    :attr:`ready` (:class:`~ampguard.syncs.HostCopy`); on the CPU the counts are
+    host memory already. On another accelerator (no event to poll) :meth:`result`
+    reads them (one counted read, on the step that finds the sample finished).
 
     ``total``: the ranks' totals (:func:`totals` agreed between them), which the
     measurement's total then is; its modules stay this rank's.
@@ -345,29 +345,21 @@ class Transfer:
         pieces += [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
         if extra is not None:
             pieces.append(extra.to(device, exact).flatten())
-        self._packed = torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact)
-        self._event: Any = None
-        if device.type == "cuda":
-            host = torch.empty(self._packed.shape, dtype=exact, pin_memory=True)
-            host.copy_(self._packed, non_blocking=True)
-            self._packed, self._event = host, torch.cuda.Event()
-            self._event.record()
+        self._copy = HostCopy(torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact))
 
     @property
     def copying(self) -> bool:
         """Whether the counts come through a copy and an event (CUDA): :attr:`ready` may be False for a while."""
-        return self._event is not None
+        return self._copy.event is not None
 
     @property
     def ready(self) -> bool:
-        return self._event is None or bool(self._event.query())
+        """Whether :meth:`result` costs no synchronisation (elsewhere than CUDA and the CPU: asked at once)."""
+        return not self.copying or self._copy.ready
 
     def result(self) -> tuple[Measurement, list[float]]:
-        """The measurement, and the values of the caller's ``extra``; waits for a CUDA copy not yet done."""
-        if self._event is not None:
-            self._event.synchronize()
-        on_host = self._packed.device.type == "cpu"  # host memory (pinned or CPU tensors): no device read
-        values = self._packed.tolist() if on_host else read_to_host(self._packed)
+        """The measurement, and the values of the caller's ``extra``; reads the device for a copy not yet done."""
+        values = self._copy.values()
         agreed = values[:6] if self.agreed else []
         values = values[len(agreed) :]
         modules: dict[str, Counts] = {}
