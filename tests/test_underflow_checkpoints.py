@@ -189,3 +189,29 @@ def test_a_pickle_carries_the_entries_and_unpickles_where_the_underflow_patch_is
     assert restored.stats.underflow_samples == 0
     train(restored, loss_factor=1e-8, steps=2)
     assert restored.stats.steps == 10 and restored.get_scale() == 8192.0  # no growth: the patch is off
+
+
+def test_a_sample_still_on_its_way_when_saved_is_taken_again_at_the_next_step_mocked_cuda_event(monkeypatch):
+    """CUDA (mocked): a sample's counts reach the host an update later. Saved in between, the checkpoint is not
+    made to wait for them: the loaded scaler samples its next step instead, and acts on that one."""
+    import ampguard.underflow.listener as listener_module
+    from ampguard.underflow.measure import Transfer
+
+    polls: list[int] = []
+
+    class OneUpdateLate(Transfer):
+        @property
+        def ready(self) -> bool:
+            polls.append(self.step)
+            return polls.count(self.step) > 1
+
+    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    saved = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=2).scaler
+    assert underflow_state(saved).pending is not None  # step 2's sample, on its way
+    entries = saved.state_dict()["ampguard"]
+    assert entries["underflow_next_sample_in"] == 1 and entries["underflow_samples"] == 0
+    fresh = ampguard.SafeGradScaler("cpu")
+    fresh.load_state_dict(saved.state_dict())
+    assert underflow_state(fresh).sampler.armed and underflow_state(fresh).pending is None
+    train(fresh, loss_factor=1e-8, steps=2)  # step 3 sampled, known and acted on at step 4's update
+    assert fresh.stats.underflow_samples == 1 and fresh.stats.underflow_step == 3 and fresh.stats.underflow_growths == 1
