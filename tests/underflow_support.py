@@ -8,7 +8,7 @@ of 1024) and SGD's learning rate is divided by it, so in float32 every factor tr
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,11 +82,13 @@ def train(
     seed: int = 0,
     optimizer_class: Any = torch.optim.SGD,
     faults: Iterable[int] = (),
+    between: Callable[[int, Any], Any] | None = None,
 ) -> Run:
     """SGD (lr 0.1 / loss_factor) on the attention net; the losses recorded are the unmultiplied ones.
 
     ``optimizer_class``: another SGD-like class taking ``(params, lr=)`` (scaler_support.DeviceSkipSGD: the
-    scaler's device mode). On the ``faults`` steps (0-based) a scaled gradient is made inf.
+    scaler's device mode). On the ``faults`` steps (0-based) a scaled gradient is made inf. ``between(step,
+    scaler)``, before each step (0-based), returns the scaler to go on with (a resumed one, or the same).
     """
     torch.manual_seed(seed)
     model = AttentionNet()
@@ -94,6 +96,8 @@ def train(
     faults = set(faults)
     run = Run(scaler=scaler, model=model)
     for step, (tokens, labels) in enumerate(batches(steps)):
+        if between is not None:
+            scaler = run.scaler = between(step, scaler)
         optimizer.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
             loss = nn.functional.cross_entropy(model(tokens).float(), labels)

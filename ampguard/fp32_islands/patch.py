@@ -59,7 +59,7 @@ class IslandsListener(listeners.StepListener):
     def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
         return healing.stats_fields()
 
-    def save(self) -> dict[str, Any]:
+    def save(self, scaler: SafeGradScaler) -> dict[str, Any]:
         names = list(healing.stats_fields()["fp32_islands"])  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
         outputs = healing.island_outputs()
@@ -69,7 +69,7 @@ class IslandsListener(listeners.StepListener):
             entries[ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
         return entries
 
-    def load(self, entries: dict[str, Any]) -> None:
+    def load(self, scaler: SafeGradScaler, entries: dict[str, Any]) -> None:
         healing.restore_islands(
             entries.get("fp32_islands"),
             entries.get("fp32_island_outputs"),

@@ -3,8 +3,9 @@
 ``state_dict()`` is torch's five keys plus ``ampguard``, the counters as plain
 Python numbers (a ``weights_only=True`` load takes it). A checkpoint saved by
 torch's GradScaler loads with torch's meaning. A pickled scaler (``torch.save``
-of the object) drops the iteration in progress; one pickled by torch's own
-GradScaler unpickles as a SafeGradScaler with fresh ampguard bookkeeping.
+of the object, ``copy.deepcopy``) drops the iteration in progress and carries
+the listeners' entries of ``state_dict()["ampguard"]``; one pickled by torch's
+own GradScaler unpickles as a SafeGradScaler with fresh ampguard bookkeeping.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def add_counters(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any
     """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
     if state:
         state["ampguard"] = {key: value for key, value in scaler.stats.as_dict().items() if key in COUNTER_KEYS}
-        state["ampguard"].update(listeners.save())  # the capabilities' own entries (fp32 islands ...)
+        state["ampguard"].update(listeners.save(scaler))  # the capabilities' own entries (fp32 islands ...)
     return state
 
 
@@ -73,7 +74,7 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
         scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
         scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
         scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
-        listeners.load(counters)
+        listeners.load(scaler, counters)
     else:
         logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._counters.steps == 0:
@@ -103,22 +104,41 @@ _EARLIER_ITERATION_KEYS = (
 )
 
 
-def without_iteration(state: dict[str, Any]) -> dict[str, Any]:
+# The listeners' entries in a pickled scaler's dict (as in ``state_dict()["ampguard"]``); taken out before the
+# dict becomes the unpickled scaler's ``__dict__``.
+LISTENER_ENTRIES = "_ampguard_listener_entries"
+
+
+def for_pickle(scaler: SafeGradScaler, state: dict[str, Any]) -> dict[str, Any]:
     """The pickled ``__dict__``: the iteration in progress is not part of it, nor the ids of the optimizers
-    the last one stepped (another process's objects may have them)."""
+    the last one stepped (another process's objects may have them); the listeners' entries are (the
+    underflow policy's ceiling and counters ...), so an unpickled or deep-copied scaler continues as this one."""
     state.pop("_iteration", None)
     if "_counters" in state:
         state["_counters"] = state["_counters"].for_pickle()
+    entries = listeners.save(scaler, "pickling") if scaler._enabled else {}
+    if entries:
+        state[LISTENER_ENTRIES] = entries
     return state
 
 
-def restore_iteration(scaler: SafeGradScaler) -> None:
-    """After ``__setstate__``: a fresh iteration (and none of an earlier version's per-iteration attributes)."""
+def without_listener_entries(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """A pickled dict without the listeners' entries, and those entries (none in earlier pickles)."""
+    state = dict(state)
+    entries = state.pop(LISTENER_ENTRIES, None)
+    return state, entries if isinstance(entries, dict) else {}
+
+
+def restore_iteration(scaler: SafeGradScaler, listener_entries: dict[str, Any]) -> None:
+    """After ``__setstate__``: a fresh iteration (and none of an earlier version's per-iteration attributes),
+    and the listeners' entries loaded (those of a capability not applied here are ignored)."""
     for key in _EARLIER_ITERATION_KEYS:
         scaler.__dict__.pop(key, None)
     if "_counters" not in scaler.__dict__:  # pickled by 0.1.0, when the counters were attributes of the scaler
         scaler._counters = from_earlier_attributes(scaler.__dict__)
     scaler._iteration = Iteration()
+    if listener_entries:
+        listeners.load(scaler, listener_entries, "unpickling")
 
 
 def adopt_torch_pickle(scaler: SafeGradScaler, state: dict[str, Any]) -> None:

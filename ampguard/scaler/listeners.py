@@ -13,7 +13,7 @@ The scaler calls every registered listener at fixed points of an iteration:
 ``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
 ``on_step_known``        a fused optimizer's step, stepped or skipped on the device, became known (at once on the CPU)
 ``stats_fields``         ``scaler.stats``: the fields of ScalerStats the listener fills
-``save`` / ``load``      entries of ``scaler.state_dict()["ampguard"]``
+``save`` / ``load``      entries of ``scaler.state_dict()["ampguard"]``, also carried by pickles and deep copies
 ======================  ======================================================================
 
 **The packed read.** torch's ``step()`` reads one number, found_inf, on the
@@ -101,12 +101,14 @@ class StepListener:
         """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills for ``scaler``."""
         return {}
 
-    def save(self) -> dict[str, Any]:
-        """Entries for ``scaler.state_dict()["ampguard"]`` (plain data)."""
+    def save(self, scaler: SafeGradScaler) -> dict[str, Any]:
+        """Entries for ``scaler.state_dict()["ampguard"]`` and ``scaler``'s pickle (plain data: Python numbers,
+        strings, lists and dicts, which a ``weights_only=True`` load takes)."""
         return {}
 
-    def load(self, entries: dict[str, Any]) -> None:
-        """The ``ampguard`` entries of a loaded scaler state (perhaps an older version's, perhaps without yours)."""
+    def load(self, scaler: SafeGradScaler, entries: dict[str, Any]) -> None:
+        """The ``ampguard`` entries of a state loaded into ``scaler`` (``load_state_dict()``, unpickling, a deep
+        copy); perhaps an older version's, perhaps without yours."""
 
 
 _listeners: list[StepListener] = []
@@ -205,14 +207,15 @@ def stats_fields(scaler: SafeGradScaler) -> dict[str, Any]:
     return _merged("stats", "stats_fields", scaler)
 
 
-def save() -> dict[str, Any]:
-    """Every listener's entries for ``scaler.state_dict()["ampguard"]``."""
-    return _merged("state_dict()", "save")
+def save(scaler: SafeGradScaler, where: str = "state_dict()") -> dict[str, Any]:
+    """Every listener's entries for ``scaler.state_dict()["ampguard"]`` (or its pickle: ``where``)."""
+    return _merged(where, "save", scaler)
 
 
-def load(entries: dict[str, Any]) -> None:
+def load(scaler: SafeGradScaler, entries: dict[str, Any], where: str = "load_state_dict()") -> None:
+    """Every listener's part of ``entries``, loaded into ``scaler``."""
     for listener in _listeners:
-        _guarded(listener, "load_state_dict()", "load", entries)
+        _guarded(listener, where, "load", scaler, entries)
 
 
 def _merged(where: str, method: str, *args: Any) -> dict[str, Any]:

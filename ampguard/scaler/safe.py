@@ -295,14 +295,15 @@ class SafeGradScaler(TorchGradScaler):
     def __getstate__(self) -> dict[str, Any]:
         if self._enabled:
             ledger.fold_device_ledger(self)
-        return checkpoint.without_iteration(super().__getstate__())
+        return checkpoint.for_pickle(self, super().__getstate__())
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        state, listener_entries = checkpoint.without_listener_entries(state)
         super().__setstate__(state)
         if "_settings" not in state:  # pickled by torch's own GradScaler
             checkpoint.adopt_torch_pickle(self, state)
         else:
-            checkpoint.restore_iteration(self)
+            checkpoint.restore_iteration(self, listener_entries)
 
 
 SafeGradScaler.__module__ = "ampguard.scaler"  # the name pickles store, before and after this module split

@@ -3,6 +3,7 @@
 - ``measure``: the sampled step's hooks and counts (:class:`~ampguard.underflow.measure.Sampler`).
 - ``policy``: when measured underflow grows the scale (:func:`~ampguard.underflow.policy.decide`).
 - ``listener``: the SafeGradScaler step listener that samples, decides and reports.
+- ``checkpoint``: its per-scaler state in ``state_dict()["ampguard"]``, pickles and deep copies.
 - ``patch``: ``AMPGUARD_UNDERFLOW=adapt|report|off``.
 
 docs/underflow.md describes the behaviour and the numbers behind the thresholds.

@@ -27,8 +27,8 @@ exchange that fails leaves that sample reported only. Ranks training models of
 their own sample and grow alone.
 
 Healthy steps cost a few comparisons; no step reads the device for this.
-``scaler.stats`` shows the measurement of the scaler that stepped or updated last (the
-listeners' fields are the process's, as the fp32 islands' are).
+``scaler.stats`` shows the scaler's own measurement. The state travels with the
+scaler's ``state_dict()``, pickle and deep copy (:mod:`ampguard.underflow.checkpoint`).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 import ampguard.scaler.policy as scale_policy
+import ampguard.underflow.checkpoint as checkpoint
 from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
@@ -203,6 +204,23 @@ class UnderflowListener(StepListener):
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
             state.sampler.arm()
+
+    # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------
+
+    def save(self, scaler: Any) -> dict[str, Any]:
+        state = self.states.get(scaler)
+        return checkpoint.entries(state, scaler._counters.steps) if state is not None else {}
+
+    def load(self, scaler: Any, entries: dict[str, Any]) -> None:
+        """A saved state replaces ``scaler``'s; a sample armed or in flight is dropped (its hooks with it), and the
+        loaded schedule arms the next step's when it is due."""
+        saved = checkpoint.Saved.parse(entries)
+        if saved is None:  # an earlier version's checkpoint, or torch's: the state is left as it is
+            return
+        state = self.state_of(scaler)
+        state.sampler.finish()
+        saved.restore(state, scaler._counters.steps)
+        self._schedule(scaler, state, None)
 
     # -- what the scaler shows -------------------------------------------------------------------
 

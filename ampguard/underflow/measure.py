@@ -129,6 +129,15 @@ class Counts:
     def share(self, count: int) -> float:
         return count / self.values if self.values else 0.0
 
+    def as_list(self) -> list[int | float]:
+        """Plain data (checkpoints): ``[values, zeros, low, below_normal, sunk, peak]``."""
+        return [self.values, self.zeros, self.low, self.below_normal, self.sunk, self.peak]
+
+    @classmethod
+    def from_list(cls, saved: Any) -> Counts:
+        values, zeros, low, below_normal, sunk, peak = saved
+        return cls(int(values), int(zeros), int(low), int(below_normal), int(sunk), float(peak))
+
     def __add__(self, other: Counts) -> Counts:
         return Counts(
             self.values + other.values,
@@ -160,6 +169,20 @@ class Measurement:
     @property
     def underflow_share(self) -> float:
         return self.total.share(self.total.underflow)
+
+    def as_plain(self) -> dict[str, Any]:
+        """Plain data (checkpoints): Python numbers, strings, lists and dicts."""
+        return {
+            "step": self.step,
+            "scale": float(self.scale),
+            "total": self.total.as_list(),
+            "modules": {name: counts.as_list() for name, counts in self.modules.items()},
+        }
+
+    @classmethod
+    def from_plain(cls, saved: Any) -> Measurement:
+        modules = {str(name): Counts.from_list(counts) for name, counts in dict(saved.get("modules", {})).items()}
+        return cls(int(saved["step"]), float(saved["scale"]), Counts.from_list(saved["total"]), modules)
 
     def worst_modules(self, count: int = 3) -> tuple[tuple[str, float], ...]:
         """The modules that lose the largest share of their gradient values, with that share."""
