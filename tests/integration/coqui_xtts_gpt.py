@@ -57,6 +57,7 @@ class XttsGptConfig(TrainerConfig):
     epochs: int = 1
     batch_size: int = 8
     train_samples: int = 2560  # 320 optimizer steps an epoch, every sample new
+    data_seed: int = 0  # which samples (the held-out ones are seed 1)
     lr: float = LR  # what the Trainer logs; the model makes the optimizer (get_optimizer)
     lr_scheduler: str = "MultiStepLR"
     lr_scheduler_params: dict = field(default_factory=lambda: {"milestones": [200, 400], "gamma": 0.5})
@@ -107,6 +108,8 @@ class TinyXttsGpt(TrainerModel):
         self.mel_pos_embedding = LearnedPositions(audio_length, width)
         config = GPT2Config(
             vocab_size=TEXT_TOKENS,  # unused: the token embeddings are replaced
+            bos_token_id=TEXT_START,
+            eos_token_id=TEXT_STOP,
             n_positions=COND_FRAMES + text_length + audio_length,
             n_embd=width,
             n_layer=layers,
@@ -183,7 +186,10 @@ class TinyXttsGpt(TrainerModel):
     ):  # type: ignore[override]
         generator = torch.Generator().manual_seed(config.training_seed)
         return DataLoader(
-            make_samples(config.train_samples, seed=0), batch_size=config.batch_size, shuffle=True, generator=generator
+            make_samples(config.train_samples, seed=config.data_seed),
+            batch_size=config.batch_size,
+            shuffle=True,
+            generator=generator,
         )
 
     @torch.no_grad()

@@ -4,6 +4,7 @@ ampguard with ``AMPGUARD_UNDERFLOW=off|report|adapt``, and what the underflow pa
 Used by tests/integration/test_underflow_coqui_gpt.py, and run as a script for docs/underflow.md's numbers::
 
     python tests/integration/xtts_gpt_underflow.py [--epochs 1] [--every 100]
+    python tests/integration/xtts_gpt_underflow.py --pretrain-epochs 8 --lr 1e-4  # a fine-tune
 
 prints one JSON line per run (float32, off, report, adapt) and a markdown table.
 """
@@ -45,6 +46,7 @@ class Run:
     train_losses: list[float]
     stats: dict[str, Any] = field(default_factory=dict)  # the scaler's, at the end (float16 runs)
     samples: list[dict[str, Any]] = field(default_factory=list)
+    model_state: dict[str, Any] = field(default_factory=dict, repr=False)  # the weights at the end
 
     @property
     def tail_loss(self) -> float:
@@ -74,11 +76,15 @@ def float16_autocast() -> Iterator[None]:
         Trainer._get_autocast_args = previous  # type: ignore[method-assign]
 
 
-def train(output_path: Path | str, *, float16: bool, epochs: int, **config: Any) -> Run:
+def train(
+    output_path: Path | str, *, float16: bool, epochs: int, start: dict[str, Any] | None = None, **config: Any
+) -> Run:
     """Trains the recipe for ``epochs`` (``train_samples / 8`` optimizer steps each, 320 by default) under the
-    ampguard installed now."""
+    ampguard installed now; from the weights ``start`` (a state dict) when given."""
     with float16_autocast() if float16 else contextlib.nullcontext():
         coqui = coqui_xtts_gpt.build_xtts_trainer(output_path, mixed_precision=float16, epochs=epochs, **config)
+        if start is not None:
+            coqui.model.load_state_dict(start)  # in place: the optimizer holds these parameters
         samples: list[dict[str, Any]] = []
         scales = [coqui.scaler.get_scale()] if coqui.scaler is not None else []  # [k]: after the k-th update
 
@@ -101,6 +107,7 @@ def train(output_path: Path | str, *, float16: bool, epochs: int, **config: Any)
         train_losses=model.train_losses(),
         stats=coqui.scaler.stats.as_dict() if coqui.scaler is not None else {},
         samples=samples,
+        model_state={key: value.clone() for key, value in model.state_dict().items()},
     )
 
 
@@ -138,12 +145,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, default=1, help="of 320 steps")
     parser.add_argument("--every", type=int, default=100, help="AMPGUARD_UNDERFLOW_EVERY")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--pretrain-epochs",
+        type=int,
+        default=0,
+        help="fine-tune: start every run from the weights of this many epochs of float32 training (data seed 0), "
+        "and train on new samples (seed 2)",
+    )
+    parser.add_argument("--lr", type=float, default=coqui_xtts_gpt.LR)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    config: dict[str, Any] = {"lr": args.lr}
+    if args.pretrain_epochs:
+        with tempfile.TemporaryDirectory() as output:
+            pretrained = train(output, float16=False, epochs=args.pretrain_epochs)
+        print(json.dumps({"pretrained": pretrained.steps, "eval_loss": pretrained.eval_loss}), flush=True)
+        config |= {"start": pretrained.model_state, "data_seed": 2}
     runs = []
     for mode in args.modes:
         with tempfile.TemporaryDirectory() as output:
-            runs.append(run_mode(output, mode, epochs=args.epochs, every=args.every))
+            runs.append(run_mode(output, mode, epochs=args.epochs, every=args.every, **config))
         print(json.dumps(runs[-1].row()), flush=True)
     print(_table(runs, runs[0]))
     return 0
