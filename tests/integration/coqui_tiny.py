@@ -80,21 +80,29 @@ def cpu_grad_scaler_factory() -> functools.partial:
 
 
 def build_trainer(
-    output_path: Path | str, *, continue_path: str = "", seed: int = 0, scaler_factory: Any = None, **config: Any
+    output_path: Path | str,
+    *,
+    continue_path: str = "",
+    seed: int = 0,
+    scaler_factory: Any = None,
+    model_factory: Any = None,
+    config_class: Any = None,
+    **config: Any,
 ) -> Trainer:
     """A coqui Trainer on CPU whose own ``GradScaler()`` line makes a working CPU scaler.
 
     ``scaler_factory`` replaces :func:`cpu_grad_scaler_factory` (e.g. torch's own class for a
-    comparison run).
+    comparison run); ``model_factory`` and ``config_class`` replace :class:`TinyModel` and
+    :class:`TinyConfig` (another recipe).
     """
     torch.manual_seed(seed)
-    model = TinyModel()
+    model = (model_factory or TinyModel)()
     previous = trainer.trainer.GradScaler
     trainer.trainer.GradScaler = scaler_factory or cpu_grad_scaler_factory()
     try:
         return Trainer(
             TrainerArgs(continue_path=continue_path),
-            TinyConfig(output_path=str(output_path), **config),
+            (config_class or TinyConfig)(output_path=str(output_path), **config),
             model=model,
             parse_command_line_args=False,
         )
