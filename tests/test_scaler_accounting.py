@@ -339,6 +339,7 @@ def test_stats_snapshot_attributes_and_as_dict():
         "underflow_grad_peak": 0.0,
         "underflow_values": 0,
         "underflow_step": 0,
+        "underflow_scale": 0.0,
         "underflow_samples": 0,
         "underflow_growths": 0,
         "underflow_modules": [],

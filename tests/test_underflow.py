@@ -74,6 +74,7 @@ def test_an_ordinary_run_keeps_torch_schedule_bit_for_bit(float32_tail):
     stats = run.scaler.stats
     assert same_parameters(run.model, torch_run.model)  # measured underflow 0.01%: below the threshold
     assert stats.underflow_samples == 3 and stats.underflow_growths == 0 and stats.underflow_step == 202
+    assert stats.underflow_scale == 4096.0  # torch's schedule: 1024, grown at steps 100 and 200
     assert 0 < stats.underflow_share < 0.01
     assert stats.skipped <= 4 and relative_gap(run.tail_mean(), float32_tail) <= TOLERANCE
 
@@ -158,7 +159,7 @@ def test_a_cuda_sample_is_acted_on_when_its_copy_is_known_mocked_event(monkeypat
     stats = run.scaler.stats
     # Sampled at steps 2, 4, 6, 8, 10 (each known at the next update, which grows the scale and arms the next).
     assert stats.underflow_samples == 5 and stats.underflow_growths == 5 and stats.underflow_step == 10
-    assert stats.scale == 1024.0 * 2**5
+    assert stats.underflow_scale == 1024.0 * 2**4 and stats.scale == 1024.0 * 2**5
 
 
 def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall, tmp_path, capsys):

@@ -40,6 +40,7 @@ class ScalerStats:
         underflow_values: the float16 gradient values the last sample counted (0 with no float16 gradient:
             bfloat16 or float32 training).
         underflow_step: the optimizer step sampled last (0: none yet).
+        underflow_scale: the loss scale that step ran at (0.0: none yet).
         underflow_samples: steps sampled so far.
         underflow_growths: times the measured underflow grew the scale (``AMPGUARD_UNDERFLOW=adapt``).
         underflow_modules: the modules that lost the largest share of their gradient values at the last
@@ -63,6 +64,7 @@ class ScalerStats:
     underflow_grad_peak: float = 0.0
     underflow_values: int = 0
     underflow_step: int = 0
+    underflow_scale: float = 0.0
     underflow_samples: int = 0
     underflow_growths: int = 0
     underflow_modules: tuple[tuple[str, float], ...] = ()
@@ -115,7 +117,8 @@ def _underflow_text(stats: ScalerStats) -> str:
     worst = ",".join(f"{name}:{share:.2%}" for name, share in stats.underflow_modules)
     return (
         f" underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
-        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step}) underflow_growths={stats.underflow_growths}"
+        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step} "
+        f"at_scale={_g(stats.underflow_scale)}) underflow_growths={stats.underflow_growths}"
         + (f" underflow_modules={worst}" if worst else "")
     )
 

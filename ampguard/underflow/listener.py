@@ -236,6 +236,7 @@ class UnderflowListener(StepListener):
             "underflow_grad_peak": last.total.peak,
             "underflow_values": last.total.values,
             "underflow_step": last.step,
+            "underflow_scale": last.scale,
             "underflow_samples": state.samples,
             "underflow_growths": state.growths,
             "underflow_modules": last.worst_modules(),
