@@ -128,7 +128,9 @@ class UnderflowListener(StepListener):
         state.pending = None
         state.samples += 1
         state.last = measurement
-        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling):
+        if skipped or scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
+            return False
+        if not decide(scale, scaler._growth_factor, measurement, state.ceiling):
             return False
         shared = distributed() is not None  # ranks training one model: their scales must stay equal
         if self.mode != "adapt" or shared:
@@ -161,12 +163,17 @@ class UnderflowListener(StepListener):
         return True
 
     def _schedule(self, scaler: Any, state: ScaleState, grown: bool | None) -> None:
-        """Arm the sampler for the next iteration when a sample is due (none while one is on its way)."""
+        """Arm the sampler for the next iteration when a sample is due (none while one is on its way).
+
+        Armed, the next sample is due ``every`` steps after this one: a sample the sampler dropped (a validation
+        of more than its calls in between) is tried again then, not at every step.
+        """
         step = scaler._counters.steps
         if grown is not None:  # a sample was just acted on
             state.next_sample = step + (1 if grown else self.every)
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
+            state.next_sample = step + 1 + self.every
             state.sampler.arm()
 
     # -- what the scaler shows -------------------------------------------------------------------

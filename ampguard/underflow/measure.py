@@ -3,11 +3,15 @@
 Armed for one optimizer step (:meth:`Sampler.arm`), a global module forward
 hook walks the autograd graph each module call just built and registers a
 pre-hook on every node found: the node's incoming gradient (the gradient of
-the tensor that op produced) is counted when the backward pass reaches it, if
-it is float16. Every gradient is counted once, in the innermost module whose
-output led to it (children finish their forward before their parent); the
-gradients of float16 weight copies (autocast's casts) are counted with the
-module that cast them. Nothing is changed: the hooks return nothing.
+the tensor that op produced, or for a leaf's accumulator the leaf's gradient)
+is counted when the backward pass reaches it, if it is float16. Every gradient
+is counted once, in the innermost module whose output led to it (children
+finish their forward before their parent): a node hooked is marked in its own
+``metadata``, so the sample holds no node and no graph. The gradients of
+float16 weight copies (autocast's casts) are counted with the module that cast
+them, those of float16 parameters with the module that used them. Nothing is
+changed: the hooks return nothing, and an error inside them ends the sample
+(reported once), never the step.
 
 Per module, on the device (:class:`Tally`): the number of values, of exact
 zeros, of values below ``2**-22`` (zeros and the two lowest subnormal
@@ -31,11 +35,12 @@ import math
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
+import ampguard.containment as containment
 from ampguard.syncs import read_to_host
 from ampguard.torch_privates import is_compiling
 
@@ -175,23 +180,36 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    """A dense float16 gradient with values (sparse and nested ones are not counted)."""
+    return (
+        gradient is not None
+        and gradient.dtype == torch.float16
+        and gradient.layout == torch.strided
+        and not gradient.is_nested
+        and gradient.numel() > 0
+    )
+
+
 class Sampler:
     """Owns one sampled step: its hooks while armed, its tallies until read.
 
     An armed sampler that is never finished (its scaler dropped, training over
     with the sample due) disarms itself after :data:`MAX_CALLS` outermost module
-    calls: it never keeps walking and holding graphs.
+    calls without a backward pass through the sample between them: it never
+    keeps walking graphs. A validation that long drops the sample (the listener
+    tries again at the next scheduled step).
     """
 
-    MAX_CALLS = 64
+    MAX_CALLS = 1024  # a forward pass that is no module call itself may make a few hundred (a loop over layers)
 
     def __init__(self) -> None:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-        self._visited: set[Any] = set()
+        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
         self._handles: list[Any] = []
         self._depth = 0
-        self._calls = 0  # outermost module calls since armed
+        self._calls = 0  # outermost module calls since armed, or since the sample's last backward
         self._inputs: list[set[Any]] = []  # per module call in progress: the nodes of its inputs (where its walk ends)
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
@@ -205,11 +223,13 @@ class Sampler:
         if self.armed:
             return
         self._session += 1
-        self.tallies, self._visited, self._depth, self._names, self._inputs = {}, set(), 0, {}, []
+        self.tallies, self._depth, self._names, self._inputs = {}, 0, {}, []
         self._calls = 0
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
-            nn.modules.module.register_module_forward_hook(self._post_forward),
+            # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves
+            # its depth, so later calls are known as outermost again
+            nn.modules.module.register_module_forward_hook(self._post_forward, always_call=True),
         ]
 
     def disarm(self) -> None:
@@ -217,11 +237,23 @@ class Sampler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._visited = set()
+
+    def _fail(self, where: str, error: Exception) -> None:
+        """ampguard's own error inside a hook: reported once, the sample dropped, the step goes on."""
+        self.disarm()
+        self._session += 1  # the node hooks already registered do nothing
+        self.tallies = {}
+        containment.report(f"underflow sample ({where})", error)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if is_compiling():
             return
+        try:
+            self._enter(module, args)
+        except Exception as error:
+            self._fail("module forward pre-hook", error)
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
         if self._depth == 0:
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
@@ -237,6 +269,12 @@ class Sampler:
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.armed or is_compiling():
             return
+        try:
+            self._leave(module, output)
+        except Exception as error:
+            self._fail("module forward hook", error)
+
+    def _leave(self, module: nn.Module, output: Any) -> None:
         self._depth = max(self._depth - 1, 0)
         inputs = self._inputs.pop() if self._inputs else set()
         if not torch.is_grad_enabled():
@@ -257,11 +295,9 @@ class Sampler:
             if node is None or node in seen:
                 continue
             seen.add(node)
-            kind = type(node).__name__
-            if kind == "AccumulateGrad":
-                continue
-            if node not in self._visited and kind not in SAME_VALUES:
-                self._visited.add(node)
+            metadata = node.metadata
+            if metadata.get(self._mark) != session and type(node).__name__ not in SAME_VALUES:
+                metadata[self._mark] = session
                 node.register_prehook(lambda grads, slot=slot, session=session: self._count(slot, session, grads))
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
@@ -269,15 +305,19 @@ class Sampler:
     def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         if session != self._session:
             return
-        for gradient in gradients:
-            if gradient is None or gradient.dtype != torch.float16 or gradient.numel() == 0:
-                continue
-            tally = self.tallies.get(slot)
-            if tally is None:
-                module = self._modules.get(slot)
-                name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
-                tally = self.tallies[slot] = Tally(name, gradient.device)
-            tally.add(gradient)
+        self._calls = 0  # a backward pass through the sample: training goes on
+        try:
+            for gradient in gradients:
+                if not _countable(gradient):
+                    continue
+                tally = self.tallies.get(slot)
+                if tally is None:
+                    module = self._modules.get(slot)
+                    name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
+                    tally = self.tallies[slot] = Tally(name, gradient.device)
+                tally.add(gradient)
+        except Exception as error:
+            self._fail("backward node hook", error)
 
     def finish(self) -> list[Tally]:
         """End the sample: no more counting; the tallies, to :func:`read`."""

@@ -1,0 +1,238 @@
+"""The underflow sampler against what real training loops do on a sampled step (an adversarial review of issue 24).
+
+Each test drives a tiny float16 model through SafeGradScaler on the CPU with ``AMPGUARD_UNDERFLOW=adapt`` and
+compares with plain torch where results are concerned: the sample must never change a result, hold memory,
+break a run or be skipped for good.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from scaler_support import ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
+from torch import nn
+
+import ampguard
+import ampguard.containment as containment
+import ampguard.scaler.listeners as listeners
+from ampguard.underflow.listener import UnderflowListener
+from ampguard.underflow.measure import Sampler
+from ampguard.underflow.policy import ScaleState
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _adapt(reinstall):
+    reinstall(AMPGUARD_UNDERFLOW="adapt")
+
+
+def state_of(scaler: Any) -> ScaleState:
+    [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
+    return listener.state_of(scaler)
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train_step(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    scaler: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_factor: float = 1e-8,
+    new_scale: float | None = None,
+) -> None:
+    """One float16-autocast iteration; the default loss factor sinks every gradient at a scale of 1024."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(4, 8))
+    loss = out.float().pow(2).mean() * loss_factor
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update(new_scale)
+
+
+class Marker:
+    """An object only a live autograd node keeps alive (on its ctx)."""
+
+
+class Tagged(torch.autograd.Function):
+    """Identity; its node holds a :class:`Marker` until the node is freed."""
+
+    markers: ClassVar[list[weakref.ref[Marker]]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        marker = Marker()
+        ctx.marker = marker
+        Tagged.markers.append(weakref.ref(marker))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient
+
+
+class TaggedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Tagged.apply(self.lin(x))
+
+
+def test_a_forward_with_grad_enabled_while_armed_is_freed_as_in_torch():
+    """A validation forward without no_grad between two steps (the sampler armed): its graph dies with its output.
+    Before: the sampler's set of visited nodes kept every graph walked alive until the sample's update."""
+    model = TaggedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed  # the first update arms the second step
+    Tagged.markers.clear()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(64, 8))  # validation, grad enabled, never backwarded
+    del out
+    gc.collect()
+    assert Tagged.markers and Tagged.markers[0]() is None
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_forward_that_raises_while_armed_leaves_no_hook_once_training_ends():
+    """A loop that skips a batch whose forward raised (out of memory), then ends with the sample due: after the
+    sampler's limit of outermost calls its hooks are gone. Before: the failed call's depth was never undone, no call
+    counted as outermost again and the global hooks stayed for good."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    sampler = state_of(scaler).sampler
+    with pytest.raises(RuntimeError, match="simulated"):
+        nn.Sequential(model, Fails())(torch.randn(4, 8))
+    for _ in range(sampler.MAX_CALLS + 1):  # training is over; the model is used on
+        model(torch.randn(4, 8))
+    assert not sampler.armed
+
+
+def test_an_iteration_of_more_than_64_module_calls_is_still_measured():
+    """A forward that is no module call itself (a loop over 70 layers) and its backward: the sample counts them.
+    Before: the sampler took the 65th outermost call for a sample nobody finishes, dropped it, and was armed again
+    at every update (no sample ever measured, the hooks on every step)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(70))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        train_step(forward, scaler, optimizer)
+    assert scaler.stats.underflow_samples == 1 and scaler.stats.underflow_values > 0
+
+
+def test_a_sample_lost_to_a_long_validation_is_retried_after_the_interval_not_on_every_step(reinstall, monkeypatch):
+    """A validation longer than the sampler's limit after every update: the armed sample is dropped each time.
+    The next try comes AMPGUARD_UNDERFLOW_EVERY steps later. Before: armed again at every update, so every step
+    ran with the hooks."""
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="5")
+    monkeypatch.setattr(Sampler, "MAX_CALLS", 64)  # (the validation below: 70 batches, more than that)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    armed_after = []
+    for _ in range(10):
+        train_step(model, scaler, optimizer)
+        armed_after.append(state_of(scaler).sampler.armed)
+        with torch.no_grad():
+            for _ in range(70):
+                model(torch.randn(4, 8))
+    assert sum(armed_after) <= 3, armed_after
+
+
+def test_a_float16_nested_tensor_gradient_on_a_sampled_step_trains_as_without_the_patch(reinstall):
+    """A float16 nested tensor through a module on a sampled step. Before: the backward pass raised from the
+    sampler's node hook (aten::amax has no NestedTensor kernel)."""
+    gradients = []
+    for underflow in ("off", "adapt"):
+        reinstall(AMPGUARD_UNDERFLOW=underflow)
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampguard.SafeGradScaler("cpu")
+        train_step(model, scaler, optimizer)  # arms the next step (adapt)
+        torch.manual_seed(1)
+        lin = nn.Linear(8, 8).half()
+        pieces = [torch.randn(2, 8, dtype=torch.float16), torch.randn(3, 8, dtype=torch.float16)]
+        nested = torch.nested.nested_tensor(pieces, requires_grad=True)
+        out = lin(nested)
+        out.backward(torch.nested.nested_tensor([torch.ones(2, 8), torch.ones(3, 8)], dtype=torch.float16))
+        train_step(model, scaler, optimizer)
+        gradients.append(lin.weight.grad)
+    assert torch.equal(gradients[0], gradients[1])
+
+
+def test_a_failure_inside_the_samplers_hooks_falls_back_with_one_warning(monkeypatch, ampguard_log):
+    """ampguard's own error in a node hook: one WARNING, the run goes on as torch's scaler would run it.
+    Before: the error came out of the user's backward()."""
+    from ampguard.underflow.measure import Tally
+
+    def broken(self: Tally, gradient: torch.Tensor) -> None:
+        raise ValueError("a bug in the sampler")
+
+    monkeypatch.setattr(Tally, "add", broken)
+    monkeypatch.setattr(containment, "_reported", set())
+    runs = []
+    for scaler in (ampguard.SafeGradScaler("cpu"), stock(init_scale=1024.0, growth_interval=100)):
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(2)
+        for _ in range(4):
+            train_step(model, scaler, optimizer)
+        runs.append((model, scaler.get_scale()))
+    assert same_parameters(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] == 1024.0
+    [warning] = records(ampguard_log, 30, "a bug in the sampler")
+    assert "underflow" in warning.getMessage()
+
+
+def test_update_with_a_new_scale_on_a_sampled_step_keeps_that_scale():
+    """``update(new_scale)`` sets the scale, as torch's does, even when that update finishes a sample that would
+    grow it. Before: 512 was asked for and 1024 set (grown for underflow)."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed
+    train_step(model, scaler, optimizer, new_scale=512.0)
+    assert scaler.get_scale() == 512.0
+
+
+def test_the_float16_gradients_of_float16_parameters_are_counted():
+    """A model held in float16 (``model.half()``, no autocast): its parameters' gradients are float16 gradients
+    of the step. Linear(8, 4) on 16 rows: the output's 64 values, the weight's 32 and the bias's 4.
+    Before: 64 (only the nodes' incoming gradients; a parameter's reaches no node but its accumulator)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(torch.randn(16, 8, dtype=torch.float16)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.stats.underflow_values == 64 + 32 + 4
