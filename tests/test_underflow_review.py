@@ -8,6 +8,7 @@ break a run or be skipped for good.
 from __future__ import annotations
 
 import gc
+import threading
 import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -236,3 +237,32 @@ def test_the_float16_gradients_of_float16_parameters_are_counted():
         scaler.step(optimizer)
         scaler.update()
     assert scaler.stats.underflow_values == 64 + 32 + 4
+
+
+def test_a_module_running_in_another_thread_leaves_the_sampled_steps_module_names():
+    """Another thread is inside a module's forward (a background encoder, a server) while the sampled step runs:
+    the step's modules are still named by their qualified names. Before: the sampler's one call depth was shared
+    by the threads, the step's outermost call was taken for a nested one and its modules were named by class."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            entered.set()
+            release.wait(timeout=30)
+            return x
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed
+    background = threading.Thread(target=lambda: Waits()(torch.zeros(1)))
+    background.start()
+    try:
+        assert entered.wait(timeout=30)
+        train_step(model, scaler, optimizer)
+    finally:
+        release.set()
+        background.join(timeout=30)
+    names = {name for name, _ in scaler.stats.underflow_modules}
+    assert names and names <= {"0", "1", "2"}, names

@@ -32,6 +32,7 @@ scale 4x as large would have kept (never more than the zeros counted).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -208,9 +209,10 @@ class Sampler:
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
         self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
         self._handles: list[Any] = []
-        self._depth = 0
         self._calls = 0  # outermost module calls since armed, or since the sample's last backward
-        self._inputs: list[set[Any]] = []  # per module call in progress: the nodes of its inputs (where its walk ends)
+        # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
+        # the call depth (another thread's module calls are not this thread's children).
+        self._calls_in_progress = threading.local()
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
 
@@ -223,7 +225,7 @@ class Sampler:
         if self.armed:
             return
         self._session += 1
-        self.tallies, self._depth, self._names, self._inputs = {}, 0, {}, []
+        self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
         self._calls = 0
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
@@ -253,18 +255,25 @@ class Sampler:
         except Exception as error:
             self._fail("module forward pre-hook", error)
 
+    def _inputs(self) -> list[set[Any]]:
+        """This thread's module calls in progress (the nodes of their inputs)."""
+        inputs: list[set[Any]] | None = getattr(self._calls_in_progress, "inputs", None)
+        if inputs is None:
+            inputs = self._calls_in_progress.inputs = []
+        return inputs
+
     def _enter(self, module: nn.Module, args: Any) -> None:
-        if self._depth == 0:
+        in_progress = self._inputs()
+        if not in_progress:
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
                 self.disarm()
                 self.tallies = {}
                 return
-        if self._depth == 0 and id(module) not in self._names:
+        if not in_progress and id(module) not in self._names:
             for name, child in module.named_modules():
                 self._names.setdefault(id(child), name or type(module).__name__)
-        self._depth += 1
-        self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
+        in_progress.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.armed or is_compiling():
@@ -275,8 +284,8 @@ class Sampler:
             self._fail("module forward hook", error)
 
     def _leave(self, module: nn.Module, output: Any) -> None:
-        self._depth = max(self._depth - 1, 0)
-        inputs = self._inputs.pop() if self._inputs else set()
+        in_progress = self._inputs()
+        inputs = in_progress.pop() if in_progress else set()
         if not torch.is_grad_enabled():
             return
         nodes = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
