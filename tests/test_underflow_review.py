@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 
 import pytest
 import torch
-from scaler_support import ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
+from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
 from torch import nn
 
 import ampguard
@@ -266,3 +266,19 @@ def test_a_module_running_in_another_thread_leaves_the_sampled_steps_module_name
         background.join(timeout=30)
     names = {name for name, _ in scaler.stats.underflow_modules}
     assert names and names <= {"0", "1", "2"}, names
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, DeviceSkipSGD])
+def test_at_the_scale_cap_the_policy_stops_growing_and_sampling_every_step(reinstall, optimizer_class):
+    """Underflow still material at AMPGUARD_MAX_SCALE: no growth is counted, and sampling goes back to every
+    AMPGUARD_UNDERFLOW_EVERY steps. Before, in device mode (a fused optimizer): the growth refused on the device
+    was counted as made, and every later step was sampled."""
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_MAX_SCALE="4096", AMPGUARD_UNDERFLOW_EVERY="100")
+    model = tiny_model()
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(12):
+        train_step(model, scaler, optimizer)
+    stats = scaler.stats
+    assert stats.scale == 4096.0  # 1024 -> 2048 -> 4096 at steps 2 and 3; step 4 finds the cap
+    assert stats.underflow_growths == 2 and stats.underflow_samples == 3

@@ -144,6 +144,10 @@ class UnderflowListener(StepListener):
                 )
                 logger.warning(message + (DISTRIBUTED if shared and self.mode == "adapt" else ""))
             return False
+        # At the cap (AMPGUARD_MAX_SCALE) there is nothing to grow: device mode's growth would be refused on the
+        # device, unseen here, and counted as made (and the next step sampled, at every step from then on).
+        if scale_policy.bounded(scaler, scale_policy.f32(scale * scaler._growth_factor)) <= scale:
+            return False
         after = scale_policy.grow_now(scaler, below=state.ceiling)
         if after is not None and after <= scale:
             return False
