@@ -344,3 +344,30 @@ def test_a_scalers_sample_counts_only_the_backward_passes_of_its_own_losses():
         train_step(quiet_model, quiet, quiet_optimizer, loss_factor=1.0)
         train_step(loud_model, loud, loud_optimizer, loss_factor=1e-8)
     assert quiet.stats.underflow_share < 0.01 and quiet.get_scale() == 1024.0
+
+
+def test_a_parameters_accumulator_kept_alive_across_samples_is_hooked_once(reinstall, monkeypatch):
+    """DistributedDataParallel (and other hook users) keep each parameter's AccumulateGrad node for the whole run:
+    every sample finds the same node. Its gradient is counted once per backward pass, and the node carries one
+    hook of the sampler, not one per sample run so far (each called at every later backward pass)."""
+    reinstall(AMPGUARD_UNDERFLOW="report", AMPGUARD_UNDERFLOW_EVERY="1")
+    calls: list[int] = []
+    count = Sampler._count
+    monkeypatch.setattr(Sampler, "_count", lambda self, *args: calls.append(1) or count(self, *args))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]  # as DDP keeps them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    per_step = []
+    for _ in range(6):
+        calls.clear()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(torch.randn(16, 8, dtype=torch.float16)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        per_step.append(len(calls))
+    assert scaler.stats.underflow_samples == 5 and scaler.stats.underflow_values == 64 + 32 + 4
+    assert per_step[1:] == [3] * 5, per_step  # the output's node and the two accumulators
+    assert len(accumulators) == 2

@@ -207,7 +207,7 @@ class Sampler:
     def __init__(self) -> None:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
+        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: [session, slot] of this sampler's hook
         self._handles: list[Any] = []
         self._calls = 0  # outermost module calls since armed, or since the sample's last backward
         # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
@@ -304,10 +304,13 @@ class Sampler:
             if node is None or node in seen:
                 continue
             seen.add(node)
-            metadata = node.metadata
-            if metadata.get(self._mark) != session and type(node).__name__ not in SAME_VALUES:
-                metadata[self._mark] = session
-                node.register_prehook(lambda grads, slot=slot, session=session: self._count(slot, session, grads))
+            hooked: list[int] | None = node.metadata.get(self._mark)  # [session, slot] of its hook
+            if (hooked is None or hooked[0] != session) and type(node).__name__ not in SAME_VALUES:
+                if hooked is None:  # one hook per node, ever: a node kept across samples (a parameter's
+                    # accumulator, which DistributedDataParallel keeps) is given this sample's session and slot
+                    hooked = node.metadata[self._mark] = [session, slot]
+                    node.register_prehook(lambda grads, hooked=hooked: self._count(hooked[1], hooked[0], grads))
+                hooked[0], hooked[1] = session, slot
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
 
