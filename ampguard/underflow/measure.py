@@ -181,6 +181,15 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _counted(node: Any) -> bool:
+    """Whether ``node``'s incoming gradient is counted: not a view's (counted as its base's), and a leaf's
+    accumulator only for a float16 leaf (a float32 master's gradient is never float16)."""
+    kind = type(node).__name__
+    if kind == "AccumulateGrad":
+        return bool(node.variable.dtype == torch.float16)
+    return kind not in SAME_VALUES
+
+
 def _countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
     """A dense float16 gradient with values (sparse and nested ones are not counted)."""
     return (
@@ -305,7 +314,7 @@ class Sampler:
                 continue
             seen.add(node)
             hooked: list[int] | None = node.metadata.get(self._mark)  # [session, slot] of its hook
-            if (hooked is None or hooked[0] != session) and type(node).__name__ not in SAME_VALUES:
+            if (hooked is None or hooked[0] != session) and _counted(node):
                 if hooked is None:  # one hook per node, ever: a node kept across samples (a parameter's
                     # accumulator, which DistributedDataParallel keeps) is given this sample's session and slot
                     hooked = node.metadata[self._mark] = [session, slot]
