@@ -22,7 +22,7 @@ import ampguard
 import ampguard.containment as containment
 import ampguard.scaler.listeners as listeners
 from ampguard.underflow.listener import UnderflowListener
-from ampguard.underflow.measure import Sampler
+from ampguard.underflow.measure import Sampler, read
 from ampguard.underflow.policy import ScaleState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -371,3 +371,32 @@ def test_a_parameters_accumulator_kept_alive_across_samples_is_hooked_once(reins
     assert scaler.stats.underflow_samples == 5 and scaler.stats.underflow_values == 64 + 32 + 4
     assert per_step[1:] == [3] * 5, per_step  # the output's node and the two accumulators
     assert len(accumulators) == 2
+
+
+class SlicesOfLinear(nn.Module):
+    """A projection whose output is sliced and indexed (rotary embeddings' halves, a class token), and modified in
+    place through a slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y[:, 6:] *= 2.0  # CopySlices over y, MulBackward0 of the two columns
+        return torch.cat([y[:, :3], y[:, 3:6], y[:, 6:], y[:, 0:1]], dim=1)
+
+
+def test_a_slices_gradient_is_counted_once_as_its_bases():
+    """Slices and in-place writes through a slice are views: their gradients' values are their base's, counted
+    once (docs/underflow.md). On 5 rows: lin's output 40, weight copy 64, bias copy 8, and the concatenation's
+    output (5 x 9). Before: 292 (the four slices' 45 values, the two CopySlices' 40 each and the in-place view's
+    10 counted again)."""
+    sampler = Sampler()
+    sampler.arm()
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = SlicesOfLinear()(torch.randn(5, 8))
+    out.float().sum().backward()
+    measurement, _ = read(sampler.finish(), step=1, scale=1.0)
+    assert measurement.total.values == 40 + 64 + 8 + 45

@@ -49,15 +49,20 @@ SMALLEST_NORMAL = 2.0**-14
 LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
 FLOAT16_MAX = 65504.0
 
-# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a split's
-# pieces, a clone's): walked through, not counted twice.
+# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
+# split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
+# counted twice.
 SAME_VALUES = frozenset(
     {
         "AliasBackward0",
+        "AsStridedBackward0",
         "CloneBackward0",
+        "CopySlices",
         "ExpandBackward0",
         "PermuteBackward0",
         "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
         "SplitBackward0",
         "SplitWithSizesBackward0",
         "SqueezeBackward0",
