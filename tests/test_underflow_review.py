@@ -421,3 +421,32 @@ def test_a_compiled_model_is_measured_as_the_same_model_in_eager_mode():
             train_step(forward, scaler, optimizer)
         values.append(scaler.stats.underflow_values)
     assert values[0] == 356 and values[1] == values[0]
+
+
+def test_a_host_mode_sample_known_at_an_update_with_a_new_scale_is_read_mocked_cuda_event(monkeypatch, ampguard_log):
+    """CUDA (mocked): a sample's counts are known one update late, and that update is ``update(new_scale)``
+    (device mode for that iteration). The measurement is recorded, the caller's scale kept, nothing reported as
+    ampguard's failure. Before: the listener unpacked the device mode's extra values from a host-mode sample
+    (ValueError, contained: a WARNING calling it a bug, the measurement lost)."""
+    import ampguard.underflow.listener as listener_module
+    from ampguard.underflow.measure import Transfer
+
+    polls: list[int] = []
+
+    class OneUpdateLate(Transfer):
+        @property
+        def ready(self) -> bool:
+            polls.append(self.step)
+            return polls.count(self.step) > 1
+
+    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    monkeypatch.setattr(containment, "_reported", set())
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)  # arms step 2
+    train_step(model, scaler, optimizer)  # step 2 sampled; its counts not known yet
+    train_step(model, scaler, optimizer, new_scale=512.0)
+    assert not records(ampguard_log, 30, "failed")
+    assert scaler.stats.underflow_samples == 1 and scaler.stats.underflow_step == 2
+    assert scaler.get_scale() == 512.0

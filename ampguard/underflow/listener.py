@@ -92,11 +92,12 @@ class UnderflowListener(StepListener):
         state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
         if state.sampler.armed:
             state.pending = Transfer(state.sampler.finish(), counters.steps, state.sampled_at)
-            state.pending_skipped = bool(counters.last_skipped)
+            state.pending_skipped, state.pending_device = bool(counters.last_skipped), False
         grown: bool | None = None
         if state.pending is not None and state.pending.ready:
-            measurement, _ = state.pending.result()
-            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=state.pending_skipped)
+            measurement, extra = state.pending.result()
+            skipped = extra[2] > 0 if state.pending_device else state.pending_skipped  # (device mode's: found)
+            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=skipped)
         self._schedule(scaler, state, grown)
 
     # -- device mode (fused optimizers) ------------------------------------------------------------
@@ -111,9 +112,14 @@ class UnderflowListener(StepListener):
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
                 extra = torch.cat([row[3:4], row[0:3], scaler._scale.reshape(1).to(row.dtype)])
                 state.pending = Transfer(tallies, scaler._counters.steps, math.nan, extra)
-                state.pending_held = held
+                state.pending_held, state.pending_device = held, True
         grown: bool | None = None
-        if state.pending is not None and state.pending.ready:
+        if state.pending is not None and not state.pending_device and state.pending.ready:
+            # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
+            # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
+            measurement, _ = state.pending.result()
+            grown = self._act(scaler, state, measurement, measurement.scale, skipped=state.pending_skipped)
+        elif state.pending is not None and state.pending.ready:
             measurement, (_, _, found, loss_check, scale) = state.pending.result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)

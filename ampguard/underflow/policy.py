@@ -65,6 +65,7 @@ class ScaleState:
     pending: Transfer | None = None  # a sample's counts on their way to the host
     pending_skipped: bool = False  # (host mode) its step was skipped
     pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
+    pending_device: bool = False  # it was finished by a device-mode update (its counts carry that row)
 
     def note_scale(self, scale: float, overflowed: bool, backoff_factor: float) -> None:
         """After an update: an overflow sets the ceiling; growing to it by torch's schedule lifts it."""
