@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import gc
 import threading
-import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import Any
 
 import pytest
 import torch
 from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
 from torch import nn
+from underflow_support import SlicesOfLinear, Tagged, TaggedNet
 
 import ampguard
 import ampguard.containment as containment
@@ -59,36 +59,6 @@ def train_step(
     scaler.scale(loss).backward()
     scaler.step(optimizer)
     scaler.update(new_scale)
-
-
-class Marker:
-    """An object only a live autograd node keeps alive (on its ctx)."""
-
-
-class Tagged(torch.autograd.Function):
-    """Identity; its node holds a :class:`Marker` until the node is freed."""
-
-    markers: ClassVar[list[weakref.ref[Marker]]] = []
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        marker = Marker()
-        ctx.marker = marker
-        Tagged.markers.append(weakref.ref(marker))
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
-        return gradient
-
-
-class TaggedNet(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 4)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return Tagged.apply(self.lin(x))
 
 
 def test_a_forward_with_grad_enabled_while_armed_is_freed_as_in_torch():
@@ -371,20 +341,6 @@ def test_a_parameters_accumulator_kept_alive_across_samples_is_hooked_once(reins
     assert scaler.stats.underflow_samples == 5 and scaler.stats.underflow_values == 64 + 32 + 4
     assert per_step[1:] == [3] * 5, per_step  # the output's node and the two accumulators
     assert len(accumulators) == 2
-
-
-class SlicesOfLinear(nn.Module):
-    """A projection whose output is sliced and indexed (rotary embeddings' halves, a class token), and modified in
-    place through a slice."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.lin = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.lin(x)
-        y[:, 6:] *= 2.0  # CopySlices over y, MulBackward0 of the two columns
-        return torch.cat([y[:, :3], y[:, 3:6], y[:, 6:], y[:, 0:1]], dim=1)
 
 
 def test_a_slices_gradient_is_counted_once_as_its_bases():
