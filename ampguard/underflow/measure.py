@@ -221,7 +221,10 @@ class Sampler:
     def __init__(self) -> None:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: [session, slot] of this sampler's hook
+        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
+        # The node hooks' handles, removed when the sample ends: a node kept across samples (a parameter's
+        # accumulator, which DistributedDataParallel keeps) carries no hook between them.
+        self._node_hooks: list[Any] = []
         self._handles: list[Any] = []
         self._calls = 0  # outermost module calls since armed, or since the sample's last backward
         # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
@@ -239,6 +242,7 @@ class Sampler:
         if self.armed:
             return
         self._session += 1
+        self._remove_node_hooks()  # (a sample dropped before its finish)
         self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
         self._calls = 0
         self._handles = [
@@ -253,6 +257,12 @@ class Sampler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+    def _remove_node_hooks(self) -> None:
+        """Never from a node hook: the backward pass may be iterating the hooks of that node."""
+        for hook in self._node_hooks:
+            hook.remove()
+        self._node_hooks = []
 
     def _fail(self, where: str, error: Exception) -> None:
         """ampguard's own error inside a hook: reported once, the sample dropped, the step goes on."""
@@ -318,13 +328,12 @@ class Sampler:
             if node is None or node in seen:
                 continue
             seen.add(node)
-            hooked: list[int] | None = node.metadata.get(self._mark)  # [session, slot] of its hook
-            if (hooked is None or hooked[0] != session) and _counted(node):
-                if hooked is None:  # one hook per node, ever: a node kept across samples (a parameter's
-                    # accumulator, which DistributedDataParallel keeps) is given this sample's session and slot
-                    hooked = node.metadata[self._mark] = [session, slot]
-                    node.register_prehook(lambda grads, hooked=hooked: self._count(hooked[1], hooked[0], grads))
-                hooked[0], hooked[1] = session, slot
+            if node.metadata.get(self._mark) != session and _counted(node):
+                node.metadata[self._mark] = session
+                hook = node.register_prehook(
+                    lambda grads, slot=slot, session=session: self._count(slot, session, grads)
+                )
+                self._node_hooks.append(hook)  # (the handle holds no node)
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
 
@@ -349,6 +358,7 @@ class Sampler:
         """End the sample: no more counting; the tallies, to :func:`read`."""
         self.disarm()
         self._session += 1
+        self._remove_node_hooks()
         tallies, self.tallies = list(self.tallies.values()), {}
         return tallies
 
