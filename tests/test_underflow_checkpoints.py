@@ -158,7 +158,8 @@ def test_only_the_underflow_entries_replace_the_state_a_torch_or_earlier_checkpo
     assert (held.ceiling, held.samples, held.growths, held.next_sample, held.last) == kept
 
     holder.load_state_dict(saved)
-    assert (held.ceiling, held.samples, held.growths) == (math.inf, 2, 2) and held.next_sample == 4
+    assert (held.ceiling, held.samples, held.growths) == (math.inf, 2, 2)
+    assert held.sampler.armed and held.next_sample == 4 + 5  # step 4's sample armed (its retry 5 steps on)
 
 
 def test_loading_into_a_scaler_with_a_sample_armed_drops_it_and_its_hooks():

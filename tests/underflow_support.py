@@ -8,9 +8,10 @@ of 1024) and SGD's learning rate is divided by it, so in float32 every factor tr
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -112,3 +113,50 @@ def train(
             scaler.step(optimizer)
             scaler.update()
     return run
+
+
+# -- the review tests' modules (tests/test_underflow_review.py) ---------------------------------------------
+
+
+class Marker:
+    """An object only a live autograd node keeps alive (on its ctx)."""
+
+
+class Tagged(torch.autograd.Function):
+    """Identity; its node holds a :class:`Marker` until the node is freed."""
+
+    markers: ClassVar[list[weakref.ref[Marker]]] = []
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        marker = Marker()
+        ctx.marker = marker
+        Tagged.markers.append(weakref.ref(marker))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, gradient: torch.Tensor) -> torch.Tensor:
+        return gradient
+
+
+class TaggedNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Tagged.apply(self.lin(x))
+
+
+class SlicesOfLinear(nn.Module):
+    """A projection whose output is sliced and indexed (rotary embeddings' halves, a class token), and modified in
+    place through a slice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        y[:, 6:] *= 2.0  # CopySlices over y, MulBackward0 of the two columns
+        return torch.cat([y[:, :3], y[:, 3:6], y[:, 6:], y[:, 0:1]], dim=1)

@@ -72,6 +72,7 @@ def update(scaler: SafeGradScaler, new_scale: float | torch.Tensor | None) -> No
     """``update()`` of an enabled scaler: host mode, device mode, or torch's own when ampguard's bookkeeping fails."""
     states = scaler._per_optimizer_states
     scaler._torch_updated = False
+    scaler._iteration.scale_given = new_scale is not None
     try:
         if new_scale is None and not any(s["found_inf_per_device"] for s in states.values()):
             scaler._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # no inf checks: scale kept

@@ -22,6 +22,7 @@ class Iteration:
         "loss_check",
         "loss_nonfinite",
         "optimizers",
+        "scale_given",
         "scale_read",
         "scaling_thread",
         "unscaled_optimizers",
@@ -40,6 +41,8 @@ class Iteration:
         self.unscaled_optimizers: list[Any] = []
         # That host read also said the loss itself was inf/NaN (a forward overflow).
         self.loss_nonfinite = False
+        # update(new_scale) is ending the iteration: the caller sets the scale (no capability grows it).
+        self.scale_given = False
         # get_scale() read after scale(): clip thresholds may be scaled ones (ampguard.clip_grad.norm).
         self.scale_read = False
         # The thread that called scale(): clip_grad_norm_ in a thread looks at that thread's scalers.

@@ -101,8 +101,8 @@ def grow_now(scaler: SafeGradScaler, below: float = math.inf) -> float | None:
     counters = scaler._counters
     current = counters.mirror_scale
     if current is None:
-        grown_tensor = scaler._scale * scaler._growth_factor
-        allowed = (grown_tensor < below) & (grown_tensor <= scaler._max_scale)
+        grown_tensor = (scaler._scale * scaler._growth_factor).clamp(max=scaler._max_scale)  # as bounded() on the host
+        allowed = (grown_tensor < below) & (grown_tensor > scaler._scale)
         scaler._scale.copy_(torch.where(allowed, grown_tensor, scaler._scale))
         scaler._growth_tracker.copy_(torch.where(allowed, 0, scaler._growth_tracker))
         return None

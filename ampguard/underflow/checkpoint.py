@@ -36,7 +36,8 @@ LAST = "underflow_last"
 
 def entries(state: ScaleState, steps: int) -> dict[str, Any]:
     """``state`` as plain data; ``steps``: the scaler's step counter now."""
-    next_sample_in = 1 if state.pending is not None else state.next_sample - steps
+    # a sample armed for the next step, or one whose counts are on their way (CUDA): the resumed run samples its next
+    next_sample_in = 1 if state.pending is not None or state.sampler.armed else state.next_sample - steps
     saved: dict[str, Any] = {
         CEILING: float(state.ceiling),
         SAMPLES: state.samples,

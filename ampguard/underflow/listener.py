@@ -104,11 +104,13 @@ class UnderflowListener(StepListener):
         fresh = state.sampler.armed
         if fresh:
             self._start(state, counters.steps, state.sampled_at)
-            state.pending_skipped = bool(counters.last_skipped)
+            state.pending_skipped, state.pending_device = bool(counters.last_skipped), False
         grown: bool | None = None
         if self._due(state, fresh):
-            measurement, _ = state.take().result()
-            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=state.pending_skipped)
+            device = state.pending_device
+            measurement, extra = state.take().result()
+            skipped = extra[2] > 0 if device else state.pending_skipped  # (device mode's: found)
+            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=skipped)
         self._schedule(scaler, state, grown)
 
     # -- device mode (fused optimizers) ------------------------------------------------------------
@@ -123,11 +125,16 @@ class UnderflowListener(StepListener):
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
                 extra = torch.cat([row[3:4], row[0:3], scaler._scale.reshape(1).to(row.dtype)])
                 self._start(state, scaler._counters.steps, math.nan, extra)
-                state.pending_held = held
+                state.pending_held, state.pending_device = held, True
             else:
                 state.sampler.finish()
         grown: bool | None = None
-        if self._due(state, fresh):
+        if self._due(state, fresh) and not state.pending_device:
+            # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
+            # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
+            measurement, _ = state.take().result()
+            grown = self._act(scaler, state, measurement, measurement.scale, skipped=state.pending_skipped)
+        elif self._due(state, fresh):
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)
@@ -164,7 +171,9 @@ class UnderflowListener(StepListener):
         """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
         state.samples += 1
         state.last = measurement
-        if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
+        if skipped or scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
+            return False
+        if not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
             return False
         unagreed = state.pending_shared and not state.last_agreed  # ranks whose scales must stay equal
         if self.mode != "adapt" or unagreed:
@@ -177,6 +186,10 @@ class UnderflowListener(StepListener):
                     worst=_worst(measurement),
                 )
                 logger.warning(message + (DISTRIBUTED if unagreed else ""))
+            return False
+        # At the cap (AMPGUARD_MAX_SCALE) there is nothing to grow: device mode's growth would be refused on the
+        # device, unseen here, and counted as made (and the next step sampled, at every step from then on).
+        if scale_policy.bounded(scaler, scale_policy.f32(scale * scaler._growth_factor)) <= scale:
             return False
         after = scale_policy.grow_now(scaler, below=state.ceiling)
         if after is not None and after <= scale:
@@ -197,12 +210,17 @@ class UnderflowListener(StepListener):
         return True
 
     def _schedule(self, scaler: Any, state: ScaleState, grown: bool | None) -> None:
-        """Arm the sampler for the next iteration when a sample is due (none while one is on its way)."""
+        """Arm the sampler for the next iteration when a sample is due (none while one is on its way).
+
+        Armed, the next sample is due ``every`` steps after this one: a sample the sampler dropped (a validation
+        of more than its calls in between) is tried again then, not at every step.
+        """
         step = scaler._counters.steps
         if grown is not None:  # a sample was just acted on
             state.next_sample = step + (1 if grown else self.every)
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
+            state.next_sample = step + 1 + self.every
             state.sampler.arm()
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------

@@ -3,11 +3,15 @@
 Armed for one optimizer step (:meth:`Sampler.arm`), a global module forward
 hook walks the autograd graph each module call just built and registers a
 pre-hook on every node found: the node's incoming gradient (the gradient of
-the tensor that op produced) is counted when the backward pass reaches it, if
-it is float16. Every gradient is counted once, in the innermost module whose
-output led to it (children finish their forward before their parent); the
-gradients of float16 weight copies (autocast's casts) are counted with the
-module that cast them. Nothing is changed: the hooks return nothing.
+the tensor that op produced, or for a leaf's accumulator the leaf's gradient)
+is counted when the backward pass reaches it, if it is float16. Every gradient
+is counted once, in the innermost module whose output led to it (children
+finish their forward before their parent): a node hooked is marked in its own
+``metadata``, so the sample holds no node and no graph. The gradients of
+float16 weight copies (autocast's casts) are counted with the module that cast
+them, those of float16 parameters with the module that used them. Nothing is
+changed: the hooks return nothing, and an error inside them ends the sample
+(reported once), never the step.
 
 Per module, on the device (:class:`Tally`): the number of values, of exact
 zeros, of values below ``2**-22`` (zeros and the two lowest subnormal
@@ -28,14 +32,16 @@ scale 4x as large would have kept (never more than the zeros counted).
 from __future__ import annotations
 
 import math
+import threading
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 import torch
 from torch import nn
 
+import ampguard.containment as containment
 from ampguard.syncs import HostCopy
 from ampguard.torch_privates import is_compiling
 
@@ -43,15 +49,20 @@ SMALLEST_NORMAL = 2.0**-14
 LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
 FLOAT16_MAX = 65504.0
 
-# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a split's
-# pieces, a clone's): walked through, not counted twice.
+# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
+# split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
+# counted twice.
 SAME_VALUES = frozenset(
     {
         "AliasBackward0",
+        "AsStridedBackward0",
         "CloneBackward0",
+        "CopySlices",
         "ExpandBackward0",
         "PermuteBackward0",
         "ReshapeAliasBackward0",
+        "SelectBackward0",
+        "SliceBackward0",
         "SplitBackward0",
         "SplitWithSizesBackward0",
         "SqueezeBackward0",
@@ -204,24 +215,50 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
+def _counted(node: Any) -> bool:
+    """Whether ``node``'s incoming gradient is counted: not a view's (counted as its base's), and a leaf's
+    accumulator only for a float16 leaf (a float32 master's gradient is never float16)."""
+    kind = type(node).__name__
+    if kind == "AccumulateGrad":
+        return bool(node.variable.dtype == torch.float16)
+    return kind not in SAME_VALUES
+
+
+def _countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    """A dense float16 gradient with values (sparse and nested ones are not counted)."""
+    return (
+        gradient is not None
+        and gradient.dtype == torch.float16
+        and gradient.layout == torch.strided
+        and not gradient.is_nested
+        and gradient.numel() > 0
+    )
+
+
 class Sampler:
     """Owns one sampled step: its hooks while armed, its tallies until read.
 
     An armed sampler that is never finished (its scaler dropped, training over
     with the sample due) disarms itself after :data:`MAX_CALLS` outermost module
-    calls: it never keeps walking and holding graphs.
+    calls without a backward pass through the sample between them: it never
+    keeps walking graphs. A validation that long drops the sample (the listener
+    tries again at the next scheduled step).
     """
 
-    MAX_CALLS = 64
+    MAX_CALLS = 1024  # a forward pass that is no module call itself may make a few hundred (a loop over layers)
 
     def __init__(self) -> None:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
-        self._visited: set[Any] = set()
+        self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
+        # The node hooks' handles, removed when the sample ends: a node kept across samples (a parameter's
+        # accumulator, which DistributedDataParallel keeps) carries no hook between them.
+        self._node_hooks: list[Any] = []
         self._handles: list[Any] = []
-        self._depth = 0
-        self._calls = 0  # outermost module calls since armed
-        self._inputs: list[set[Any]] = []  # per module call in progress: the nodes of its inputs (where its walk ends)
+        self._calls = 0  # outermost module calls since armed, or since the sample's last backward
+        # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
+        # the call depth (another thread's module calls are not this thread's children).
+        self._calls_in_progress = threading.local()
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
 
@@ -234,11 +271,14 @@ class Sampler:
         if self.armed:
             return
         self._session += 1
-        self.tallies, self._visited, self._depth, self._names, self._inputs = {}, set(), 0, {}, []
+        self._remove_node_hooks()  # (a sample dropped before its finish)
+        self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
         self._calls = 0
         self._handles = [
             nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
-            nn.modules.module.register_module_forward_hook(self._post_forward),
+            # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves
+            # its depth, so later calls are known as outermost again
+            nn.modules.module.register_module_forward_hook(self._post_forward, always_call=True),
         ]
 
     def disarm(self) -> None:
@@ -246,28 +286,59 @@ class Sampler:
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._visited = set()
+
+    def _remove_node_hooks(self) -> None:
+        """Never from a node hook: the backward pass may be iterating the hooks of that node."""
+        for hook in self._node_hooks:
+            hook.remove()
+        self._node_hooks = []
+
+    def _fail(self, where: str, error: Exception) -> None:
+        """ampguard's own error inside a hook: reported once, the sample dropped, the step goes on."""
+        self.disarm()
+        self._session += 1  # the node hooks already registered do nothing
+        self.tallies = {}
+        containment.report(f"underflow sample ({where})", error)
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if is_compiling():
             return
-        if self._depth == 0:
+        try:
+            self._enter(module, args)
+        except Exception as error:
+            self._fail("module forward pre-hook", error)
+
+    def _inputs(self) -> list[set[Any]]:
+        """This thread's module calls in progress (the nodes of their inputs)."""
+        inputs: list[set[Any]] | None = getattr(self._calls_in_progress, "inputs", None)
+        if inputs is None:
+            inputs = self._calls_in_progress.inputs = []
+        return inputs
+
+    def _enter(self, module: nn.Module, args: Any) -> None:
+        in_progress = self._inputs()
+        if not in_progress:
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
                 self.disarm()
                 self.tallies = {}
                 return
-        if self._depth == 0 and id(module) not in self._names:
+        if not in_progress and id(module) not in self._names:
             for name, child in module.named_modules():
                 self._names.setdefault(id(child), name or type(module).__name__)
-        self._depth += 1
-        self._inputs.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
+        in_progress.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         if not self.armed or is_compiling():
             return
-        self._depth = max(self._depth - 1, 0)
-        inputs = self._inputs.pop() if self._inputs else set()
+        try:
+            self._leave(module, output)
+        except Exception as error:
+            self._fail("module forward hook", error)
+
+    def _leave(self, module: nn.Module, output: Any) -> None:
+        in_progress = self._inputs()
+        inputs = in_progress.pop() if in_progress else set()
         if not torch.is_grad_enabled():
             return
         nodes = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
@@ -286,32 +357,37 @@ class Sampler:
             if node is None or node in seen:
                 continue
             seen.add(node)
-            kind = type(node).__name__
-            if kind == "AccumulateGrad":
-                continue
-            if node not in self._visited and kind not in SAME_VALUES:
-                self._visited.add(node)
-                node.register_prehook(lambda grads, slot=slot, session=session: self._count(slot, session, grads))
+            if node.metadata.get(self._mark) != session and _counted(node):
+                node.metadata[self._mark] = session
+                hook = node.register_prehook(
+                    lambda grads, slot=slot, session=session: self._count(slot, session, grads)
+                )
+                self._node_hooks.append(hook)  # (the handle holds no node)
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
 
     def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         if session != self._session:
             return
-        for gradient in gradients:
-            if gradient is None or gradient.dtype != torch.float16 or gradient.numel() == 0:
-                continue
-            tally = self.tallies.get(slot)
-            if tally is None:
-                module = self._modules.get(slot)
-                name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
-                tally = self.tallies[slot] = Tally(name, gradient.device)
-            tally.add(gradient)
+        self._calls = 0  # a backward pass through the sample: training goes on
+        try:
+            for gradient in gradients:
+                if not _countable(gradient):
+                    continue
+                tally = self.tallies.get(slot)
+                if tally is None:
+                    module = self._modules.get(slot)
+                    name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
+                    tally = self.tallies[slot] = Tally(name, gradient.device)
+                tally.add(gradient)
+        except Exception as error:
+            self._fail("backward node hook", error)
 
     def finish(self) -> list[Tally]:
         """End the sample: no more counting; the tallies, to :func:`read`."""
         self.disarm()
         self._session += 1
+        self._remove_node_hooks()
         tallies, self.tallies = list(self.tallies.values()), {}
         return tallies
 

@@ -71,6 +71,7 @@ class ScaleState:
     pending: Transfer | None = None  # a sample's counts on their way to the host
     pending_skipped: bool = False  # (host mode) its step was skipped
     pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
+    pending_device: bool = False  # it was finished by a device-mode update (its counts carry that row)
     pending_shared: bool = False  # ranks training one model: its totals are the ranks' (agreed), acted on in step
     last_agreed: bool = False  # the sample taken last had the ranks' totals (an exchange may fail)
 

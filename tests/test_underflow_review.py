@@ -1,0 +1,410 @@
+"""The underflow sampler against what real training loops do on a sampled step (an adversarial review of issue 24).
+
+Each test drives a tiny float16 model through SafeGradScaler on the CPU with ``AMPGUARD_UNDERFLOW=adapt`` and
+compares with plain torch where results are concerned: the sample must never change a result, hold memory,
+break a run or be skipped for good.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
+from torch import nn
+from underflow_support import SlicesOfLinear, Tagged, TaggedNet
+
+import ampguard
+import ampguard.containment as containment
+import ampguard.scaler.listeners as listeners
+from ampguard.underflow.listener import UnderflowListener
+from ampguard.underflow.measure import Sampler, read
+from ampguard.underflow.policy import ScaleState
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+@pytest.fixture(autouse=True)
+def _adapt(reinstall):
+    reinstall(AMPGUARD_UNDERFLOW="adapt")
+
+
+def state_of(scaler: Any) -> ScaleState:
+    [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
+    return listener.state_of(scaler)
+
+
+def tiny_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def train_step(
+    model: Callable[[torch.Tensor], torch.Tensor],
+    scaler: Any,
+    optimizer: torch.optim.Optimizer,
+    *,
+    loss_factor: float = 1e-8,
+    new_scale: float | None = None,
+) -> None:
+    """One float16-autocast iteration; the default loss factor sinks every gradient at a scale of 1024."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(4, 8))
+    loss = out.float().pow(2).mean() * loss_factor
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update(new_scale)
+
+
+def test_a_forward_with_grad_enabled_while_armed_is_freed_as_in_torch():
+    """A validation forward without no_grad between two steps (the sampler armed): its graph dies with its output.
+    Before: the sampler's set of visited nodes kept every graph walked alive until the sample's update."""
+    model = TaggedNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed  # the first update arms the second step
+    Tagged.markers.clear()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(64, 8))  # validation, grad enabled, never backwarded
+    del out
+    gc.collect()
+    assert Tagged.markers and Tagged.markers[0]() is None
+
+
+class Fails(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("out of memory (simulated)")
+
+
+def test_a_forward_that_raises_while_armed_leaves_no_hook_once_training_ends():
+    """A loop that skips a batch whose forward raised (out of memory), then ends with the sample due: after the
+    sampler's limit of outermost calls its hooks are gone. Before: the failed call's depth was never undone, no call
+    counted as outermost again and the global hooks stayed for good."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    sampler = state_of(scaler).sampler
+    with pytest.raises(RuntimeError, match="simulated"):
+        nn.Sequential(model, Fails())(torch.randn(4, 8))
+    for _ in range(sampler.MAX_CALLS + 1):  # training is over; the model is used on
+        model(torch.randn(4, 8))
+    assert not sampler.armed
+
+
+def test_an_iteration_of_more_than_64_module_calls_is_still_measured():
+    """A forward that is no module call itself (a loop over 70 layers) and its backward: the sample counts them.
+    Before: the sampler took the 65th outermost call for a sample nobody finishes, dropped it, and was armed again
+    at every update (no sample ever measured, the hooks on every step)."""
+    torch.manual_seed(0)
+    layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(70))
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        for layer in layers:
+            x = layer(x)
+        return x
+
+    optimizer = torch.optim.SGD(layers.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        train_step(forward, scaler, optimizer)
+    assert scaler.stats.underflow_samples == 1 and scaler.stats.underflow_values > 0
+
+
+def test_a_sample_lost_to_a_long_validation_is_retried_after_the_interval_not_on_every_step(reinstall, monkeypatch):
+    """A validation longer than the sampler's limit after every update: the armed sample is dropped each time.
+    The next try comes AMPGUARD_UNDERFLOW_EVERY steps later. Before: armed again at every update, so every step
+    ran with the hooks."""
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="5")
+    monkeypatch.setattr(Sampler, "MAX_CALLS", 64)  # (the validation below: 70 batches, more than that)
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    armed_after = []
+    for _ in range(10):
+        train_step(model, scaler, optimizer)
+        armed_after.append(state_of(scaler).sampler.armed)
+        with torch.no_grad():
+            for _ in range(70):
+                model(torch.randn(4, 8))
+    assert sum(armed_after) <= 3, armed_after
+
+
+def test_a_float16_nested_tensor_gradient_on_a_sampled_step_trains_as_without_the_patch(reinstall):
+    """A float16 nested tensor through a module on a sampled step. Before: the backward pass raised from the
+    sampler's node hook (aten::amax has no NestedTensor kernel)."""
+    gradients = []
+    for underflow in ("off", "adapt"):
+        reinstall(AMPGUARD_UNDERFLOW=underflow)
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampguard.SafeGradScaler("cpu")
+        train_step(model, scaler, optimizer)  # arms the next step (adapt)
+        torch.manual_seed(1)
+        lin = nn.Linear(8, 8).half()
+        pieces = [torch.randn(2, 8, dtype=torch.float16), torch.randn(3, 8, dtype=torch.float16)]
+        nested = torch.nested.nested_tensor(pieces, requires_grad=True)
+        out = lin(nested)
+        out.backward(torch.nested.nested_tensor([torch.ones(2, 8), torch.ones(3, 8)], dtype=torch.float16))
+        train_step(model, scaler, optimizer)
+        gradients.append(lin.weight.grad)
+    assert torch.equal(gradients[0], gradients[1])
+
+
+def test_a_failure_inside_the_samplers_hooks_falls_back_with_one_warning(monkeypatch, ampguard_log):
+    """ampguard's own error in a node hook: one WARNING, the run goes on as torch's scaler would run it.
+    Before: the error came out of the user's backward()."""
+    from ampguard.underflow.measure import Tally
+
+    def broken(self: Tally, gradient: torch.Tensor) -> None:
+        raise ValueError("a bug in the sampler")
+
+    monkeypatch.setattr(Tally, "add", broken)
+    monkeypatch.setattr(containment, "_reported", set())
+    runs = []
+    for scaler in (ampguard.SafeGradScaler("cpu"), stock(init_scale=1024.0, growth_interval=100)):
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        torch.manual_seed(2)
+        for _ in range(4):
+            train_step(model, scaler, optimizer)
+        runs.append((model, scaler.get_scale()))
+    assert same_parameters(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1] == 1024.0
+    [warning] = records(ampguard_log, 30, "a bug in the sampler")
+    assert "underflow" in warning.getMessage()
+
+
+def test_update_with_a_new_scale_on_a_sampled_step_keeps_that_scale():
+    """``update(new_scale)`` sets the scale, as torch's does, even when that update finishes a sample that would
+    grow it. Before: 512 was asked for and 1024 set (grown for underflow)."""
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed
+    train_step(model, scaler, optimizer, new_scale=512.0)
+    assert scaler.get_scale() == 512.0
+
+
+def test_the_float16_gradients_of_float16_parameters_are_counted():
+    """A model held in float16 (``model.half()``, no autocast): its parameters' gradients are float16 gradients
+    of the step. Linear(8, 4) on 16 rows: the output's 64 values, the weight's 32 and the bias's 4.
+    Before: 64 (only the nodes' incoming gradients; a parameter's reaches no node but its accumulator)."""
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(torch.randn(16, 8, dtype=torch.float16)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.stats.underflow_values == 64 + 32 + 4
+
+
+def test_a_module_running_in_another_thread_leaves_the_sampled_steps_module_names():
+    """Another thread is inside a module's forward (a background encoder, a server) while the sampled step runs:
+    the step's modules are still named by their qualified names. Before: the sampler's one call depth was shared
+    by the threads, the step's outermost call was taken for a nested one and its modules were named by class."""
+    entered, release = threading.Event(), threading.Event()
+
+    class Waits(nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            entered.set()
+            release.wait(timeout=30)
+            return x
+
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)
+    assert state_of(scaler).sampler.armed
+    background = threading.Thread(target=lambda: Waits()(torch.zeros(1)))
+    background.start()
+    try:
+        assert entered.wait(timeout=30)
+        train_step(model, scaler, optimizer)
+    finally:
+        release.set()
+        background.join(timeout=30)
+    names = {name for name, _ in scaler.stats.underflow_modules}
+    assert names and names <= {"0", "1", "2"}, names
+
+
+@pytest.mark.parametrize("optimizer_class", [torch.optim.SGD, DeviceSkipSGD])
+def test_at_the_scale_cap_the_policy_stops_growing_and_sampling_every_step(reinstall, optimizer_class):
+    """Underflow still material at AMPGUARD_MAX_SCALE: no growth is counted, and sampling goes back to every
+    AMPGUARD_UNDERFLOW_EVERY steps. Before, in device mode (a fused optimizer): the growth refused on the device
+    was counted as made, and every later step was sampled."""
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_MAX_SCALE="4096", AMPGUARD_UNDERFLOW_EVERY="100")
+    model = tiny_model()
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(12):
+        train_step(model, scaler, optimizer)
+    stats = scaler.stats
+    assert stats.scale == 4096.0  # 1024 -> 2048 -> 4096 at steps 2 and 3; step 4 finds the cap
+    assert stats.underflow_growths == 2 and stats.underflow_samples == 3
+
+
+@pytest.mark.parametrize(
+    "optimizer_class",
+    [
+        torch.optim.SGD,
+        pytest.param(
+            DeviceSkipSGD,
+            marks=pytest.mark.xfail(
+                strict=True,
+                reason="open: in device mode the ceiling learns only of overflows on sampled steps "
+                "(docs/underflow.md, Limits)",
+            ),
+        ),
+    ],
+)
+def test_an_overflow_on_a_step_not_sampled_sets_the_ceiling(reinstall, monkeypatch, optimizer_class):
+    """Step 5 overflows at 1024 (not a sampled step: samples at 2 and 7 with AMPGUARD_UNDERFLOW_EVERY=5): the
+    next sample's decision sees 1024 as the ceiling, so underflow does not grow the scale back into it."""
+    import ampguard.underflow.listener as listener_module
+
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="5")
+    ceilings: list[float] = []
+
+    def never(
+        scale: float, growth_factor: float, measurement: Any, ceiling: float = float("inf"), cap: float = float("inf")
+    ) -> bool:
+        ceilings.append(ceiling)
+        return False
+
+    monkeypatch.setattr(listener_module, "decide", never)
+    model = tiny_model()
+    optimizer = optimizer_class(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for step in range(1, 8):
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8))
+        scaler.scale(out.float().pow(2).mean() * 1e-8).backward()
+        if step == 5:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.get_scale() == 512.0
+    assert ceilings == [float("inf"), 1024.0]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: an armed sample counts every float16 backward pass in the process, another scaler's included "
+    "(docs/underflow.md, Limits)",
+)
+def test_a_scalers_sample_counts_only_the_backward_passes_of_its_own_losses():
+    """Two models with a scaler each, stepped in turn (a GAN's generator and discriminator): the loud model's
+    gradients, scaled by its own scaler, are not the quiet scaler's underflow, and do not grow its scale. Today
+    each sample counts the other model's backward pass too: the quiet scaler measures 50% and grows to 2048."""
+    quiet_model, loud_model = tiny_model(0), tiny_model(1)
+    quiet_optimizer = torch.optim.SGD(quiet_model.parameters(), lr=0.1)
+    loud_optimizer = torch.optim.SGD(loud_model.parameters(), lr=0.1)
+    quiet, loud = ampguard.SafeGradScaler("cpu"), ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        train_step(quiet_model, quiet, quiet_optimizer, loss_factor=1.0)
+        train_step(loud_model, loud, loud_optimizer, loss_factor=1e-8)
+    assert quiet.stats.underflow_share < 0.01 and quiet.get_scale() == 1024.0
+
+
+def test_a_parameters_accumulator_kept_alive_across_samples_is_hooked_once(reinstall, monkeypatch):
+    """DistributedDataParallel (and other hook users) keep each parameter's AccumulateGrad node for the whole run:
+    every sample finds the same node. Its gradient is counted once per sampled backward pass, and the node
+    carries no hook of the sampler between samples (steps 2 and 5 sampled: hooks called on those only)."""
+    reinstall(AMPGUARD_UNDERFLOW="report", AMPGUARD_UNDERFLOW_EVERY="3")
+    calls: list[int] = []
+    count = Sampler._count
+    monkeypatch.setattr(Sampler, "_count", lambda self, *args: calls.append(1) or count(self, *args))
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4).half()
+    accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]  # as DDP keeps them
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    per_step = []
+    for _ in range(6):
+        calls.clear()
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(torch.randn(16, 8, dtype=torch.float16)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        per_step.append(len(calls))
+    assert scaler.stats.underflow_samples == 2 and scaler.stats.underflow_values == 64 + 32 + 4
+    assert per_step == [0, 3, 0, 0, 3, 0], per_step  # the output's node and the two accumulators
+    assert len(accumulators) == 2
+
+
+def test_a_slices_gradient_is_counted_once_as_its_bases():
+    """Slices and in-place writes through a slice are views: their gradients' values are their base's, counted
+    once (docs/underflow.md). On 5 rows: lin's output 40, weight copy 64, bias copy 8, and the concatenation's
+    output (5 x 9). Before: 292 (the four slices' 45 values, the two CopySlices' 40 each and the in-place view's
+    10 counted again)."""
+    sampler = Sampler()
+    sampler.arm()
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = SlicesOfLinear()(torch.randn(5, 8))
+    out.float().sum().backward()
+    measurement, _ = read(sampler.finish(), step=1, scale=1.0)
+    assert measurement.total.values == 40 + 64 + 8 + 45
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="open: a torch.compile'd module's backward is one node: only its outputs' gradients are counted "
+    "(docs/underflow.md, Limits)",
+)
+def test_a_compiled_model_is_measured_as_the_same_model_in_eager_mode():
+    """``torch.compile(model)`` (aot_eager: the backward is compiled too) counts the float16 gradients the eager
+    model has. Today: the compiled region's output gradient only (16 values of 356; 6% lost where eager mode
+    measures 100%)."""
+    values = []
+    for compiled in (False, True):
+        model = tiny_model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampguard.SafeGradScaler("cpu")
+        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        for _ in range(2):
+            train_step(forward, scaler, optimizer)
+        values.append(scaler.stats.underflow_values)
+    assert values[0] == 356 and values[1] == values[0]
+
+
+def test_a_host_mode_sample_known_at_an_update_with_a_new_scale_is_read_mocked_cuda_event(monkeypatch, ampguard_log):
+    """CUDA (mocked): a sample's counts are known one update late, and that update is ``update(new_scale)``
+    (device mode for that iteration). The measurement is recorded, the caller's scale kept, nothing reported as
+    ampguard's failure. Before: the listener unpacked the device mode's extra values from a host-mode sample
+    (ValueError, contained: a WARNING calling it a bug, the measurement lost)."""
+    import ampguard.underflow.listener as listener_module
+    from ampguard.underflow.measure import Transfer
+
+    polls: list[int] = []
+
+    class OneUpdateLate(Transfer):
+        @property
+        def ready(self) -> bool:
+            polls.append(self.step)
+            return polls.count(self.step) > 1
+
+    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    monkeypatch.setattr(containment, "_reported", set())
+    model = tiny_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    train_step(model, scaler, optimizer)  # arms step 2
+    train_step(model, scaler, optimizer)  # step 2 sampled; its counts not known yet
+    train_step(model, scaler, optimizer, new_scale=512.0)
+    assert not records(ampguard_log, 30, "failed")
+    assert scaler.stats.underflow_samples == 1 and scaler.stats.underflow_step == 2
+    assert scaler.get_scale() == 512.0
