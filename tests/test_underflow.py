@@ -140,7 +140,7 @@ def test_a_cuda_sample_is_acted_on_when_its_copy_is_known_mocked_event(monkeypat
     """CUDA (mocked): the counts reach the host through a copy and an event; the update that finds the
     event done acts, one update after the sample here, and nothing ever waits."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.measure import Transfer
+    from ampguard.underflow.counts import Transfer
 
     polls: list[int] = []
 
@@ -230,7 +230,7 @@ def test_under_torch_distributed_the_ranks_agreed_totals_decide_mocked_world(mon
 def _copy_done_after(polls_until_done: int, waits: list[int]):
     """A Transfer as on CUDA (a copy and an event) whose event is found done after that many polls per sample;
     ``waits`` gets the step of each sample whose result was asked before (Event.synchronize() on CUDA)."""
-    from ampguard.underflow.measure import Transfer
+    from ampguard.underflow.counts import Transfer
 
     polls: list[int] = []
 

@@ -196,7 +196,7 @@ def test_a_sample_still_on_its_way_when_saved_is_taken_again_at_the_next_step_mo
     """CUDA (mocked): a sample's counts reach the host an update later. Saved in between, the checkpoint is not
     made to wait for them: the loaded scaler samples its next step instead, and acts on that one."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.measure import Transfer
+    from ampguard.underflow.counts import Transfer
 
     polls: list[int] = []
 

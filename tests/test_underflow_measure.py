@@ -1,4 +1,4 @@
-"""The sampled measurement (ampguard.underflow.measure) and the policy's rule (ampguard.underflow.policy)."""
+"""The sampled measurement (ampguard.underflow.measure, ampguard.underflow.counts) and the policy's rule (ampguard.underflow.policy)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import torch
 from torch import nn
 from underflow_support import AttentionNet, batches
 
-from ampguard.underflow.measure import Counts, Measurement, Sampler, Tally, read
+from ampguard.underflow.counts import Counts, Measurement, Tally, read
+from ampguard.underflow.measure import Sampler
 from ampguard.underflow.policy import HEADROOM, MATERIAL, ScaleState, decide
 
 

@@ -21,8 +21,9 @@ from underflow_support import SlicesOfLinear, Tagged, TaggedNet
 import ampguard
 import ampguard.containment as containment
 import ampguard.scaler.listeners as listeners
+from ampguard.underflow.counts import read
 from ampguard.underflow.listener import UnderflowListener
-from ampguard.underflow.measure import Sampler, read
+from ampguard.underflow.measure import Sampler
 from ampguard.underflow.policy import ScaleState
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -160,7 +161,7 @@ def test_a_float16_nested_tensor_gradient_on_a_sampled_step_trains_as_without_th
 def test_a_failure_inside_the_samplers_hooks_falls_back_with_one_warning(monkeypatch, ampguard_log):
     """ampguard's own error in a node hook: one WARNING, the run goes on as torch's scaler would run it.
     Before: the error came out of the user's backward()."""
-    from ampguard.underflow.measure import Tally
+    from ampguard.underflow.counts import Tally
 
     def broken(self: Tally, gradient: torch.Tensor) -> None:
         raise ValueError("a bug in the sampler")
@@ -387,7 +388,7 @@ def test_a_host_mode_sample_known_at_an_update_with_a_new_scale_is_read_mocked_c
     ampguard's failure. Before: the listener unpacked the device mode's extra values from a host-mode sample
     (ValueError, contained: a WARNING calling it a bug, the measurement lost)."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.measure import Transfer
+    from ampguard.underflow.counts import Transfer
 
     polls: list[int] = []
 

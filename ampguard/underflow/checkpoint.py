@@ -9,7 +9,7 @@ and dicts, which a ``weights_only=True`` load takes:
 ``underflow_samples``        steps sampled
 ``underflow_growths``        growths made for underflow
 ``underflow_next_sample_in`` the step to sample next, counted from the scaler's step counter
-``underflow_last``           the last measurement (:meth:`~ampguard.underflow.measure.Measurement.as_plain`)
+``underflow_last``           the last measurement (:meth:`~ampguard.underflow.counts.Measurement.as_plain`)
 ===========================  ==================================================================
 
 A resumed run keeps its ceiling (it does not grow straight back into the
@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ampguard.underflow.measure import Measurement
+from ampguard.underflow.counts import Measurement
 from ampguard.underflow.policy import ScaleState
 
 CEILING = "underflow_ceiling"

@@ -8,7 +8,7 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   ``AMPGUARD_UNDERFLOW_EVERY`` steps, and the very next step while the policy
   grows the scale);
 * at the end of the sampled iteration's ``update()``, the sample's counts start
-  for the host (:class:`~ampguard.underflow.measure.Transfer`: no synchronisation);
+  for the host (:class:`~ampguard.underflow.counts.Transfer`: no synchronisation);
   at that update on the CPU, at a later one on CUDA when the copy is done, the
   measurement is known and, with ``AMPGUARD_UNDERFLOW=adapt``,
   :func:`~ampguard.underflow.policy.decide` may grow the scale
@@ -45,7 +45,7 @@ import ampguard.underflow.checkpoint as checkpoint
 from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
-from ampguard.underflow.measure import Measurement, Transfer, totals
+from ampguard.underflow.counts import Measurement, Transfer, totals
 from ampguard.underflow.policy import ScaleState, decide
 
 logger = event_logger("underflow")

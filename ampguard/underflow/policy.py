@@ -4,7 +4,7 @@ The rule (:func:`decide`): grow by the scaler's growth factor, without waiting
 for the growth interval, when
 
 * the sampled step lost or degraded more than :data:`MATERIAL` of its float16
-  gradient values (:attr:`~ampguard.underflow.measure.Measurement.underflow_share`);
+  gradient values (:attr:`~ampguard.underflow.counts.Measurement.underflow_share`);
 * its largest gradient, grown, stays :data:`HEADROOM` times below float16's
   65,504 (``peak * growth_factor * HEADROOM <= 65504``);
 * the grown scale stays below the last scale that overflowed (:attr:`ScaleState.ceiling`),
@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from ampguard.underflow.measure import FLOAT16_MAX, Measurement, Sampler, Transfer
+from ampguard.underflow.counts import FLOAT16_MAX, Measurement, Transfer
+from ampguard.underflow.measure import Sampler
 
 # Share of the float16 gradient values subnormal or lost above which underflow is material. The 2-block
 # attention net at factor 1 measures 0.10% at scale 1024 and trains as in float32 (torch-identical schedule

@@ -16,7 +16,8 @@ from ampguard.commands.bench.runs import Options, make_runs
 from ampguard.commands.bench.timing import Timer, interleaved_blocks, ratio_summary
 from ampguard.registry import active_config
 from ampguard.syncs import HostReadCounter
-from ampguard.underflow.measure import Sampler, read
+from ampguard.underflow.counts import read
+from ampguard.underflow.measure import Sampler
 
 SAMPLES = 20
 
