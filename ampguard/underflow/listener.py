@@ -101,7 +101,7 @@ class UnderflowListener(StepListener):
         counters = scaler._counters
         overflowed = bool(counters.last_skipped) and not forward_overflow
         state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
-        fresh = state.sampler.armed
+        fresh = self._sampled(state)
         if fresh:
             self._start(state, counters.steps, state.sampled_at)
             state.pending_skipped = bool(counters.last_skipped)
@@ -117,7 +117,7 @@ class UnderflowListener(StepListener):
         self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         state = self.state_of(scaler)
-        fresh = state.sampler.armed
+        fresh = self._sampled(state)
         if fresh:
             if row is not None and scaler._scale is not None:
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
@@ -144,6 +144,16 @@ class UnderflowListener(StepListener):
         state.pending_shared = self.mode == "adapt" and distributed() is not None
         agreed = agree_on_underflow(totals(tallies)) if state.pending_shared else None
         state.pending = Transfer(tallies, step, scale, extra, total=agreed)
+
+    def _sampled(self, state: ScaleState) -> bool:
+        """Whether the iteration this update ends was sampled. Ranks training one model (adapt) go by the schedule,
+        the same on every rank, even where the sampler disarmed itself (:attr:`Sampler.MAX_CALLS`: a rank that
+        evaluated alone while it was armed): that rank's tallies are empty, but it joins the exchange the others
+        make (a collective some ranks skip pairs with the next one, DDP's gradients, and kills or mixes the job)."""
+        scheduled, state.armed_for_step = state.armed_for_step, False
+        if state.sampler.armed:
+            return True
+        return scheduled and self.mode == "adapt" and distributed() is not None
 
     @staticmethod
     def _due(state: ScaleState, fresh: bool) -> bool:
@@ -204,6 +214,7 @@ class UnderflowListener(StepListener):
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
             state.sampler.arm()
+            state.armed_for_step = True
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------
 
@@ -219,6 +230,7 @@ class UnderflowListener(StepListener):
             return
         state = self.state_of(scaler)
         state.sampler.finish()
+        state.armed_for_step = False
         saved.restore(state, scaler._counters.steps)
         self._schedule(scaler, state, None)
 
