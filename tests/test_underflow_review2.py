@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import copy
 import json
+import logging
+import math
 from pathlib import Path
+from typing import Any
 
 import pytest
+from scaler_support import one_thread, stock  # noqa: F401
 from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from underflow_support import train
+
+import ampguard
+import ampguard.scaler.listeners as listeners
+from ampguard.underflow.listener import UnderflowListener
 
 TESTS = Path(__file__).resolve().parent
 
@@ -80,3 +90,101 @@ def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange
     assert first["exchanges"] == second["exchanges"] == [[], [5, 1], [], []]
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
+
+
+# -- checkpoints ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def _adapt(reinstall):
+    reinstall(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="5")
+
+
+def _underflow_state(scaler: Any) -> Any:
+    [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
+    return listener.states.get(scaler)
+
+
+def _held(state: Any) -> tuple[Any, ...]:
+    return (state.ceiling, state.samples, state.growths, state.next_sample, state.last)
+
+
+@pytest.fixture
+def checkpoint_and_holder(_adapt, one_thread) -> tuple[dict[str, Any], Any]:
+    """A state saved while growing (ceiling inf, 2 samples, the next step sampled), and a scaler that holds
+    another underflow state (an overflow at 16384 made that its ceiling)."""
+    saved = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=3).scaler.state_dict()
+    holder = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=8, faults=[5]).scaler
+    assert _underflow_state(holder).ceiling == 16384.0
+    return saved, holder
+
+
+HOSTILE = {
+    "NaN ceiling": {"underflow_ceiling": math.nan},
+    "negative ceiling": {"underflow_ceiling": -4.0},
+    "negative samples": {"underflow_samples": -3},
+    "fractional growths": {"underflow_growths": 2.5},
+    "NaN next sample": {"underflow_next_sample_in": math.nan},
+    "NaN measurement": {"underflow_last": {"step": 1, "scale": math.nan, "total": [10, 1, 1, 1, 0, math.nan]}},
+    "measurement a list": {"underflow_last": [1, 2]},
+    "samples None": {"underflow_samples": None},
+}
+
+
+@pytest.mark.parametrize("change", list(HOSTILE.values()), ids=list(HOSTILE))
+def test_malformed_underflow_entries_keep_the_scalers_own_state_with_one_warning(checkpoint_and_holder, change, caplog):
+    """Entries ampguard never writes load nothing into the policy: the scaler keeps its ceiling, counters and
+    schedule, torch's keys load as torch's GradScaler loads them, and one WARNING says so. Before, a NaN
+    ceiling, a negative count or a NaN measurement was taken silently (a NaN ceiling forbids every growth
+    for the rest of the run), and a missing or mistyped entry was reported as a bug in ampguard."""
+    saved, holder = checkpoint_and_holder
+    hostile = copy.deepcopy(saved)
+    hostile["ampguard"].update(change)
+    kept = _held(_underflow_state(holder))
+    with caplog.at_level(logging.INFO, logger="ampguard"):
+        holder.load_state_dict(hostile)
+    assert _held(_underflow_state(holder)) == kept
+    reference = stock()
+    reference.load_state_dict(hostile)
+    assert holder.get_scale() == reference.get_scale() == 4096.0 and holder.stats.steps == 3
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "underflow entries are not ampguard's" in warnings[0], warnings
+
+
+def test_a_missing_underflow_entry_keeps_the_scalers_own_state_with_one_warning(checkpoint_and_holder, caplog):
+    saved, holder = checkpoint_and_holder
+    del saved["ampguard"]["underflow_next_sample_in"]
+    kept = _held(_underflow_state(holder))
+    with caplog.at_level(logging.INFO, logger="ampguard"):
+        holder.load_state_dict(saved)
+    assert _held(_underflow_state(holder)) == kept
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "underflow entries are not ampguard's" in warnings[0], warnings
+
+
+def test_a_next_sample_further_than_this_runs_interval_is_brought_within_it(_adapt, one_thread):
+    """A checkpoint whose next sample is 10**30 steps away (or saved with a larger AMPGUARD_UNDERFLOW_EVERY)
+    samples within this run's interval (5). Before, the loaded scaler never sampled again."""
+    saved = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=3).scaler.state_dict()
+    saved["ampguard"]["underflow_next_sample_in"] = 10**30
+    loaded = ampguard.SafeGradScaler("cpu")
+    loaded.load_state_dict(saved)
+    assert _underflow_state(loaded).next_sample == 3 + 5
+
+
+@pytest.mark.parametrize("entry", [[1, 2], "counters", {"steps": "many"}, {"skipped": None}])
+def test_a_malformed_ampguard_entry_loads_torchs_keys_and_keeps_the_counters(checkpoint_and_holder, entry, caplog):
+    """An ``ampguard`` entry that is not ampguard's does not fail ``load_state_dict``: torch's keys load as
+    torch's GradScaler loads them, the counters and the underflow state stay the scaler's, one WARNING.
+    Before: AttributeError or ValueError out of load_state_dict."""
+    saved, holder = checkpoint_and_holder
+    saved["ampguard"] = entry
+    kept, steps = _held(_underflow_state(holder)), holder.stats.steps
+    with caplog.at_level(logging.INFO, logger="ampguard"):
+        holder.load_state_dict(saved)
+    reference = stock()
+    reference.load_state_dict(saved)
+    assert holder.get_scale() == reference.get_scale() == 4096.0
+    assert holder.stats.steps == steps == 8 and _held(_underflow_state(holder)) == kept
+    messages = [r.getMessage() for r in caplog.records if r.name.startswith("ampguard")]
+    assert len(messages) == 1 and "is not ampguard's" in messages[0], messages

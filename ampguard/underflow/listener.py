@@ -64,6 +64,11 @@ REPORTED = (
     "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
 )
 
+MALFORMED = (
+    "the loaded state's underflow entries are not ampguard's ({error}): the scaler keeps its own underflow "
+    "state (ceiling, counters, schedule); the rest of the checkpoint is loaded"
+)
+
 
 def _worst(measurement: Measurement) -> str:
     worst = measurement.worst_modules()
@@ -225,13 +230,17 @@ class UnderflowListener(StepListener):
     def load(self, scaler: Any, entries: dict[str, Any]) -> None:
         """A saved state replaces ``scaler``'s; a sample armed or in flight is dropped (its hooks with it), and the
         loaded schedule arms the next step's when it is due."""
-        saved = checkpoint.Saved.parse(entries)
+        try:
+            saved = checkpoint.Saved.parse(entries)
+        except ValueError as error:
+            logger.warning(MALFORMED.format(error=error))
+            return
         if saved is None:  # an earlier version's checkpoint, or torch's: the state is left as it is
             return
         state = self.state_of(scaler)
         state.sampler.finish()
         state.armed_for_step = False
-        saved.restore(state, scaler._counters.steps)
+        saved.restore(state, scaler._counters.steps, self.every)
         self._schedule(scaler, state, None)
 
     # -- what the scaler shows -------------------------------------------------------------------
