@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from underflow_support import AttentionNet, batches
 
-OUT, STEPS = sys.argv[1], int(sys.argv[3])
+OUT, STEPS, EVALUATING = sys.argv[1], int(sys.argv[3]), sys.argv[4]
 dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=40))
 rank = dist.get_rank()
 torch.manual_seed(0)
@@ -58,7 +58,7 @@ for step, (tokens, labels) in enumerate(data):
     scaler.step(optimizer)
     scaler.update()
     scales.append(scaler.get_scale())
-    if step == 0 and rank == 0:  # rank 0's own evaluation
+    if step == 0 and str(rank) in EVALUATING:  # an evaluation (rank 0's own, or every rank's)
         with torch.no_grad():
             for _ in range(70):
                 model.module(tokens)
@@ -71,25 +71,43 @@ dist.destroy_process_group()
 """
 
 
+def run_ranks(tmp_path: Path, evaluating: str, steps: int = 4) -> tuple[dict[str, Any], dict[str, Any]]:
+    worker = tmp_path / "worker.py"
+    worker.write_text(ONE_RANK_EVALUATES)
+    out = tmp_path / "out"
+    out.mkdir()
+    command = ["timeout", "120", *torchrun_command(str(worker), str(out), str(TESTS), str(steps), evaluating)]
+    env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="1000")
+    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=150)
+    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
+    return first, second
+
+
 @pytest.mark.distributed
 def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange(tmp_path: Path) -> None:
     """Rank 0 evaluates alone while the sample is armed and its sampler disarms itself (64 calls): both ranks still
     call agree_on_underflow at the same update (rank 0 with nothing counted), so the collectives stay paired.
     Before, rank 1 all-reduced the sample at step 1 and rank 0 (re-armed) at step 2: gloo paired rank 1's
-    underflow all-reduce with DDP's gradient bucket of rank 0 (the job failed, or mixed the two)."""
-    worker = tmp_path / "worker.py"
-    worker.write_text(ONE_RANK_EVALUATES)
-    out = tmp_path / "out"
-    out.mkdir()
-    steps = 4
-    command = ["timeout", "120", *torchrun_command(str(worker), str(out), str(TESTS), str(steps))]
-    env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="1000")
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=150)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
+    underflow all-reduce with DDP's gradient bucket of rank 0 and aborted the job ("Received data size doesn't
+    match expected size. Is there a distributed collective mismatch")."""
+    first, second = run_ranks(tmp_path, "0")
     assert first["exchanges"] == second["exchanges"] == [[], [5, 1], [], []]
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
+    assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0  # rank 1's counts
+
+
+@pytest.mark.distributed
+def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(tmp_path: Path) -> None:
+    """Every rank evaluates (70 batches) while the sample is armed: the exchange finds nothing counted on any
+    rank, which is not a sample: the next step is sampled instead, on both ranks. Before (with the exchange
+    kept paired), an empty measurement replaced the last one in scaler.stats and the next sample waited a
+    whole AMPGUARD_UNDERFLOW_EVERY."""
+    first, second = run_ranks(tmp_path, "01")
+    assert first["exchanges"] == second["exchanges"] == [[], [5, 1], [5, 1], []]
+    assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
+    assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0
 
 
 # -- checkpoints ----------------------------------------------------------------------------------------------

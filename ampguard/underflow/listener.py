@@ -175,8 +175,20 @@ class UnderflowListener(StepListener):
             return pending.ready
         return not (fresh and pending.copying)
 
-    def _act(self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool) -> bool:
-        """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
+    def _act(
+        self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool
+    ) -> bool | None:
+        """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew.
+
+        None when ranks training one model counted nothing together (every rank's sampler disarmed itself:
+        an evaluation of more than :attr:`Sampler.MAX_CALLS` batches while it was armed): not a sample; the
+        next step is sampled instead, once (a model without float16 gradients is not sampled every step).
+        """
+        if state.pending_shared and measurement.total.values == 0 and not state.retaking:
+            state.retaking = True
+            state.next_sample = scaler._counters.steps + 1
+            return None
+        state.retaking = False
         state.samples += 1
         state.last = measurement
         if skipped or not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
