@@ -191,6 +191,18 @@ def test_a_next_sample_further_than_this_runs_interval_is_brought_within_it(_ada
     assert _underflow_state(loaded).next_sample == 3 + 5
 
 
+def test_integral_numbers_of_any_type_still_load(checkpoint_and_holder):
+    """The checks refuse what ampguard never writes, not what a converted checkpoint may hold (numpy integers,
+    integral floats)."""
+    import numpy
+
+    saved, holder = checkpoint_and_holder
+    saved["ampguard"].update(underflow_samples=numpy.int64(2), underflow_growths=2.0)
+    holder.load_state_dict(saved)
+    state = _underflow_state(holder)
+    assert (state.ceiling, state.samples, state.growths, state.next_sample) == (math.inf, 2, 2, 4)
+
+
 @pytest.mark.parametrize("entry", [[1, 2], "counters", {"steps": "many"}, {"skipped": None}])
 def test_a_malformed_ampguard_entry_loads_torchs_keys_and_keeps_the_counters(checkpoint_and_holder, entry, caplog):
     """An ``ampguard`` entry that is not ampguard's does not fail ``load_state_dict``: torch's keys load as

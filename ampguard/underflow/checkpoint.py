@@ -22,6 +22,7 @@ without these entries (an earlier ampguard's, torch's) leaves the state as it is
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -97,7 +98,7 @@ class Saved:
 
 def _count(value: Any, *, signed: bool = False) -> int:
     """An integer entry (an integral float too); negative only where ``signed``."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value:
         raise ValueError(f"not an integer: {value!r}")
     if value < 0 and not signed:
         raise ValueError(f"negative: {value!r}")
