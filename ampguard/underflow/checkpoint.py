@@ -98,11 +98,15 @@ class Saved:
 
 def _count(value: Any, *, signed: bool = False) -> int:
     """An integer entry (an integral float too); negative only where ``signed``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or int(value) != value:
+    if isinstance(value, bool):  # (an Integral to Python, never one of these counts)
         raise ValueError(f"not an integer: {value!r}")
-    if value < 0 and not signed:
+    if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer()):
+        count = int(value)
+    else:
+        raise ValueError(f"not an integer: {value!r}")
+    if count < 0 and not signed:
         raise ValueError(f"negative: {value!r}")
-    return int(value)
+    return count
 
 
 def _plausible(measurement: Measurement) -> bool:
