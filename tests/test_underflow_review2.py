@@ -245,3 +245,48 @@ def test_two_scalers_training_in_turn_each_measure_their_own_model(reinstall, on
     assert loud.underflow_share > 0.5 and alone.underflow_share < 0.01
     assert quiet.underflow_values == loud.underflow_values == alone.underflow_values
     assert quiet.underflow_share < 0.01
+
+
+def test_under_torch_distributed_a_rank_that_counted_nothing_decides_with_the_others_mocked_cuda(
+    monkeypatch, _adapt, one_thread
+):
+    """gloo with CUDA tensors (mocked): a rank that counted gets its counts through a copy and an event and acts
+    at the update after the sample's; a rank whose sampler disarmed itself (it evaluated alone) holds only the
+    exchanged totals, on gloo's CPU. Both must grow at the same update. Before, the second acted at the
+    sample's own update: the ranks' scales differed for a step, and its next sample (armed a step earlier)
+    paired its all-reduce with another collective on the other rank."""
+    import ampguard.underflow.listener as listener_module
+    from ampguard.underflow.measure import Transfer
+
+    agreed = torch.tensor([1000.0, 0, 0, 1000, 0, 1.0], dtype=torch.float64)  # every value subnormal: grow
+
+    class CopiedFromCuda(Transfer):
+        @property
+        def copying(self) -> bool:  # the counts of a rank that counted are on CUDA; the exchanged totals on the CPU
+            return bool(self.tallies)
+
+    monkeypatch.setattr(listener_module, "distributed", lambda: object())
+    monkeypatch.setattr(listener_module, "agree_on_underflow", lambda totals: agreed.clone(), raising=False)
+    monkeypatch.setattr(listener_module, "Transfer", CopiedFromCuda)
+    # the scaler's on CUDA (raising=False: before, no such function)
+    monkeypatch.setattr(listener_module, "counts_come_through_a_copy", lambda scaler: True, raising=False)
+    scales = {}
+    for rank in (0, 1):
+        torch.manual_seed(0)
+        model = AttentionNet()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = ampguard.SafeGradScaler("cpu")
+        scales[rank] = []
+        for step, (tokens, labels) in enumerate(batches(4)):
+            optimizer.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            scales[rank].append(scaler.get_scale())
+            if step == 0 and rank == 1:  # rank 1 evaluates alone: its sampler disarms itself
+                with torch.no_grad():
+                    for _ in range(70):
+                        model(tokens)
+    assert scales[0] == scales[1] == [1024.0, 1024.0, 2048.0, 2048.0]

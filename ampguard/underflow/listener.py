@@ -70,6 +70,11 @@ MALFORMED = (
 )
 
 
+def counts_come_through_a_copy(scaler: Any) -> bool:
+    """Whether a sample's counts reach the host through a copy and an event (:class:`Transfer` on CUDA)."""
+    return str(getattr(scaler, "_device", "cpu")).startswith("cuda")
+
+
 def _worst(measurement: Measurement) -> str:
     worst = measurement.worst_modules()
     return " (most in " + ", ".join(f"{name} {share:.0%}" for name, share in worst) + ")" if worst else ""
@@ -111,7 +116,7 @@ class UnderflowListener(StepListener):
             self._start(state, counters.steps, state.sampled_at)
             state.pending_skipped = bool(counters.last_skipped)
         grown: bool | None = None
-        if self._due(state, fresh):
+        if self._due(scaler, state, fresh):
             measurement, _ = state.take().result()
             grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=state.pending_skipped)
         self._schedule(scaler, state, grown)
@@ -132,7 +137,7 @@ class UnderflowListener(StepListener):
             else:
                 state.sampler.finish()
         grown: bool | None = None
-        if self._due(state, fresh):
+        if self._due(scaler, state, fresh):
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)
@@ -161,19 +166,21 @@ class UnderflowListener(StepListener):
         return scheduled and self.mode == "adapt" and distributed() is not None
 
     @staticmethod
-    def _due(state: ScaleState, fresh: bool) -> bool:
+    def _due(scaler: Any, state: ScaleState, fresh: bool) -> bool:
         """Whether the sample on its way is acted on at this update (``fresh``: the update that started it).
 
         Alone: once its copy is known, never waiting. Ranks training one model: at the same update on every
-        rank, the sample's own where its counts are known at once, else the next one (waiting for the copy
-        there if need be: each rank's event would be found done at a different update).
+        rank, the sample's own where the counts are known at once, else the next one (waiting for the copy
+        there if need be: each rank's event would be found done at a different update). Which of the two goes
+        by the scaler's device, the same on every rank, not by this rank's transfer: one that counted nothing
+        holds only the exchanged totals, on the CPU under gloo.
         """
         pending = state.pending
         if pending is None:
             return False
         if not state.pending_shared:
             return pending.ready
-        return not (fresh and pending.copying)
+        return not (fresh and counts_come_through_a_copy(scaler))
 
     def _act(
         self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool
