@@ -51,6 +51,11 @@ STALL_RAISED = (
     "state is consistent for a checkpoint. See docs/troubleshooting.md."
 )
 
+MALFORMED_COUNTERS = (
+    "the loaded GradScaler state's \"ampguard\" entry is not ampguard's ({error}): torch's keys are loaded, "
+    "and the counters in scaler.stats (and the capabilities' state) stay this scaler's own."
+)
+
 TORCH_STATE_LOADED = (
     "loaded a GradScaler state saved without ampguard: its scale {scale:g} and growth interval "
     "{interval} are kept (torch's defaults are 65536 and 2000; ampguard's are 1024 and 100). "

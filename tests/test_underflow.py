@@ -257,6 +257,7 @@ def test_under_torch_distributed_a_cuda_sample_is_acted_on_the_update_after_it_m
     import ampguard.underflow.listener as listener_module
 
     _world_of_ranks(monkeypatch, lambda totals: totals.clone())
+    monkeypatch.setattr(listener_module, "counts_come_through_a_copy", lambda scaler: True)  # the scaler's on CUDA
     scales: dict[str, list[float]] = {}
     for rank, polls_until_done in (("fast", 0), ("slow", 10**6)):
         waits: list[int] = []

@@ -66,17 +66,22 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
     scaler._counters.mirror_scale = bounded
     scaler._counters.mirror_tracker = int(state_dict["_growth_tracker"])
     counters = state_dict.get("ampguard")
-    if counters:
-        scaler._counters.steps = int(counters.get("steps", scaler._counters.steps))
-        scaler._counters.skipped = int(counters.get("skipped", scaler._counters.skipped))
-        scaler._counters.no_grad_steps = int(counters.get("no_grad_steps", scaler._counters.no_grad_steps))
-        scaler._counters.nonfinite_loss = int(counters.get("nonfinite_loss", scaler._counters.nonfinite_loss))
-        scaler._counters.consecutive = int(counters.get("consecutive_skipped", 0))
-        scaler._counters.min_seen = min(float(counters.get("min_scale_seen", bounded)), bounded)
-        scaler._counters.max_seen = max(float(counters.get("max_scale_seen", bounded)), bounded)
+    loaded_counters = _loaded_counters(scaler, counters, bounded) if counters else None
+    if loaded_counters is not None:
+        (
+            scaler._counters.steps,
+            scaler._counters.skipped,
+            scaler._counters.no_grad_steps,
+            scaler._counters.nonfinite_loss,
+            scaler._counters.consecutive,
+            scaler._counters.min_seen,
+            scaler._counters.max_seen,
+        ) = loaded_counters
+        assert isinstance(counters, dict)
         listeners.load(scaler, counters)
     else:
-        logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
+        if not counters:  # (a malformed entry was said already)
+            logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=scaler._growth_interval))
         if scaler._counters.steps == 0:
             scaler._counters.min_seen = scaler._counters.max_seen = bounded  # the init scale was never used
         else:
@@ -91,6 +96,27 @@ def load_counters(scaler: SafeGradScaler, state_dict: dict[str, Any]) -> None:
     scaler._counters.stall_reported = False
     every = scaler._settings.stats_every
     scaler._counters.next_report = (scaler._counters.steps // every + 1) * every if every else 0
+
+
+def _loaded_counters(
+    scaler: SafeGradScaler, counters: Any, bounded: float
+) -> tuple[int, int, int, int, int, float, float] | None:
+    """The counters of a state's ``ampguard`` entry; None (said once per load) when it is not ampguard's:
+    the scaler then keeps its own, as for a torch checkpoint, rather than fail the load."""
+    held = scaler._counters
+    try:
+        return (
+            int(counters.get("steps", held.steps)),
+            int(counters.get("skipped", held.skipped)),
+            int(counters.get("no_grad_steps", held.no_grad_steps)),
+            int(counters.get("nonfinite_loss", held.nonfinite_loss)),
+            int(counters.get("consecutive_skipped", 0)),
+            min(float(counters.get("min_scale_seen", bounded)), bounded),
+            max(float(counters.get("max_scale_seen", bounded)), bounded),
+        )
+    except (AttributeError, TypeError, ValueError, OverflowError) as error:
+        logger.warning(messages.MALFORMED_COUNTERS.format(error=f"{type(error).__name__}: {error}"))
+        return None
 
 
 # Where the iteration in progress was kept before it became one object (pickles of earlier versions).

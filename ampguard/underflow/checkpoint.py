@@ -21,6 +21,8 @@ without these entries (an earlier ampguard's, torch's) leaves the state as it is
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -61,21 +63,58 @@ class Saved:
 
     @classmethod
     def parse(cls, entries: dict[str, Any]) -> Saved | None:
-        """None when ``entries`` hold no underflow state (an earlier version's, or saved before any update)."""
+        """None when ``entries`` hold no underflow state (an earlier version's, or saved before any update).
+
+        Raises ValueError for entries this version never writes (a missing key, a wrong type, a NaN or
+        negative ceiling, a negative count, a non-finite measurement): loaded, they would silently stop the
+        policy (a NaN ceiling forbids every growth) or show nonsense in ``scaler.stats``.
+        """
         if CEILING not in entries:
             return None
-        last = entries.get(LAST)
-        return cls(
-            float(entries[CEILING]),
-            int(entries[SAMPLES]),
-            int(entries[GROWTHS]),
-            int(entries[NEXT_SAMPLE_IN]),
-            Measurement.from_plain(last) if last is not None else None,
-        )
+        try:
+            last = entries.get(LAST)
+            saved = cls(
+                float(entries[CEILING]),
+                _count(entries[SAMPLES]),
+                _count(entries[GROWTHS]),
+                _count(entries[NEXT_SAMPLE_IN], signed=True),
+                Measurement.from_plain(last) if last is not None else None,
+            )
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as error:
+            raise ValueError(f"{type(error).__name__}: {error}") from None
+        if not saved.ceiling > 0:
+            raise ValueError(f"{CEILING} {saved.ceiling!r}")
+        if saved.last is not None and not _plausible(saved.last):
+            raise ValueError(f"{LAST} {last!r}"[:200])
+        return saved
 
-    def restore(self, state: ScaleState, steps: int) -> None:
-        """Into ``state`` (its sample in flight, if any, dropped by the caller); ``steps``: the loaded counter."""
+    def restore(self, state: ScaleState, steps: int, every: int) -> None:
+        """Into ``state`` (its sample in flight, if any, dropped by the caller); ``steps``: the loaded counter;
+        ``every``: this run's ``AMPGUARD_UNDERFLOW_EVERY``, the furthest the next sample may be."""
         state.ceiling, state.samples, state.growths = self.ceiling, self.samples, self.growths
-        state.next_sample = steps + self.next_sample_in
+        state.next_sample = steps + min(self.next_sample_in, every)
         state.last = self.last
         state.pending, state.pending_skipped, state.pending_held = None, False, False
+
+
+def _count(value: Any, *, signed: bool = False) -> int:
+    """An integer entry (an integral float too); negative only where ``signed``."""
+    if isinstance(value, bool):  # (an Integral to Python, never one of these counts)
+        raise ValueError(f"not an integer: {value!r}")
+    if isinstance(value, numbers.Integral) or (isinstance(value, float) and value.is_integer()):
+        count = int(value)
+    else:
+        raise ValueError(f"not an integer: {value!r}")
+    if count < 0 and not signed:
+        raise ValueError(f"negative: {value!r}")
+    return count
+
+
+def _plausible(measurement: Measurement) -> bool:
+    """A finite positive scale, counts that are not negative, finite peaks."""
+    counts = (measurement.total, *measurement.modules.values())
+    return (
+        math.isfinite(measurement.scale)
+        and measurement.scale > 0
+        and all(min(c.values, c.zeros, c.low, c.below_normal, c.sunk) >= 0 and math.isfinite(c.peak) for c in counts)
+    )

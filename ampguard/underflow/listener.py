@@ -64,6 +64,16 @@ REPORTED = (
     "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
 )
 
+MALFORMED = (
+    "the loaded state's underflow entries are not ampguard's ({error}): the scaler keeps its own underflow "
+    "state (ceiling, counters, schedule); the rest of the checkpoint is loaded"
+)
+
+
+def counts_come_through_a_copy(scaler: Any) -> bool:
+    """Whether a sample's counts reach the host through a copy and an event (:class:`Transfer` on CUDA)."""
+    return str(getattr(scaler, "_device", "cpu")).startswith("cuda")
+
 
 def _worst(measurement: Measurement) -> str:
     worst = measurement.worst_modules()
@@ -101,12 +111,12 @@ class UnderflowListener(StepListener):
         counters = scaler._counters
         overflowed = bool(counters.last_skipped) and not forward_overflow
         state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
-        fresh = state.sampler.armed
+        fresh = self._sampled(state)
         if fresh:
             self._start(state, counters.steps, state.sampled_at)
             state.pending_skipped, state.pending_device = bool(counters.last_skipped), False
         grown: bool | None = None
-        if self._due(state, fresh):
+        if self._due(scaler, state, fresh):
             device = state.pending_device
             measurement, extra = state.take().result()
             skipped = extra[2] > 0 if device else state.pending_skipped  # (device mode's: found)
@@ -119,7 +129,7 @@ class UnderflowListener(StepListener):
         self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         state = self.state_of(scaler)
-        fresh = state.sampler.armed
+        fresh = self._sampled(state)
         if fresh:
             if row is not None and scaler._scale is not None:
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
@@ -129,12 +139,12 @@ class UnderflowListener(StepListener):
             else:
                 state.sampler.finish()
         grown: bool | None = None
-        if self._due(state, fresh) and not state.pending_device:
+        if self._due(scaler, state, fresh) and not state.pending_device:
             # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
             # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
             measurement, _ = state.take().result()
             grown = self._act(scaler, state, measurement, measurement.scale, skipped=state.pending_skipped)
-        elif self._due(state, fresh):
+        elif self._due(scaler, state, fresh):
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)
@@ -152,23 +162,47 @@ class UnderflowListener(StepListener):
         agreed = agree_on_underflow(totals(tallies)) if state.pending_shared else None
         state.pending = Transfer(tallies, step, scale, extra, total=agreed)
 
+    def _sampled(self, state: ScaleState) -> bool:
+        """Whether the iteration this update ends was sampled. Ranks training one model (adapt) go by the schedule,
+        the same on every rank, even where the sampler disarmed itself (:attr:`Sampler.MAX_CALLS`: a rank that
+        evaluated alone while it was armed): that rank's tallies are empty, but it joins the exchange the others
+        make (a collective some ranks skip pairs with the next one, DDP's gradients, and kills or mixes the job)."""
+        scheduled, state.armed_for_step = state.armed_for_step, False
+        if state.sampler.armed:
+            return True
+        return scheduled and self.mode == "adapt" and distributed() is not None
+
     @staticmethod
-    def _due(state: ScaleState, fresh: bool) -> bool:
+    def _due(scaler: Any, state: ScaleState, fresh: bool) -> bool:
         """Whether the sample on its way is acted on at this update (``fresh``: the update that started it).
 
         Alone: once its copy is known, never waiting. Ranks training one model: at the same update on every
-        rank, the sample's own where its counts are known at once, else the next one (waiting for the copy
-        there if need be: each rank's event would be found done at a different update).
+        rank, the sample's own where the counts are known at once, else the next one (waiting for the copy
+        there if need be: each rank's event would be found done at a different update). Which of the two goes
+        by the scaler's device, the same on every rank, not by this rank's transfer: one that counted nothing
+        holds only the exchanged totals, on the CPU under gloo.
         """
         pending = state.pending
         if pending is None:
             return False
         if not state.pending_shared:
             return pending.ready
-        return not (fresh and pending.copying)
+        return not (fresh and counts_come_through_a_copy(scaler))
 
-    def _act(self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool) -> bool:
-        """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew."""
+    def _act(
+        self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool
+    ) -> bool | None:
+        """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew.
+
+        None when ranks training one model counted nothing together (every rank's sampler disarmed itself:
+        an evaluation of more than :attr:`Sampler.MAX_CALLS` batches while it was armed): not a sample; the
+        next step is sampled instead, once (a model without float16 gradients is not sampled every step).
+        """
+        if state.pending_shared and measurement.total.values == 0 and not state.retaking:
+            state.retaking = True
+            state.next_sample = scaler._counters.steps + 1
+            return None
+        state.retaking = False
         state.samples += 1
         state.last = measurement
         if skipped or scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
@@ -222,6 +256,7 @@ class UnderflowListener(StepListener):
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
             state.next_sample = step + 1 + self.every
             state.sampler.arm()
+            state.armed_for_step = True
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------
 
@@ -232,12 +267,17 @@ class UnderflowListener(StepListener):
     def load(self, scaler: Any, entries: dict[str, Any]) -> None:
         """A saved state replaces ``scaler``'s; a sample armed or in flight is dropped (its hooks with it), and the
         loaded schedule arms the next step's when it is due."""
-        saved = checkpoint.Saved.parse(entries)
+        try:
+            saved = checkpoint.Saved.parse(entries)
+        except ValueError as error:
+            logger.warning(MALFORMED.format(error=error))
+            return
         if saved is None:  # an earlier version's checkpoint, or torch's: the state is left as it is
             return
         state = self.state_of(scaler)
         state.sampler.finish()
-        saved.restore(state, scaler._counters.steps)
+        state.armed_for_step = False
+        saved.restore(state, scaler._counters.steps, self.every)
         self._schedule(scaler, state, None)
 
     # -- what the scaler shows -------------------------------------------------------------------

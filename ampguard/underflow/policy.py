@@ -69,6 +69,8 @@ class ScaleState:
     last: Measurement | None = None
     sampler: Sampler = field(default_factory=Sampler)
     sampled_at: float = 0.0  # the host's scale when the sample was armed (host mode)
+    armed_for_step: bool = False  # the schedule armed the sampler for this iteration (it may have disarmed itself)
+    retaking: bool = False  # (ranks training one model) the step sampled now retakes one in which no rank counted
     pending: Transfer | None = None  # a sample's counts on their way to the host
     pending_skipped: bool = False  # (host mode) its step was skipped
     pending_held: bool = False  # (device mode) a non-finite loss of its step kept the scale
