@@ -6,7 +6,8 @@
   backward passes, the way an fp16 overflow looks to a GradScaler;
 * :func:`stock_torch`: a block run with ampguard uninstalled (torch's own
   GradScaler), for "what would the library see with torch's scaler";
-* :func:`run_python`: a fresh interpreter for import-order tests and examples.
+* :func:`run_python`: a fresh interpreter for import-order tests and examples;
+* :func:`note_new_sample`: the underflow patch's last measurement, for the scripts that record each sample.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ for _variable, _value in {
 
 REPO = Path(__file__).resolve().parents[2]
 INSTALL_HINT = "pip install -e '.[integration]' (see tests/integration/README.md)"
+# What the underflow measurement scripts keep of each sample (``scaler.stats``), some under a shorter name.
+SAMPLE_FIELDS = ("underflow_step", "underflow_share", "underflow_subnormal", "underflow_lost", "underflow_grad_peak")
+SAMPLE_KEYS = {"underflow_scale": "scale", "underflow_modules": "modules"}
 
 
 def require(name: str) -> ModuleType:
@@ -144,3 +148,16 @@ def run_python(
 
 def assert_ran(result: subprocess.CompletedProcess[str]) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n--- stdout\n{result.stdout}\n--- stderr\n{result.stderr}"
+
+
+def note_new_sample(stats: dict[str, Any], samples: list[dict[str, Any]]) -> None:
+    """Appends the scaler's last measurement (``stats``: ``scaler.stats.as_dict()`` after an update) to
+    ``samples`` when it is one more than they hold, with the scale the sampled step ran at."""
+    if stats["underflow_samples"] > len(samples):
+        sample = {key: stats[key] for key in SAMPLE_FIELDS}
+        samples.append(sample | {name: stats[key] for key, name in SAMPLE_KEYS.items()})
+
+
+def samples_text(samples: list[dict[str, Any]]) -> str:
+    """``samples`` (as :func:`note_new_sample` keeps them) for a table: "step: share (scale)", ...; "-": none."""
+    return ", ".join(f"{s['underflow_step']}: {s['underflow_share']:.2%} ({s['scale']:g})" for s in samples) or "-"

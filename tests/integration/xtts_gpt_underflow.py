@@ -29,11 +29,11 @@ if __name__ == "__main__":  # the helper modules next to this file import by nam
 import coqui_xtts_gpt
 import torch
 from coqui_xtts_gpt import Trainer
+from integration_support import note_new_sample, samples_text
 
 import ampguard
 
 MODES = ("float32", "off", "report", "adapt")
-SAMPLE_FIELDS = ("underflow_step", "underflow_share", "underflow_subnormal", "underflow_lost", "underflow_grad_peak")
 
 
 @dataclass
@@ -86,16 +86,10 @@ def train(
         if start is not None:
             coqui.model.load_state_dict(start)  # in place: the optimizer holds these parameters
         samples: list[dict[str, Any]] = []
-        scales = [coqui.scaler.get_scale()] if coqui.scaler is not None else []  # [k]: after the k-th update
 
         def note_sample(trainer: Trainer) -> None:
-            if trainer.scaler is None:
-                return
-            stats = trainer.scaler.stats.as_dict()
-            scales.append(stats["scale"])
-            if stats["underflow_samples"] > len(samples):
-                sample = {key: stats[key] for key in SAMPLE_FIELDS} | {"modules": stats["underflow_modules"]}
-                samples.append(sample | {"scale": scales[stats["underflow_step"] - 1]})  # the scale it ran at
+            if trainer.scaler is not None:
+                note_new_sample(trainer.scaler.stats.as_dict(), samples)
 
         coqui.callbacks.parse_callbacks_dict({"on_train_step_end": note_sample})
         coqui.fit()
@@ -130,10 +124,9 @@ def _table(runs: list[Run], reference: Run) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
-        shares = ", ".join(f"{s['underflow_step']}: {s['underflow_share']:.2%} ({s['scale']:g})" for s in run.samples)
         change = (run.eval_loss / reference.eval_loss - 1) * 100
         lines.append(
-            f"| {run.mode} | {run.stats.get('underflow_samples', '-')} | {shares or '-'} "
+            f"| {run.mode} | {run.stats.get('underflow_samples', '-')} | {samples_text(run.samples)} "
             f"| {run.stats.get('underflow_growths', '-')} | {run.stats.get('scale', '-')} "
             f"| {run.stats.get('skipped', '-')} | {run.eval_loss:.4f} ({change:+.2f}%) | {run.tail_loss:.4f} |"
         )
