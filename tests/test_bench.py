@@ -65,6 +65,7 @@ STEP_TIME_FIELDS = {
     "blocks",
     "block_steps",
     "same_parameters",
+    "underflow_growths",
 }
 SYNC_FIELDS = {
     "optimizer",
@@ -200,8 +201,16 @@ def test_without_ampguard_both_variants_use_torchs_objects(stock_torch):
 
 def test_healthy_training_is_bit_identical_under_ampguard():
     timing = time_steps(runs.Options(device="cpu", model=TINY, steps=6, block_steps=2, warmup_steps=2), fused=False)
-    assert timing["same_parameters"] is True
+    assert timing["same_parameters"] is True and timing["underflow_growths"] == 0
     assert timing["blocks"] == 3 and timing["block_steps"] == 2
+
+
+def test_the_table_says_why_weights_differ_when_the_scale_grew_for_underflow():
+    from ampguard.commands.bench.markdown import _same_weights
+
+    assert _same_weights({"same_parameters": True, "underflow_growths": 0}) == "yes"
+    assert _same_weights({"same_parameters": False, "underflow_growths": 3}).startswith("no: the scale grew 3x")
+    assert _same_weights({"same_parameters": False, "underflow_growths": 0}) == "NO"  # nothing explains it
 
 
 # -- the command ------------------------------------------------------------------------

@@ -47,6 +47,13 @@ def _git_commit() -> str | None:
     return head.stdout.strip() + (" with uncommitted changes to ampguard/" if dirty else "")
 
 
+def _same_weights(timing: dict[str, Any]) -> str:
+    if timing["same_parameters"]:
+        return "yes"
+    growths = timing.get("underflow_growths", 0)
+    return f"no: the scale grew {growths}x for underflow (docs/underflow.md)" if growths else "NO"
+
+
 def _step_time(result: dict[str, Any]) -> list[str]:
     rows = []
     for timing in result["step_time"].values():
@@ -60,7 +67,7 @@ def _step_time(result: dict[str, Any]) -> list[str]:
                 f"{timing['ratio']:.4f} +- {timing['ratio_stderr']:.4f}",
                 f"{timing['ratio_min']:.2f}..{timing['ratio_max']:.2f}",
                 f"{timing['overhead_us_per_step']:+.0f}",
-                "yes" if timing["same_parameters"] else "NO",
+                _same_weights(timing),
             ]
         )
     return _table(

@@ -113,6 +113,8 @@ def time_steps(options: Options, fused: bool) -> dict[str, Any]:
         "blocks": pairs,
         "block_steps": block,
         "same_parameters": same_parameters(torch_run.model, ampguard_run.model),
+        # float16 gradients that underflow grow ampguard's scale (AMPGUARD_UNDERFLOW=adapt): then the weights differ
+        "underflow_growths": getattr(getattr(ampguard_run.scaler, "stats", None), "underflow_growths", 0),
     }
 
 
