@@ -11,7 +11,7 @@ import json
 import pytest
 import torch
 from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
-from underflow_support import train
+from underflow_support import train, transfers_known_after
 
 import ampguard
 from ampguard.errors import ConfigError
@@ -140,26 +140,15 @@ def test_a_cuda_sample_is_acted_on_when_its_copy_is_known_mocked_event(monkeypat
     """CUDA (mocked): the counts reach the host through a copy and an event; the update that finds the
     event done acts, one update after the sample here, and nothing ever waits."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.counts import Transfer
 
-    polls: list[int] = []
-
-    class OneUpdateLate(Transfer):
-        @property
-        def ready(self) -> bool:  # not done when first polled (the update that started it), done after
-            polls.append(self.step)
-            return polls.count(self.step) > 1
-
-        def result(self):  # the CUDA path waits only when asked before the event is done: never here
-            assert self.ready
-            return super().result()
-
-    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    waits: list[int] = []
+    monkeypatch.setattr(listener_module, "Transfer", transfers_known_after(1, waits))
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=12)
     stats = run.scaler.stats
     # Sampled at steps 2, 4, 6, 8, 10 (each known at the next update, which grows the scale and arms the next).
     assert stats.underflow_samples == 5 and stats.underflow_growths == 5 and stats.underflow_step == 10
     assert stats.underflow_scale == 1024.0 * 2**4 and stats.scale == 1024.0 * 2**5
+    assert waits == []  # every sample acted on once its copy was known: nothing waited
 
 
 def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall, tmp_path, capsys):
@@ -227,29 +216,6 @@ def test_under_torch_distributed_the_ranks_agreed_totals_decide_mocked_world(mon
     assert "could not agree" in warning.getMessage()
 
 
-def _copy_done_after(polls_until_done: int, waits: list[int]):
-    """A Transfer as on CUDA (a copy and an event) whose event is found done after that many polls per sample;
-    ``waits`` gets the step of each sample whose result was asked before (Event.synchronize() on CUDA)."""
-    from ampguard.underflow.counts import Transfer
-
-    polls: list[int] = []
-
-    class MockedCopy(Transfer):
-        copying = True
-
-        @property
-        def ready(self) -> bool:
-            polls.append(self.step)
-            return polls.count(self.step) > polls_until_done
-
-        def result(self):
-            if not self.ready:
-                waits.append(self.step)
-            return super().result()
-
-    return MockedCopy
-
-
 def test_under_torch_distributed_a_cuda_sample_is_acted_on_the_update_after_it_mocked_event(monkeypatch):
     """CUDA (mocked): each rank's event is found done at a different update, so ranks training one model act at
     the update after the sample's, waiting for the copy there if it is not done: every rank grows at the same
@@ -261,7 +227,7 @@ def test_under_torch_distributed_a_cuda_sample_is_acted_on_the_update_after_it_m
     scales: dict[str, list[float]] = {}
     for rank, polls_until_done in (("fast", 0), ("slow", 10**6)):
         waits: list[int] = []
-        monkeypatch.setattr(listener_module, "Transfer", _copy_done_after(polls_until_done, waits))
+        monkeypatch.setattr(listener_module, "Transfer", transfers_known_after(polls_until_done, waits))
         scaler = ampguard.SafeGradScaler("cpu")
         scales[rank] = []
         update = scaler.update

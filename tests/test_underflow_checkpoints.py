@@ -18,7 +18,7 @@ import pytest
 import torch
 from scaler_support import DeviceSkipSGD, one_thread, same_parameters, stock  # noqa: F401
 from torch import nn
-from underflow_support import Run, train
+from underflow_support import Run, train, transfers_known_after
 
 import ampguard
 import ampguard.scaler.listeners as listeners
@@ -196,17 +196,8 @@ def test_a_sample_still_on_its_way_when_saved_is_taken_again_at_the_next_step_mo
     """CUDA (mocked): a sample's counts reach the host an update later. Saved in between, the checkpoint is not
     made to wait for them: the loaded scaler samples its next step instead, and acts on that one."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.counts import Transfer
 
-    polls: list[int] = []
-
-    class OneUpdateLate(Transfer):
-        @property
-        def ready(self) -> bool:
-            polls.append(self.step)
-            return polls.count(self.step) > 1
-
-    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    monkeypatch.setattr(listener_module, "Transfer", transfers_known_after(1))  # known an update late
     saved = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=2).scaler
     assert underflow_state(saved).pending is not None  # step 2's sample, on its way
     entries = saved.state_dict()["ampguard"]

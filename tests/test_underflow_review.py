@@ -16,7 +16,7 @@ import pytest
 import torch
 from scaler_support import DeviceSkipSGD, ampguard_log, one_thread, records, same_parameters, stock  # noqa: F401
 from torch import nn
-from underflow_support import SlicesOfLinear, Tagged, TaggedNet
+from underflow_support import SlicesOfLinear, Tagged, TaggedNet, transfers_known_after
 
 import ampguard
 import ampguard.containment as containment
@@ -388,17 +388,8 @@ def test_a_host_mode_sample_known_at_an_update_with_a_new_scale_is_read_mocked_c
     ampguard's failure. Before: the listener unpacked the device mode's extra values from a host-mode sample
     (ValueError, contained: a WARNING calling it a bug, the measurement lost)."""
     import ampguard.underflow.listener as listener_module
-    from ampguard.underflow.counts import Transfer
 
-    polls: list[int] = []
-
-    class OneUpdateLate(Transfer):
-        @property
-        def ready(self) -> bool:
-            polls.append(self.step)
-            return polls.count(self.step) > 1
-
-    monkeypatch.setattr(listener_module, "Transfer", OneUpdateLate)
+    monkeypatch.setattr(listener_module, "Transfer", transfers_known_after(1))  # known an update late
     monkeypatch.setattr(containment, "_reported", set())
     model = tiny_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -160,3 +160,25 @@ class SlicesOfLinear(nn.Module):
         y = self.lin(x)
         y[:, 6:] *= 2.0  # CopySlices over y, MulBackward0 of the two columns
         return torch.cat([y[:, :3], y[:, 3:6], y[:, 6:], y[:, 0:1]], dim=1)
+
+
+def transfers_known_after(polls: int, waits: list[int] | None = None) -> type:
+    """The underflow listener's ``Transfer`` as on CUDA, to patch into ``ampguard.underflow.listener``: a sample's
+    counts are found on the host after ``polls`` polls of it (one per update). ``waits`` (when given) gets the
+    step of each sample whose result was asked for before that (a read that waits for the GPU on CUDA)."""
+    from ampguard.underflow.counts import Transfer
+
+    seen: list[int] = []
+
+    class CudaTransfer(Transfer):
+        @property
+        def ready(self) -> bool:
+            seen.append(self.step)
+            return seen.count(self.step) > polls
+
+        def result(self) -> Any:
+            if waits is not None and not self.ready:
+                waits.append(self.step)
+            return super().result()
+
+    return CudaTransfer
