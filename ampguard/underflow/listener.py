@@ -139,12 +139,13 @@ class UnderflowListener(StepListener):
             else:
                 state.sampler.finish()
         grown: bool | None = None
-        if self._due(scaler, state, fresh) and not state.pending_device:
+        due = self._due(scaler, state, fresh)  # (polls the copy's event: once per update)
+        if due and not state.pending_device:
             # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
             # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
             measurement, _ = state.take().result()
             grown = self._act(scaler, state, measurement, measurement.scale, skipped=state.pending_skipped)
-        elif self._due(scaler, state, fresh):
+        elif due:
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, scaler._backoff_factor)
@@ -220,10 +221,6 @@ class UnderflowListener(StepListener):
                     worst=_worst(measurement),
                 )
                 logger.warning(message + (DISTRIBUTED if unagreed else ""))
-            return False
-        # At the cap (AMPGUARD_MAX_SCALE) there is nothing to grow: device mode's growth would be refused on the
-        # device, unseen here, and counted as made (and the next step sampled, at every step from then on).
-        if scale_policy.bounded(scaler, scale_policy.f32(scale * scaler._growth_factor)) <= scale:
             return False
         after = scale_policy.grow_now(scaler, below=state.ceiling)
         if after is not None and after <= scale:
