@@ -67,11 +67,15 @@ def test_a_keyboard_interrupt_in_a_watched_forward_leaves_no_dispatch_mode(reins
     with pytest.raises(KeyboardInterrupt), torch.autocast("cpu", dtype=torch.float16):
         model(torch.randn(4, 8))
     model.interrupt = False
+    modes = []  # the dispatch mode around each call of the cell (inside the module: the watch's, if any)
+    handle = model.cell.register_forward_pre_hook(lambda *_: modes.append(_get_current_dispatch_mode()))
     try:
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
             model(torch.randn(4, 8))  # plain torch: an ordinary forward pass, no mode around it
             assert _get_current_dispatch_mode() is None
+        assert modes == [None] * 3
     finally:
+        handle.remove()
         ampguard.uninstall()  # (the mode, left pushed, must not leak into the next test)
         ampguard.install()
 
@@ -132,3 +136,37 @@ def test_a_nested_tensor_in_a_watched_pass_does_not_stop_the_watch(reinstall, am
         scaler.update()
     assert not records(ampguard_log, logging.WARNING, "headroom watch stopped")
     assert scaler.stats.headroom  # it still watches
+
+
+def test_a_ddp_wrappers_own_code_runs_outside_the_watchs_dispatch_mode(reinstall, tmp_path, monkeypatch):
+    """DDP rebuilds its gradient buckets in its forward at the second iteration, the one the watch sees: made under a
+    Python dispatch mode, each bucket gets a Python object, and a gloo thread that frees one must take the GIL (on
+    torch < 2.8 the job hung in destroy_process_group: docs/distributed.md). The model inside is watched as before."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+
+    reinstall()
+    pre_forward_modes, cell_modes = [], []
+    original = DistributedDataParallel._pre_forward
+
+    def recorded(self, *args, **kwargs):
+        pre_forward_modes.append(_get_current_dispatch_mode())
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(DistributedDataParallel, "_pre_forward", recorded)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/rendezvous", rank=0, world_size=1)
+    try:
+        inner, _, scaler = setup(steps=2)
+        inner.cell.register_forward_pre_hook(lambda *_: cell_modes.append(_get_current_dispatch_mode()))
+        model = DistributedDataParallel(inner)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        for _ in range(3):
+            one_step(model, optimizer, scaler)
+        tightest = [name for name, _ in scaler.stats.headroom]  # named while the DDP root lives
+        del model, optimizer  # DDP is gone before the group (examples/ddp_train.py)
+    finally:
+        dist.destroy_process_group()
+    assert pre_forward_modes == [None] * 3
+    # The second iteration is watched: the cell's two calls ran under the watch's mode, the others under none.
+    assert [mode is not None for mode in cell_modes] == [False, False, True, True, False, False]
+    assert tightest[:1] == ["cell"]

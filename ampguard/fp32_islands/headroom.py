@@ -2,8 +2,8 @@
 
 Every ``AMPGUARD_WATCH_EVERY`` optimizer steps, one iteration's forward passes
 are observed (:class:`HeadroomWatch`): two global module hooks keep the stack
-of module calls, and while a module runs a ``TorchDispatchMode`` sees every
-aten op's output, so the intermediates no module returns are seen too (the
+of module calls, and while a candidate module runs a ``TorchDispatchMode`` sees
+every aten op's output, so the intermediates no module returns are seen too (the
 attention logits ``q @ k.T`` inside an attention's ``forward``, and those
 inside ``F.multi_head_attention_forward``, which a ``TorchFunctionMode`` sees
 as one call). Each float16 output's minimum and maximum (one ``aminmax`` on
@@ -29,6 +29,14 @@ lowest (-61,410 to -65,504, or -inf) is taken for an attention mask
 not counted. The root module (the outermost module called) and islands are
 not candidates: the root's own code is never islanded, and an island computes
 in float32.
+
+The mode is entered with the first candidate module called and left with it,
+so the root's own code runs outside it: every tensor an op makes under a
+Python dispatch mode gets a Python object, and a DDP wrapper's forward
+rebuilds its gradient buckets at the second iteration (the one watched). A
+gloo worker thread that later frees such a bucket must take the GIL, and on
+torch < 2.8 a process group destroyed meanwhile holds it while joining that
+thread: the job hung at exit (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -149,6 +157,7 @@ class HeadroomWatch:
         self._stack: list[_Slot] = []
         self._slots: dict[int, _Slot] = {}
         self._mode: Any = None
+        self._mode_depth = 0  # the stack's length when the mode was entered: it is left with that module
         self._opaque: torch.nn.Module | None = None  # a compiled root being called: nothing inside is watched
         self._watched_step = 0
         self._passes = 0
@@ -242,10 +251,11 @@ class HeadroomWatch:
                 slot = self._slots[id(module)] = _Slot(weakref.ref(module), root_ref, candidate)
             elif not self._stack:
                 slot.candidate = False  # called as the root too: its own code is never islanded
-            if not self._stack:
+            self._stack.append(slot)
+            if slot.candidate and self._mode is None:
                 self._mode = _Observer(self)
                 self._mode.__enter__()
-            self._stack.append(slot)
+                self._mode_depth = len(self._stack)
         except Exception as error:  # an observation must never break the forward pass
             self.fail(error)
 
@@ -264,7 +274,7 @@ class HeadroomWatch:
                 slot.outputs = output_kinds(tensors(output))
         except Exception:
             slot.outputs = None
-        if not self._stack and self._mode is not None:
+        if self._mode is not None and len(self._stack) < self._mode_depth:
             mode, self._mode = self._mode, None
             mode.__exit__(None, None, None)
 
