@@ -30,13 +30,20 @@ not counted. The root module (the outermost module called) and islands are
 not candidates: the root's own code is never islanded, and an island computes
 in float32.
 
-The mode is entered with the first candidate module called and left with it,
-so the root's own code runs outside it: every tensor an op makes under a
+The mode is entered with the model (the root, or the module inside a DDP /
+FSDP / ... wrapper: :func:`~ampguard.fp32_islands.probe.unwrap`) and left with
+it, so a wrapper's own code runs outside it: every tensor an op makes under a
 Python dispatch mode gets a Python object, and a DDP wrapper's forward
 rebuilds its gradient buckets at the second iteration (the one watched). A
 gloo worker thread that later frees such a bucket must take the GIL, and on
 torch < 2.8 a process group destroyed meanwhile holds it while joining that
-thread: the job hung at exit (docs/distributed.md).
+thread: the job hung at exit (docs/distributed.md). The model's own code stays
+inside: dynamo does not run compiled code under a dispatch mode, so a
+submodule compiled in place (``model.encoder.compile()``) that the model
+calls runs eagerly on the watched step; outside the mode dynamo would trace
+the watch's global hooks, and their handles, new at each watched step, made it
+compile again each time until its recompile limit, after which it never ran
+compiled again.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from torch.nn.modules import module as nn_module
 
 import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
-from ampguard.fp32_islands.probe import MAX_CALLS, is_compiled, qualified_name
+from ampguard.fp32_islands.probe import MAX_CALLS, is_compiled, qualified_name, unwrap
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 from ampguard.syncs import HostCopy
@@ -233,7 +240,8 @@ class HeadroomWatch:
     # -- the pass ----------------------------------------------------------------------------------
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
-        if threading.get_ident() != self._thread or self._opaque is not None or is_compiling():
+        # is_compiling() first: dynamo cannot trace threading.get_ident() (a graph break; with fullgraph=True an error)
+        if is_compiling() or threading.get_ident() != self._thread or self._opaque is not None:
             return
         if _in_backward():  # activation checkpointing recomputing a forward: not a new pass
             return
@@ -252,7 +260,7 @@ class HeadroomWatch:
             elif not self._stack:
                 slot.candidate = False  # called as the root too: its own code is never islanded
             self._stack.append(slot)
-            if slot.candidate and self._mode is None:
+            if self._mode is None and (slot.candidate or module is unwrap(self._stack[0].module() or module)):
                 self._mode = _Observer(self)
                 self._mode.__enter__()
                 self._mode_depth = len(self._stack)
@@ -260,7 +268,7 @@ class HeadroomWatch:
             self.fail(error)
 
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if threading.get_ident() != self._thread:
+        if is_compiling() or threading.get_ident() != self._thread:  # (compiled: _before pushed nothing either)
             return
         if self._opaque is not None:
             if self._opaque is module:
