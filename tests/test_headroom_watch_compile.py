@@ -111,3 +111,27 @@ def test_a_submodule_compiled_in_place_is_compiled_once_and_runs_compiled_on_unw
     assert len(graphs) == 1
     assert sorted(ran) == [0, 2, 4, 6, 8, 10]
     assert watched == [False, True] * 6  # steps 1, 3, 5, ... are watched
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RuntimeError,
+    reason="open (docs/islands.md, limits): a submodule compiled with fullgraph=True fails on watched steps",
+)
+def test_a_submodule_compiled_with_fullgraph_trains_on_watched_steps(reinstall):
+    """``encoder.compile(fullgraph=True)``: under the watch's dispatch mode dynamo skips the region, and fullgraph
+    makes a skipped frame an error ("found no compiled frames"), so the run dies at the first watched step, where
+    plain torch trains on. (The underflow patch is off: its own hooks are another matter.)"""
+    reinstall(AMPGUARD_WATCH_EVERY="1", AMPGUARD_UNDERFLOW="off")
+    model = nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8))
+    model[0].compile(backend="eager", fullgraph=True)
+    train(Wrapped(model), 3)
+
+
+class Wrapped(nn.Module):
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x).float().mean()
