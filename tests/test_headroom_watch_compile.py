@@ -73,6 +73,12 @@ def test_a_compiled_submodule_runs_its_compiled_graph_on_watched_steps(reinstall
     assert len(ran) == 5  # the compiled graph ran at every forward pass, as with the watch off (today: 1 of 5)
 
 
+@pytest.mark.xfail(
+    torch_release().release < (2, 4),
+    strict=True,
+    reason="torch 2.3.1's dynamo compiles a submodule compiled in place again at every watched step, whatever the "
+    "extent of the watch's mode (7 graphs in 12 steps before the mode's change, acda5ed, as after)",
+)
 def test_a_submodule_compiled_in_place_is_compiled_once_and_runs_compiled_on_unwatched_steps(reinstall):
     """``model.encoder.compile()`` compiles the submodule's own call. With the watch's mode entered only inside the
     root, dynamo traced that call on each watched step with the watch's global hooks in it, guarded on their handles
