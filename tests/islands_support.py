@@ -81,6 +81,16 @@ class Net(nn.Module):
         return self.head(x.mean(1))
 
 
+def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
+    """One float16-autocast iteration of a model that maps a (4, 8) batch to its loss."""
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(4, 8))
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
 def make_net(seed: int = 0, pack: Callable[[torch.Tensor], Any] | None = None) -> Net:
     """The 3-block net; ``pack``: how the hot block hands its attention its input (e.g. in a namedtuple)."""
     torch.manual_seed(seed)

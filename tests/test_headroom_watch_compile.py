@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from islands_support import fresh_islands  # noqa: F401
+from islands_support import fresh_islands, one_step  # noqa: F401
 from scaler_support import one_thread  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -21,12 +21,7 @@ def train(model: nn.Module, steps: int, begun: list[int] | None = None) -> torch
     for step in range(steps):
         if begun is not None:
             begun.append(step)
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(torch.randn(4, 8))
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
+        one_step(model, optimizer, scaler)
     return scaler
 
 

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from islands_support import fresh_islands  # noqa: F401
+from islands_support import fresh_islands, one_step  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
@@ -34,15 +34,6 @@ class Recurrent(nn.Module):
             if self.interrupt:
                 raise KeyboardInterrupt  # Ctrl-C in a notebook, in the middle of the forward pass
         return self.head(h).float().mean()
-
-
-def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> None:
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.randn(4, 8))
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
 
 
 def setup(steps: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:

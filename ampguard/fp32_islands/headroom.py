@@ -2,8 +2,8 @@
 
 Every ``AMPGUARD_WATCH_EVERY`` optimizer steps, one iteration's forward passes
 are observed (:class:`HeadroomWatch`): two global module hooks keep the stack
-of module calls, and while a candidate module runs a ``TorchDispatchMode`` sees
-every aten op's output, so the intermediates no module returns are seen too (the
+of module calls, and while the model runs a ``TorchDispatchMode`` sees every
+aten op's output, so the intermediates no module returns are seen too (the
 attention logits ``q @ k.T`` inside an attention's ``forward``, and those
 inside ``F.multi_head_attention_forward``, which a ``TorchFunctionMode`` sees
 as one call). Each float16 output's minimum and maximum (one ``aminmax`` on
