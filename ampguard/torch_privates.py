@@ -42,9 +42,17 @@ GRAD_SCALER: tuple[Private, ...] = (
     Private("torch._amp_update_scale_"),
 )
 
-FP32_ISLANDS: tuple[Private, ...] = (
+# ampguard.module_hooks: global module hooks re-armed under the keys of their first registration.
+MODULE_HOOKS: tuple[Private, ...] = (
     Private("torch.nn.modules.module.register_module_forward_pre_hook"),
     Private("torch.nn.modules.module.register_module_forward_hook", keywords=("always_call",)),
+    Private("torch.nn.modules.module._global_forward_pre_hooks"),
+    Private("torch.nn.modules.module._global_forward_hooks"),
+    Private("torch.nn.modules.module._global_forward_hooks_always_called"),
+)
+
+FP32_ISLANDS: tuple[Private, ...] = (
+    *MODULE_HOOKS,
     Private("torch._foreach_copy_"),
     Private("torch.optim.Optimizer.profile_hook_step"),
 )

@@ -237,7 +237,7 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
 
 
 def test_an_error_inside_the_watch_stops_it_with_one_warning_and_training_goes_on(monkeypatch, ampguard_log):
-    from ampguard.fp32_islands import headroom
+    from ampguard.headroom_watch import watch as headroom
 
     def broken(self, output):
         raise RuntimeError("broken")

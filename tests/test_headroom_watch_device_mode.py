@@ -22,7 +22,7 @@ def test_mocked_cuda_fused_optimizer_healthy_watched_steps_add_no_host_read(rein
     iteration tells the listeners the rows known so far, and ``after_stats_read`` decodes the pending verdict at once
     from a copy queued microseconds earlier: one sync per watch."""
     from ampguard import syncs
-    from ampguard.fp32_islands import headroom
+    from ampguard.headroom_watch import sighting as headroom
 
     reinstall(AMPGUARD_WATCH_EVERY="5")
     updates = [0]

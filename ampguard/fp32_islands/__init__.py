@@ -4,8 +4,7 @@
 - ``healing``: what happens at a skipped step: the probe armed, its verdict read with the scaler's own read,
   an island made, buffers put back; device mode for fused optimizers.
 - ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
-- ``headroom``: the headroom watch: every AMPGUARD_WATCH_EVERY steps, each module's float16 peak, on the device.
-- ``watch_verdicts``: what the watch's sightings decide: an island before an overflow, or the module blamed at one.
+- ``watch_verdicts``: what the headroom watch's (:mod:`ampguard.headroom_watch`) sightings decide: an island before an overflow, or the module blamed at one.
 - ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
 - ``island_hooks``: the hooks an island carries (stateless: a saved or copied model keeps working; torch.compile does not trace them).
 - ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.

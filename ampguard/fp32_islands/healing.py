@@ -16,7 +16,7 @@ also
   :func:`note_verdict`) and, at the next forward overflow, names the module;
 * makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
-Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.fp32_islands.headroom`)
+Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.headroom_watch`)
 sees one iteration's float16 peaks; its verdict rides on the same read (never
 while the probe is armed) and makes an island before an overflow, or names the
 module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`).
@@ -56,8 +56,8 @@ import ampguard.fp32_islands.watch_verdicts as watch_verdicts
 import ampguard.messages as messages
 from ampguard.distributed import distributed
 from ampguard.fp32_islands.buffers import BufferGuard
-from ampguard.fp32_islands.headroom import HeadroomWatch
 from ampguard.fp32_islands.probe import Probe
+from ampguard.headroom_watch.watch import HeadroomWatch
 from ampguard.log import event_logger
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host

@@ -73,7 +73,12 @@ def unwrap(root: torch.nn.Module) -> torch.nn.Module:
 
 
 def is_compiled(root: torch.nn.Module) -> bool:
-    return any(isinstance(getattr(m, "_orig_mod", None), torch.nn.Module) for m in (root, unwrap(root)))
+    """Whether ``root`` runs compiled: ``torch.compile(module)``, or ``module.compile()`` (compiled in place)."""
+    return any(
+        isinstance(getattr(m, "_orig_mod", None), torch.nn.Module)
+        or getattr(m, "_compiled_call_impl", None) is not None
+        for m in (root, unwrap(root))
+    )
 
 
 def qualified_name(module: torch.nn.Module, root: torch.nn.Module) -> str | None:

@@ -1,6 +1,6 @@
 """What the headroom watch's sightings decide: an island before an overflow, or the module blamed at the first one.
 
-:mod:`ampguard.fp32_islands.headroom` watches; :mod:`ampguard.fp32_islands.healing`
+:mod:`ampguard.headroom_watch` watches; :mod:`ampguard.fp32_islands.healing`
 calls :func:`judge` at each update where the watch has something to say, or a
 forward overflow came. Islands are made (or, in report mode, named) by
 :func:`ampguard.fp32_islands.islands.decide`, with the watch's own messages.
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import ampguard.fp32_islands.islands as islands
 import ampguard.messages as messages
-from ampguard.fp32_islands.headroom import FLOAT16_MAX, HeadroomWatch
+from ampguard.headroom_watch.sighting import FLOAT16_MAX
+from ampguard.headroom_watch.watch import HeadroomWatch
 
 
 def judge(

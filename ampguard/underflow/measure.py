@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 import ampguard.containment as containment
+from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import is_compiling
 from ampguard.underflow.counts import Tally
 
@@ -113,17 +114,19 @@ class Sampler:
         # The node hooks' handles, removed when the sample ends: a node kept across samples (a parameter's
         # accumulator, which DistributedDataParallel keeps) carries no hook between them.
         self._node_hooks: list[Any] = []
-        self._handles: list[Any] = []
         self._calls = 0  # outermost module calls since armed, or since the sample's last backward
         # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
         # the call depth (another thread's module calls are not this thread's children).
         self._calls_in_progress = threading.local()
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
+        # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves its depth,
+        # so later calls are known as outermost again
+        self._hooks = GlobalModuleHooks(self._pre_forward, self._post_forward)
 
     @property
     def armed(self) -> bool:
-        return bool(self._handles)
+        return self._hooks.armed
 
     def arm(self) -> None:
         """Hooks on for the next forward and backward passes."""
@@ -133,18 +136,11 @@ class Sampler:
         self._remove_node_hooks()  # (a sample dropped before its finish)
         self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
         self._calls = 0
-        self._handles = [
-            nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
-            # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves
-            # its depth, so later calls are known as outermost again
-            nn.modules.module.register_module_forward_hook(self._post_forward, always_call=True),
-        ]
+        self._hooks.arm()
 
     def disarm(self) -> None:
         """No more hooks on module calls; node hooks already registered stay until their graph is freed."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.disarm()
 
     def _remove_node_hooks(self) -> None:
         """Never from a node hook: the backward pass may be iterating the hooks of that node."""
@@ -188,7 +184,8 @@ class Sampler:
         in_progress.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        if not self.armed or is_compiling():
+        # is_compiling() first: dynamo must not trace ampguard's state (a RemovableHandle: fullgraph=True raised)
+        if is_compiling() or not self.armed:
             return
         try:
             self._leave(module, output)

@@ -10,6 +10,7 @@ and reports, ``off`` measures nothing. docs/underflow.md describes it.
 from __future__ import annotations
 
 import ampguard.scaler.listeners as listeners
+import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.patch import Patch
 from ampguard.underflow.listener import UnderflowListener
@@ -22,6 +23,7 @@ class UnderflowPatch(Patch):
         "(scaler.stats underflow_*); the scale grows while that is material and the gradients have room"
     )
     requires_torch = ">=2.3"
+    requires_privates = torch_privates.MODULE_HOOKS
 
     def __init__(self) -> None:
         super().__init__()

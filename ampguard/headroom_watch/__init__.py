@@ -1,0 +1,11 @@
+"""The headroom watch: every AMPGUARD_WATCH_EVERY steps, each module's float16 peak, seen before it overflows.
+
+- ``watch``: :class:`~ampguard.headroom_watch.watch.HeadroomWatch`: the schedule, the module hooks of a watched
+  pass, the end of the pass, and which module a sudden overflow is blamed on.
+- ``observer``: the dispatch mode of a watched pass: which op outputs are measured (not memory no op wrote), and
+  where the watch steps aside (compiled code, higher-order operators).
+- ``sighting``: one watched iteration's peaks and verdict, on the device (sentinels are not peaks).
+
+:mod:`ampguard.fp32_islands` consumes the verdicts (``watch_verdicts``: an island before an overflow, or the module
+blamed at the first one); docs/islands.md describes the behaviour.
+"""
