@@ -4,14 +4,17 @@ Each check compares a run under ampguard with a reference run on plain torch in
 the same process. The tests below break ampguard's side (a scaler that
 miscounts or drifts from torch's scale, a host read added per step, a clip that
 skips unscaling or never clips, no master weights, a patch switched off) and
-assert that the check then fails, so that a "passed" cannot be vacuous. The
-CUDA-only parts run here with the device mocked (the test names say so); the
-tests marked ``cuda`` run on a GPU machine (``pytest -m cuda``) and are skipped here.
+assert that the check then fails, so that a "passed" cannot be vacuous; an
+error inside ampguard that ampguard contains (training goes on) fails its check
+too, with its message shown. The CUDA-only parts run here with the device
+mocked (the test names say so); the tests marked ``cuda`` run on a GPU machine
+(``pytest -m cuda``) and are skipped here.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import subprocess
 import sys
@@ -24,9 +27,10 @@ import ampguard
 import ampguard.clip_grad.api
 import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
+import ampguard.containment
 import ampguard.master_weights.patch
 from ampguard import machine, master_weights, registry
-from ampguard.commands.selftest import checks, device, report, runner, scaling
+from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
 from ampguard.patch import torch_release
 from ampguard.scaler import SafeGradScaler
@@ -43,6 +47,16 @@ def run(name: str, context: Context = CPU) -> CheckResult:
 def every_patch_reported_applied(monkeypatch: pytest.MonkeyPatch) -> None:
     """The runner's view: every patch applied (so a check whose patch is really off runs, and must fail)."""
     monkeypatch.setattr(runner, "patch_states", lambda: dict.fromkeys(registry.patch_names(), "applied"))
+
+
+def headroom_watch_class() -> type:
+    """HeadroomWatch, where it lives (it moves from fp32_islands to a capability folder of its own)."""
+    for name in ("ampguard.fp32_islands.headroom", "ampguard.headroom_watch.watch"):
+        try:
+            return importlib.import_module(name).HeadroomWatch  # type: ignore[no-any-return]
+        except ImportError:
+            continue
+    raise AssertionError("no HeadroomWatch")
 
 
 @pytest.mark.parametrize("name", [check.name for check in checks.CHECKS])
@@ -70,8 +84,8 @@ def test_the_command_prints_one_json_document_and_exits_0(tmp_path):
     assert data["versions"]["torch"] == torch.__version__ and data["versions"]["ampguard"] == ampguard.__version__
     assert [c["name"] for c in data["checks"]] == [c.name for c in checks.CHECKS]
     for check in data["checks"]:
-        assert {"name", "status", "passed", "detail", "measured", "reference"} <= set(check)
-        assert check["passed"] == (check["status"] == "passed")
+        assert {"name", "status", "passed", "detail", "measured", "reference", "ampguard_errors"} <= set(check)
+        assert check["passed"] == (check["status"] == "passed") and check["ampguard_errors"] == []
     assert "run summary" not in done.stderr  # the selftest's own skipped steps are not the user's
 
 
@@ -192,6 +206,45 @@ def test_a_switched_off_patch_fails_its_check_when_forced_to_run(variables, name
     assert run(name).status == "failed"
 
 
+# -- an error inside ampguard, contained (training goes on), fails the check that met it -----------------------------
+
+
+def injected(*args, **kwargs):
+    raise RuntimeError("injected fault")
+
+
+FAULTS = [
+    ("forward_overflow_healed", lambda: (headroom_watch_class(), "measure"), "headroom watch stopped after an error"),
+]
+
+
+@pytest.mark.parametrize("name,where,message", FAULTS)
+def test_a_contained_fault_inside_the_feature_fails_its_check_and_names_it(name, where, message, monkeypatch):
+    monkeypatch.setattr(*where(), injected)
+    result = run(name)
+    assert result.status == "failed" and "RuntimeError: injected fault" in result.detail and message in result.detail
+    assert any(message in error for error in result.ampguard_errors)
+
+
+def test_the_command_exits_1_and_shows_a_contained_fault(monkeypatch, capsys):
+    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("forward_overflow_healed")])
+    monkeypatch.setattr(headroom_watch_class(), "measure", injected)
+    from ampguard import cli
+
+    assert cli.main(["selftest", "--device", "cpu", "--quick"]) == 1
+    captured = capsys.readouterr()
+    assert "ampguard's headroom watch stopped after an error (RuntimeError: injected fault)" in captured.out
+    assert "injected fault" not in captured.err  # the log is held back; the table says it
+
+
+def test_every_contained_report_is_recorded_not_only_the_first_per_hook():
+    with faults.recorded() as recorder:
+        for _ in range(2):
+            ampguard.containment.report("selftest's test hook", ValueError("bad"))
+    assert recorder.errors == ["ampguard's selftest's test hook failed: ValueError: bad"] * 2
+    assert ampguard.containment.report.__name__ == "report"  # put back
+
+
 # -- the CUDA-only checks, with the device mocked --------------------------------------------------------------------
 
 
@@ -201,7 +254,7 @@ def test_a_switched_off_patch_fails_its_check_when_forced_to_run(variables, name
 )
 def test_legacy_spellings_code_path_mocked_cuda_with_torch_cpu_amp_standing_in():
     # The CUDA check runs legacy_check with torch.cuda.amp's classes; torch.cpu.amp's are the same kind of wrapper.
-    with runner.quiet_ampguard_log():
+    with faults.recorded():
         result = device.legacy_check(CPU, torch.cpu.amp.autocast, torch.cpu.amp.GradScaler)
     assert result.status == "passed", result
     assert result.measured["future_warnings"] == [] and result.reference["future_warnings"]  # torch warns; we don't
@@ -213,7 +266,7 @@ def test_legacy_spellings_code_path_mocked_cuda_with_torch_cpu_amp_standing_in()
 )
 def test_legacy_spellings_fail_with_the_autocast_patch_off_mocked_cuda_with_torch_cpu_amp(reinstall):
     reinstall(AMPGUARD_DISABLE="autocast")
-    with runner.quiet_ampguard_log():
+    with faults.recorded():
         result = device.legacy_check(CPU, torch.cpu.amp.autocast, torch.cpu.amp.GradScaler)
     assert result.status == "failed" and result.measured["future_warnings"]
 

@@ -74,4 +74,6 @@ def render(data: dict[str, Any], stream: TextIO | None = None) -> None:
     )
     for check in failed:
         out.write(f"  {check['name']}: measured {check['measured']}, reference {check['reference']}\n")
+        for error in check.get("ampguard_errors", ()):
+            out.write(f"    {error}\n")
     out.write(f"  versions: {versions}\n  device: {data['device']}\n")

@@ -16,7 +16,8 @@ Status = Literal["passed", "failed", "not applicable"]
 class CheckResult:
     """One check: its ``status``, the value measured under ampguard, the ``reference`` it was compared with, and why.
 
-    ``measured`` and ``reference`` are plain JSON data (numbers, strings, lists, dicts).
+    ``measured`` and ``reference`` are plain JSON data (numbers, strings, lists, dicts). ``ampguard_errors``:
+    ampguard's own errors during the check, contained (:mod:`.faults`); any makes the check fail.
     """
 
     name: str
@@ -25,6 +26,7 @@ class CheckResult:
     reference: Any
     detail: str
     seconds: float = 0.0
+    ampguard_errors: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -39,6 +41,7 @@ class CheckResult:
             "measured": self.measured,
             "reference": self.reference,
             "seconds": round(self.seconds, 3),
+            "ampguard_errors": list(self.ampguard_errors),
         }
 
 

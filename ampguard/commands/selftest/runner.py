@@ -4,13 +4,14 @@ A check is a function ``(Context) -> CheckResult``. Its reference runs in this
 process on torch without ampguard (:func:`plain_torch`: ampguard uninstalled and
 installed again with the same configuration), so that whatever ampguard
 changes shows up as a difference. A check whose patch the user switched off
-is "not applicable", never "passed".
+is "not applicable", never "passed". ampguard's own errors during a check,
+contained so that training goes on, fail it (:mod:`.faults`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
+import dataclasses
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 
 import ampguard
+import ampguard.commands.selftest.faults as faults
 import ampguard.stats.summary as summary
 from ampguard.commands.selftest.result import CheckResult, Context, not_applicable
 
@@ -46,40 +48,38 @@ def plain_torch() -> Iterator[None]:
         ampguard.install()
 
 
-@contextlib.contextmanager
-def quiet_ampguard_log() -> Iterator[None]:
-    """The checks make skipped steps and islands on purpose: their log lines are no news to the user."""
-    logger = logging.getLogger("ampguard")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL + 1)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-def run_check(check: Check, context: Context) -> CheckResult:
-    """The check's result; an exception inside it is a failure that names the exception."""
+def why_not_applicable(check: Check) -> str | None:
+    """Why the check has nothing of ampguard's to check here (a patch not applied), or None."""
     states = patch_states()
     off = [f"{name} {states.get(name, 'unknown')}" for name in check.patches if states.get(name) != "applied"]
     if off:
-        return not_applicable(check.name, "patch " + ", ".join(off) + ": nothing of ampguard's to check")
+        return "patch " + ", ".join(off) + ": nothing of ampguard's to check"
+    return None
+
+
+def run_check(check: Check, context: Context) -> CheckResult:
+    """The check's result; an exception inside it, or ampguard's own error contained during it, is a failure."""
+    why = why_not_applicable(check)
+    if why is not None:
+        return not_applicable(check.name, why)
     started = time.perf_counter()
-    try:
-        result = check.function(context)
-    except Exception as error:
-        result = CheckResult(check.name, "failed", None, None, f"raised {type(error).__name__}: {error}")
-    seconds = time.perf_counter() - started
-    return CheckResult(result.name, result.status, result.measured, result.reference, result.detail, seconds)
+    with faults.recorded() as recorder:
+        try:
+            result = check.function(context)
+        except Exception as error:
+            result = CheckResult(check.name, "failed", None, None, f"raised {type(error).__name__}: {error}")
+    result = faults.apply(result, recorder.distinct())
+    return dataclasses.replace(result, seconds=time.perf_counter() - started)
 
 
 def run_checks(
     checks: list[Check], context: Context, progress: Callable[[str], None] | None = None
 ) -> list[CheckResult]:
-    """Every check in order, quietly, on one intra-op CPU thread (tiny models run faster so)."""
+    """Every check in order, its log held back (:mod:`.faults`), on one intra-op CPU thread (tiny models run
+    faster so)."""
     threads = torch.get_num_threads()
     results = []
-    with quiet_ampguard_log(), summary.left_out():
+    with summary.left_out():
         torch.set_num_threads(1)
         try:
             for check in checks:
