@@ -29,7 +29,7 @@ import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
 import ampguard.containment
 import ampguard.master_weights.patch
-from ampguard import machine, master_weights, registry
+from ampguard import machine, master_weights
 from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
 from ampguard.patch import torch_release
@@ -44,9 +44,9 @@ def run(name: str, context: Context = CPU) -> CheckResult:
     return runner.run_checks([checks.by_name(name)], context)[0]
 
 
-def every_patch_reported_applied(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The runner's view: every patch applied (so a check whose patch is really off runs, and must fail)."""
-    monkeypatch.setattr(runner, "patch_states", lambda: dict.fromkeys(registry.patch_names(), "applied"))
+def every_check_forced(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The runner's view: every check applies (so a check whose patch or feature is really off runs, and must fail)."""
+    monkeypatch.setattr(runner, "why_not_applicable", lambda check: None)
 
 
 def headroom_watch_class() -> type:
@@ -80,7 +80,8 @@ def test_the_command_prints_one_json_document_and_exits_0(tmp_path):
     )
     assert done.returncode == 0, done.stderr
     data = json.loads(done.stdout)
-    assert data["passed"] is True and data["device"]["name"] == "cpu" and data["quick"] is True
+    assert data["passed"] is True and data["outcome"] == "passed" and data["schema_version"] == 2
+    assert data["device"]["name"] == "cpu" and data["quick"] is True
     assert data["versions"]["torch"] == torch.__version__ and data["versions"]["ampguard"] == ampguard.__version__
     assert [c["name"] for c in data["checks"]] == [c.name for c in checks.CHECKS]
     for check in data["checks"]:
@@ -181,28 +182,30 @@ def test_clip_checks_fail_for_a_clip_that_does_not_clip(name, monkeypatch):
     assert result.status == "failed" and result.measured["max_parameter_difference"] > 1e-6
 
 
-# The check of each patch, when the user switched the patch off: "not applicable", and forced to run, "failed".
+# The check of each feature, when the user switched it off or set it to report only: "not applicable" with the
+# reason (the patch, or the setting), and forced to run, "failed".
 SWITCHED_OFF = [
-    ({"AMPGUARD_DISABLE": "grad_scaler"}, "skips_and_parity_sgd"),
-    ({"AMPGUARD_DISABLE": "grad_scaler"}, "host_reads"),
-    ({"AMPGUARD_DISABLE": "fp32_islands"}, "forward_overflow_healed"),
-    ({"AMPGUARD_MASTER_WEIGHTS": "off"}, "fp16_model_with_masters"),
-    ({"AMPGUARD_DISABLE": "clip_grad"}, "clip_without_unscale"),
-    ({"AMPGUARD_DISABLE": "grad_scaler"}, "kernels_per_step"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "skips_and_parity_sgd", "patch grad_scaler disabled"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "host_reads", "patch grad_scaler disabled"),
+    ({"AMPGUARD_DISABLE": "fp32_islands"}, "forward_overflow_healed", "patch fp32_islands disabled"),
+    ({"AMPGUARD_FP32_ISLANDS": "report"}, "forward_overflow_healed", "AMPGUARD_FP32_ISLANDS=report"),
+    ({"AMPGUARD_MASTER_WEIGHTS": "off"}, "fp16_model_with_masters", "patch"),
+    ({"AMPGUARD_DISABLE": "clip_grad"}, "clip_without_unscale", "patch clip_grad disabled"),
+    ({"AMPGUARD_DISABLE": "grad_scaler"}, "kernels_per_step", "patch grad_scaler disabled"),
 ]
 
 
-@pytest.mark.parametrize("variables,name", SWITCHED_OFF)
-def test_a_switched_off_patch_makes_its_check_not_applicable(variables, name, reinstall):
+@pytest.mark.parametrize("variables,name,why", SWITCHED_OFF)
+def test_a_switched_off_feature_makes_its_check_not_applicable(variables, name, why, reinstall):
     reinstall(**variables)
     result = run(name)
-    assert result.status == "not applicable" and "patch" in result.detail
+    assert result.status == "not applicable" and why in result.detail
 
 
-@pytest.mark.parametrize("variables,name", SWITCHED_OFF)
-def test_a_switched_off_patch_fails_its_check_when_forced_to_run(variables, name, reinstall, monkeypatch):
+@pytest.mark.parametrize("variables,name,why", SWITCHED_OFF)
+def test_a_switched_off_feature_fails_its_check_when_forced_to_run(variables, name, why, reinstall, monkeypatch):
     reinstall(**variables)
-    every_patch_reported_applied(monkeypatch)
+    every_check_forced(monkeypatch)
     assert run(name).status == "failed"
 
 
@@ -324,14 +327,18 @@ def test_a_failed_check_exits_1_and_says_what_to_report(monkeypatch, capsys):
     assert "versions:" in out
 
 
-def test_json_document_with_only_not_applicable_checks_passes(monkeypatch, capsys):
-    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("legacy_spellings")])
+def test_no_check_ran_is_not_a_pass_exit_1(monkeypatch, capsys):
+    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("legacy_spellings")])  # not applicable on a CPU
     from ampguard import cli
 
-    assert cli.main(["selftest", "--device", "cpu", "--json"]) == 0
+    assert cli.main(["selftest", "--device", "cpu", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["passed"] is True and data["checks"][0]["status"] == "not applicable"
+    assert data["passed"] is False and data["outcome"] == "nothing checked"
+    assert data["checks"][0]["status"] == "not applicable"
     assert data["patches"] == {entry.name: entry.state for entry in ampguard.status()}
+    assert cli.main(["selftest", "--device", "cpu"]) == 1
+    out = capsys.readouterr().out
+    assert "no check ran" in out and "all checks that apply here passed" not in out
 
 
 @pytest.mark.parametrize("name", ["cuda:0", "cuda"])
@@ -353,8 +360,9 @@ def test_a_device_that_is_not_one_exits_2(capsys):
 def test_the_report_lists_each_check_with_its_status():
     results = [CheckResult("a", "passed", 1, 1, "fine"), CheckResult("b", "not applicable", None, None, "why")]
     data = report.document(torch.device("cpu"), True, results, 1.0)
-    assert report.passed(results) and data["checks"][1]["passed"] is False
-    assert not report.passed([*results, CheckResult("c", "failed", 2, 1, "bad")])
+    assert report.passed(results) and data["checks"][1]["passed"] is False and data["outcome"] == "passed"
+    assert report.outcome([*results, CheckResult("c", "failed", 2, 1, "bad")]) == "failed"
+    assert report.outcome(results[1:]) == "nothing checked" and not report.passed(results[1:])
 
 
 # -- on a GPU machine (pytest -m cuda) ------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Every selftest check, in the order they run, with the patches each is about."""
+"""Every selftest check, in the order they run, with the patches and settings each is about."""
 
 from __future__ import annotations
 
@@ -7,12 +7,25 @@ import ampguard.commands.selftest.device as device
 import ampguard.commands.selftest.scaling as scaling
 import ampguard.commands.selftest.training as training
 from ampguard.commands.selftest.runner import Check
+from ampguard.config import Config
+
+
+def islands_made(config: Config) -> str | None:
+    if config.fp32_islands == "auto":
+        return None
+    return (
+        f"AMPGUARD_FP32_ISLANDS={config.fp32_islands}: a module that overflows float16 is named, not run in "
+        "float32: no island to check"
+    )
+
 
 CHECKS: list[Check] = [
     Check("skips_and_parity_sgd", scaling.skips_and_parity_sgd, ("grad_scaler",)),
     Check("skips_and_parity_fused_adam", scaling.skips_and_parity_fused_adam, ("grad_scaler",)),
     Check("host_reads", scaling.host_reads, ("grad_scaler",)),
-    Check("forward_overflow_healed", training.forward_overflow_healed, ("grad_scaler", "fp32_islands")),
+    Check(
+        "forward_overflow_healed", training.forward_overflow_healed, ("grad_scaler", "fp32_islands"), (islands_made,)
+    ),
     Check("fp16_model_with_masters", training.fp16_model_with_masters, ("master_weights",)),
     Check("clip_after_unscale", clipping.clip_after_unscale, ("grad_scaler", "clip_grad")),
     Check("clip_without_unscale", clipping.clip_without_unscale, ("grad_scaler", "clip_grad")),

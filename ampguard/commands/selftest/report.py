@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 import sys
-from typing import Any, TextIO
+from typing import Any, Literal, TextIO
 
 import torch
 
@@ -13,7 +13,11 @@ import ampguard.machine as machine
 from ampguard.commands.selftest.result import CheckResult
 from ampguard.commands.selftest.runner import patch_states
 
-JSON_SCHEMA_VERSION = 1
+# 2: "outcome" ("passed", "failed", "nothing checked": no check ran, "passed" then false) and each check's
+# "ampguard_errors".
+JSON_SCHEMA_VERSION = 2
+
+Outcome = Literal["passed", "failed", "nothing checked"]
 
 
 def describe_device(device: torch.device) -> dict[str, Any]:
@@ -44,13 +48,24 @@ def document(device: torch.device, quick: bool, results: list[CheckResult], seco
         "quick": quick,
         "seconds": round(seconds, 2),
         "checks": [result.as_dict() for result in results],
+        "outcome": outcome(results),
         "passed": passed(results),
     }
 
 
+def outcome(results: list[CheckResult]) -> Outcome:
+    """The run's outcome: failed when a check failed, nothing checked when none ran (each not applicable), else
+    passed."""
+    if any(result.status == "failed" for result in results):
+        return "failed"
+    if not any(result.status == "passed" for result in results):
+        return "nothing checked"
+    return "passed"
+
+
 def passed(results: list[CheckResult]) -> bool:
-    """Every check that ran passed (a "not applicable" one did not run)."""
-    return all(result.status != "failed" for result in results)
+    """At least one check ran, and every check that ran passed (a "not applicable" one did not run)."""
+    return outcome(results) == "passed"
 
 
 def render(data: dict[str, Any], stream: TextIO | None = None) -> None:
@@ -65,6 +80,12 @@ def render(data: dict[str, Any], stream: TextIO | None = None) -> None:
     rows = [[check["name"], check["status"], check["detail"]] for check in data["checks"]]
     print_table(title, ["check", "status", "detail"], rows, out)
     failed = [check for check in data["checks"] if check["status"] == "failed"]
+    if data["outcome"] == "nothing checked":
+        out.write(
+            "\nno check ran: each one is not applicable here (the reasons above), so nothing of ampguard was "
+            "checked on this device (exit status 1)\n"
+        )
+        return
     if not failed:
         out.write("\nall checks that apply here passed\n")
         return

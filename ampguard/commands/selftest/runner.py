@@ -3,9 +3,11 @@
 A check is a function ``(Context) -> CheckResult``. Its reference runs in this
 process on torch without ampguard (:func:`plain_torch`: ampguard uninstalled and
 installed again with the same configuration), so that whatever ampguard
-changes shows up as a difference. A check whose patch the user switched off
-is "not applicable", never "passed". ampguard's own errors during a check,
-contained so that training goes on, fail it (:mod:`.faults`).
+changes shows up as a difference. A check whose patch the user switched off,
+or whose feature a setting switches off or sets to report only
+(:attr:`Check.needs`), is "not applicable", never "passed". ampguard's own
+errors during a check, contained so that training goes on, fail it
+(:mod:`.faults`).
 """
 
 from __future__ import annotations
@@ -20,17 +22,24 @@ import torch
 
 import ampguard
 import ampguard.commands.selftest.faults as faults
+import ampguard.registry as registry
 import ampguard.stats.summary as summary
 from ampguard.commands.selftest.result import CheckResult, Context, not_applicable
+from ampguard.config import Config
+
+# Why a setting leaves nothing of a check's feature to check (e.g. "AMPGUARD_UNDERFLOW=off: ..."), or None.
+Need = Callable[[Config], "str | None"]
 
 
 @dataclass(frozen=True)
 class Check:
-    """A check, and the patches it is about (each must be applied for the check to mean anything)."""
+    """A check, the patches it is about (each must be applied for the check to mean anything), and the settings its
+    feature needs (``needs``: each says why the user's configuration leaves nothing to check, or None)."""
 
     name: str
     function: Callable[[Context], CheckResult]
     patches: tuple[str, ...]
+    needs: tuple[Need, ...] = ()
 
 
 def patch_states() -> dict[str, str]:
@@ -49,12 +58,13 @@ def plain_torch() -> Iterator[None]:
 
 
 def why_not_applicable(check: Check) -> str | None:
-    """Why the check has nothing of ampguard's to check here (a patch not applied), or None."""
+    """Why the check has nothing of ampguard's to check here (a patch not applied, a setting), or None."""
     states = patch_states()
     off = [f"{name} {states.get(name, 'unknown')}" for name in check.patches if states.get(name) != "applied"]
     if off:
         return "patch " + ", ".join(off) + ": nothing of ampguard's to check"
-    return None
+    config = registry.active_config()
+    return next((why for why in (need(config) for need in check.needs) if why), None)
 
 
 def run_check(check: Check, context: Context) -> CheckResult:
