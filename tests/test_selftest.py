@@ -29,7 +29,7 @@ import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
 import ampguard.containment
 import ampguard.master_weights.patch
-from ampguard import machine, master_weights
+from ampguard import machine, master_weights, registry
 from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
 from ampguard.patch import torch_release
@@ -207,6 +207,22 @@ def test_a_switched_off_feature_fails_its_check_when_forced_to_run(variables, na
     reinstall(**variables)
     every_check_forced(monkeypatch)
     assert run(name).status == "failed"
+
+
+SCHEDULES = [
+    ("AMPGUARD_WATCH_EVERY", "1", "watch_every", "kernels_per_step"),  # every step watched: the watch's ops
+    ("AMPGUARD_UNDERFLOW_EVERY", "1", "underflow_every", "kernels_per_step"),  # every step sampled
+    ("AMPGUARD_HEADROOM", "65504", "headroom", "skips_and_parity_sgd"),  # every module an island at step 2
+]
+
+
+@pytest.mark.parametrize("variable,value,field,name", SCHEDULES)
+def test_a_users_schedule_does_not_fail_the_checks_of_healthy_steps(variable, value, field, name, reinstall):
+    # the checks run with the default schedule (a watched or sampled step is no healthy step, and an island made
+    # where nothing overflows departs from torch by design); the user's own settings are installed again afterwards
+    reinstall(**{variable: value})
+    assert run(name).status == "passed"
+    assert getattr(registry.active_config(), field) == float(value)
 
 
 # -- an error inside ampguard, contained (training goes on), fails the check that met it -----------------------------
