@@ -3,11 +3,12 @@
 Each check compares a run under ampguard with a reference run on plain torch in
 the same process. The tests below break ampguard's side (a scaler that
 miscounts or drifts from torch's scale, a host read added per step, a clip that
-skips unscaling or never clips, no master weights, a patch switched off) and
-assert that the check then fails, so that a "passed" cannot be vacuous; an
-error inside ampguard that ampguard contains (training goes on) fails its check
-too, with its message shown. The CUDA-only parts run here with the device
-mocked (the test names say so); the tests marked ``cuda`` run on a GPU machine
+skips unscaling or never clips, no master weights, a headroom watch or an
+underflow sampler that sees nothing, a patch switched off) and assert that the
+check then fails, so that a "passed" cannot be vacuous; an error inside
+ampguard that ampguard contains (training goes on) fails its check too, with
+its message shown. The CUDA-only parts run here with the device mocked (the
+test names say so); the tests marked ``cuda`` run on a GPU machine
 (``pytest -m cuda``) and are skipped here.
 """
 
@@ -29,6 +30,7 @@ import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
 import ampguard.containment
 import ampguard.master_weights.patch
+import ampguard.underflow.counts
 from ampguard import machine, master_weights, registry
 from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
@@ -189,6 +191,10 @@ SWITCHED_OFF = [
     ({"AMPGUARD_DISABLE": "grad_scaler"}, "host_reads", "patch grad_scaler disabled"),
     ({"AMPGUARD_DISABLE": "fp32_islands"}, "forward_overflow_healed", "patch fp32_islands disabled"),
     ({"AMPGUARD_FP32_ISLANDS": "report"}, "forward_overflow_healed", "AMPGUARD_FP32_ISLANDS=report"),
+    ({"AMPGUARD_FP32_ISLANDS": "report"}, "headroom_watch", "AMPGUARD_FP32_ISLANDS=report"),
+    ({"AMPGUARD_WATCH_EVERY": "0"}, "headroom_watch", "AMPGUARD_WATCH_EVERY=0"),
+    ({"AMPGUARD_UNDERFLOW": "off"}, "underflow_sampled", "AMPGUARD_UNDERFLOW=off"),
+    ({"AMPGUARD_DISABLE": "underflow"}, "underflow_sampled", "patch underflow disabled"),
     ({"AMPGUARD_MASTER_WEIGHTS": "off"}, "fp16_model_with_masters", "patch"),
     ({"AMPGUARD_DISABLE": "clip_grad"}, "clip_without_unscale", "patch clip_grad disabled"),
     ({"AMPGUARD_DISABLE": "grad_scaler"}, "kernels_per_step", "patch grad_scaler disabled"),
@@ -202,7 +208,11 @@ def test_a_switched_off_feature_makes_its_check_not_applicable(variables, name, 
     assert result.status == "not applicable" and why in result.detail
 
 
-@pytest.mark.parametrize("variables,name,why", SWITCHED_OFF)
+# (not where the check's own settings override the user's: headroom_watch's AMPGUARD_WATCH_EVERY=1 watches anyway)
+FORCED = [case for case in SWITCHED_OFF if not set(case[0]) & dict(checks.by_name(case[1]).settings).keys()]
+
+
+@pytest.mark.parametrize("variables,name,why", FORCED)
 def test_a_switched_off_feature_fails_its_check_when_forced_to_run(variables, name, why, reinstall, monkeypatch):
     reinstall(**variables)
     every_check_forced(monkeypatch)
@@ -225,7 +235,22 @@ def test_a_users_schedule_does_not_fail_the_checks_of_healthy_steps(variable, va
     assert getattr(registry.active_config(), field) == float(value)
 
 
-# -- an error inside ampguard, contained (training goes on), fails the check that met it -----------------------------
+# -- the headroom watch and the underflow sampler: broken silently, or raising inside ampguard ----------------------
+
+
+def test_watch_check_fails_for_a_watch_that_sees_nothing(monkeypatch):
+    monkeypatch.setattr(headroom_watch_class(), "measure", lambda self, output: None)
+    result = run("headroom_watch")
+    assert result.status == "failed" and not result.ampguard_errors
+    assert result.measured["ahead_of_overflow"]["nonfinite_loss_steps"]  # no island ahead: the loud batch overflowed
+    assert "loud" not in result.measured["observation_only"]["headroom"]
+
+
+def test_underflow_check_fails_for_a_sampler_that_counts_nothing(monkeypatch):
+    monkeypatch.setattr(ampguard.underflow.counts.Tally, "add", lambda self, gradient: None)
+    result = run("underflow_sampled")
+    assert result.status == "failed" and result.measured["tiny_loss"]["underflow_values"] == 0
+    assert result.reference["tiny_loss"]["underflow_values"] > 0
 
 
 def injected(*args, **kwargs):
@@ -234,6 +259,8 @@ def injected(*args, **kwargs):
 
 FAULTS = [
     ("forward_overflow_healed", lambda: (headroom_watch_class(), "measure"), "headroom watch stopped after an error"),
+    ("headroom_watch", lambda: (headroom_watch_class(), "measure"), "headroom watch stopped after an error"),
+    ("underflow_sampled", lambda: (ampguard.underflow.counts.Tally, "add"), "underflow sample (backward node hook)"),
 ]
 
 
@@ -246,13 +273,13 @@ def test_a_contained_fault_inside_the_feature_fails_its_check_and_names_it(name,
 
 
 def test_the_command_exits_1_and_shows_a_contained_fault(monkeypatch, capsys):
-    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("forward_overflow_healed")])
-    monkeypatch.setattr(headroom_watch_class(), "measure", injected)
+    monkeypatch.setattr(checks, "CHECKS", [checks.by_name("underflow_sampled")])
+    monkeypatch.setattr(ampguard.underflow.counts.Tally, "add", injected)
     from ampguard import cli
 
     assert cli.main(["selftest", "--device", "cpu", "--quick"]) == 1
     captured = capsys.readouterr()
-    assert "ampguard's headroom watch stopped after an error (RuntimeError: injected fault)" in captured.out
+    assert "ampguard's underflow sample (backward node hook) failed: RuntimeError: injected fault" in captured.out
     assert "injected fault" not in captured.err  # the log is held back; the table says it
 
 

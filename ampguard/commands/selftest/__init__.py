@@ -2,14 +2,16 @@
 
 Short training loops on the chosen device (``--device``; CUDA where torch sees
 one): skip counting and parity with torch's own GradScaler (plain and fused
-optimizer), host reads per healthy step, a forward overflow healed, a float16
-model trained with fp32 masters, clipping with and without ``unscale_``, the
-device's bfloat16 and the legacy ``torch.cuda.amp`` spellings. Each check is
-passed, failed or not applicable (:mod:`.checks`); ampguard's own errors during
-a check, contained so that training goes on, fail it (:mod:`.faults`). The exit
-status is 0 when at least one check ran and every check that ran passed, 1 when
-a check failed or when none ran (each not applicable), 2 for a device this
-machine does not have. ``--json`` prints one object (docs/gpu.md).
+optimizer), host reads per healthy step, a forward overflow healed, the
+headroom watch's island ahead of an overflow, the underflow sampler's counts,
+a float16 model trained with fp32 masters, clipping with and without
+``unscale_``, the device's bfloat16 and the legacy ``torch.cuda.amp``
+spellings. Each check is passed, failed or not applicable (:mod:`.checks`);
+ampguard's own errors during a check, contained so that training goes on, fail
+it (:mod:`.faults`). The exit status is 0 when at least one check ran and
+every check that ran passed, 1 when a check failed or when none ran (each
+not applicable), 2 for a device this machine does not have. ``--json`` prints
+one object (docs/gpu.md).
 """
 
 from __future__ import annotations
