@@ -104,6 +104,11 @@ PROBE_UNLOCATED = (
     "by plain functions), an input passed only as a keyword argument, or compiled code. No fp32 island made."
 )
 
+BAD_BATCH = (
+    "step {step}: the loss was inf/NaN and the batch itself held inf/NaN (the model's inputs): the data's fault, "
+    "no module's. The step is skipped and counted, the loss scale kept; no module is blamed, no fp32 island made."
+)
+
 
 ISLAND_AHEAD = (
     "fp32 island: {name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit before any overflow: "

@@ -178,10 +178,11 @@ def test_watch_every_values(value: str, every: int):
 
 
 @needs_fused_adam
-def test_with_a_fused_optimizer_the_first_overflow_is_blamed_without_a_read(reinstall, ampguard_log):
+def test_with_a_fused_optimizer_the_first_overflow_is_blamed_at_its_own_update(reinstall, ampguard_log):
     """Device mode reads nothing per step: the step's row (ampguard/scaler/row_copies.py) and the watch of step 2
     (its own host copy) are known without a read, so the first overflow (step 10) blames the block at its own
-    update. Before the row copies, the overflows waited for the counters' read at step 20: 2 lost."""
+    update, after one read: did the batch hold inf/NaN? Before the row copies, the overflows waited for the
+    counters' read at step 20: 2 lost."""
     import ampguard.syncs as syncs
 
     reinstall(AMPGUARD_STATS_EVERY="20")
@@ -203,7 +204,8 @@ def test_with_a_fused_optimizer_the_first_overflow_is_blamed_without_a_read(rein
             reads.append(syncs._reads_by_ampguard - before)
             if not torch.isfinite(loss.detach()).item():
                 nonfinite.append(step)
-    assert {step: n for step, n in enumerate(reads, start=1) if n} == {20: 1, 40: 1, 60: 1}  # the counters' only
+    # the overflow's inputs (step 10), then the counters' reads only
+    assert {step: n for step, n in enumerate(reads, start=1) if n} == {10: 1, 20: 1, 40: 1, 60: 1}
     assert torch_reads.by_source["aten::_local_scalar_dense"] == 60  # the test's own .item(): torch reads nothing
     assert nonfinite == [9]  # blamed at its own update (the probe alone: also 19)
     assert scaler.stats.fp32_islands == ("blocks.1.attn",)

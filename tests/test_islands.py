@@ -25,6 +25,7 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 import ampguard
 import ampguard.scaler
 from ampguard.fp32_islands import healing, islands
+from ampguard.fp32_islands.model_inputs import KeepInputs
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -43,7 +44,13 @@ def global_hooks() -> int:
 
 
 def module_hooks(model: torch.nn.Module) -> int:
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    """The hooks on the model's modules but the root's input keeper (counted by :func:`input_keepers`)."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) - input_keepers(model)
+
+
+def input_keepers(model: torch.nn.Module) -> int:
+    """The hooks keeping the model's inputs until its update (ampguard.fp32_islands.model_inputs)."""
+    return sum(isinstance(h, KeepInputs) for m in model.modules() for h in m._forward_pre_hooks.values())
 
 
 def test_a_block_overflowing_every_10th_batch_heals_itself(ampguard_log):
@@ -63,6 +70,7 @@ def test_a_block_overflowing_every_10th_batch_heals_itself(ampguard_log):
     assert not records(ampguard_log, logging.CRITICAL)
     assert all(torch.isfinite(p).all() for p in healed.model.parameters())
     assert module_hooks(healed.model) == 2  # the island's own pair, on blocks.1.attn only
+    assert input_keepers(healed.model) == 1 and KeepInputs in map(type, healed.model._forward_pre_hooks.values())
     assert len(healed.model.blocks[1].attn._forward_pre_hooks) == 1
     assert global_hooks() == 0  # the probe disarmed after naming it
 
@@ -123,8 +131,9 @@ def test_healing_run_reads_the_host_as_often_as_torch_plus_the_documented_diagno
     assert run.scaler.stats.fp32_islands == ("blocks.1.attn",)
     assert ours.by_source["aten::_local_scalar_dense"] == torch_reads.by_source["aten::_local_scalar_dense"] == steps
     # The probe, the headroom watch and the island add none; diagnose names the parameters of the first skipped
-    # step (one read).
-    assert ours.by_source["ampguard.read_to_host"] == 1
+    # step (one read), and each forward overflow reads whether the batch held inf/NaN (one read each).
+    assert run.scaler.stats.nonfinite_loss == 1
+    assert ours.by_source["ampguard.read_to_host"] == 1 + 1
 
 
 def test_the_permanent_line_from_the_warning_heals_plain_torch(stock_torch):

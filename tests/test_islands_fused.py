@@ -27,7 +27,7 @@ from torch import nn
 import ampguard.scaler
 import ampguard.scaler.row_copies
 from ampguard import syncs
-from ampguard.fp32_islands import healing
+from ampguard.fp32_islands import healing, islands
 from ampguard.syncs import HostReadCounter
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands", "rows_known_at_reads_only"), needs_fused_adam]
@@ -298,7 +298,7 @@ def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):
 
 
 def test_islands_named_in_a_checkpoint_stop_being_looked_for_after_the_first_iteration(ampguard_log):
-    healing.restore_islands(["blocks.9.attn"], full_names=True)
+    islands.restore(["blocks.9.attn"], None, full_names=True)  # as a loaded checkpoint does
     model = make_net()
     train(3, model=model, optimizer=fused(model), healthy=True)
     assert global_hooks() == 0

@@ -39,6 +39,8 @@ from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
+import ampguard.messages as messages
+from ampguard.fp32_islands import healing
 from ampguard.patch import torch_release
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -767,11 +769,15 @@ class BadDataRun:
     tightest: list[tuple[str, float]]  # the watch's tightest module, by step
 
 
-def train_with_bad_batch(value: float | None, steps: int = 10) -> BadDataRun:
+def train_with_bad_batch(value: float | None, steps: int = 10, fused: bool = False) -> BadDataRun:
     """tests/islands_support.py's net (``blocks.1.attn``'s logits within 64x of float16's limit on every batch, never
-    past it) on healthy batches; at BAD_STEP one input value is ``value`` (None: no bad batch)."""
+    past it) on healthy batches; at BAD_STEP one input value is ``value`` (None: no bad batch). ``fused``: a fused
+    AdamW (the scaler's device mode), else SGD."""
     model = make_net()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    if fused:
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    else:
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
     run = BadDataRun([], None, [])
     for step in range(steps):
@@ -792,16 +798,25 @@ def train_with_bad_batch(value: float | None, steps: int = 10) -> BadDataRun:
     return run
 
 
-@BAD_BATCH_OPEN
+@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
-def test_a_batch_with_non_finite_inputs_is_skipped_and_counted_and_makes_no_island(reinstall, ampguard_log, value):
+def test_a_batch_with_non_finite_inputs_is_skipped_and_counted_and_makes_no_island(
+    reinstall, ampguard_log, value, fused
+):
+    """Before the model's inputs were kept (ampguard/fp32_islands/model_inputs.py), blocks.1.attn, the module the
+    watch saw closest, was blamed for the bad batch and made a permanent island."""
     reinstall(AMPGUARD_WATCH_EVERY="1")
     # the test's premise: without the bad batch, the watch sees blocks.1.attn close (a suspect), and nothing overflows
-    control = train_with_bad_batch(None)
+    control = train_with_bad_batch(None, fused=fused)
     assert control.lost == [] and control.stats.fp32_islands == ()
     assert all(name == "blocks.1.attn" and peak >= SUSPECT for name, peak in control.tightest[1:])
     reinstall(AMPGUARD_WATCH_EVERY="1")  # (islands are process state: start again)
-    run = train_with_bad_batch(value)
+    ampguard_log.clear()
+    run = train_with_bad_batch(value, fused=fused)
     assert run.lost == [BAD_STEP]
     assert (run.stats.skipped, run.stats.nonfinite_loss) == (1, 1)
     assert run.stats.fp32_islands == ()
+    said = [r.getMessage() for r in ampguard_log.records if "the batch itself held inf/NaN" in r.getMessage()]
+    assert said == [messages.BAD_BATCH.format(step=BAD_STEP + 1)]
+    assert not any("watching the next forward passes" in r.getMessage() for r in ampguard_log.records)
+    assert not healing._active.probe.armed

@@ -76,7 +76,9 @@ def test_the_verdict_joins_the_scalers_one_read_and_costs_no_other():
         run = train(healthy, check_losses=False, after_update=lambda step: healing._active.probe.arm())
     assert run.scaler.stats.steps == healthy
     assert reads.by_source["aten::_local_scalar_dense"] == healthy  # one per step: torch's own
-    assert reads.by_source["ampguard.read_to_host"] == 1  # diagnose, at the skipped step
+    assert run.scaler.stats.nonfinite_loss == 1
+    # diagnose at the skipped step, and whether its batch held inf/NaN (ampguard.fp32_islands.model_inputs)
+    assert reads.by_source["ampguard.read_to_host"] == 2
 
 
 def test_names_are_relative_to_the_model_inside_ddp(tmp_path):

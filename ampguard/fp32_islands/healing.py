@@ -24,22 +24,15 @@ module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`).
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
 optimizer steps without another forward overflow.
 
-With a fused optimizer (the scaler's device mode) torch reads nothing on the
-host, and neither does ampguard on a healthy step: the host learns of a forward
-overflow from the iteration's verdict copied to host memory, at once on the CPU
-and an iteration or two later on a GPU (ampguard.scaler.row_copies), or at the
-next read of the device-side counters (a stats line, ``scaler.stats``, a
-checkpoint) where no copy could be polled: :func:`after_stats_read`. There the
-buffers get their copy from the previous read back, and the probe is armed; while it watches, each update
-reads the loss check and the probe's verdict (one read per step, after a
-failure only: :func:`end_device_iteration`), as host mode does.
+A model's inputs are kept for a few updates (:mod:`ampguard.fp32_islands.model_inputs`):
+a forward overflow whose batch held inf/NaN is the data's, and blames no module.
 
-Under torch.distributed (world size > 1), a skipped step's "was the loss
-non-finite" and the probe's verdict are all-reduced (MAX) between ranks
-(:mod:`ampguard.distributed`), so
-every rank keeps the same scale and makes the same islands. That exchange runs
-only on skipped steps (found_inf is the same on every rank under DDP and FSDP,
-whose gradients are all-reduced), never on a healthy one.
+Device mode (fused optimizers: :func:`end_device_iteration`, :func:`after_stats_read`)
+reads nothing on a healthy step: the host learns of a forward overflow from the
+iteration's verdict copied to host memory, or at the next read of the device-side
+counters; then the logic above follows. Under torch.distributed a skipped step's
+verdicts are all-reduced (MAX, :mod:`ampguard.distributed`), on skipped steps only, so
+every rank keeps the same scale and makes the same islands (docs/islands.md).
 """
 
 from __future__ import annotations
@@ -52,10 +45,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.islands as islands
+import ampguard.fp32_islands.model_inputs as model_inputs
 import ampguard.fp32_islands.watch_verdicts as watch_verdicts
 import ampguard.messages as messages
 from ampguard.distributed import distributed
 from ampguard.fp32_islands.buffers import BufferGuard
+from ampguard.fp32_islands.model_inputs import ModelInputs
 from ampguard.fp32_islands.probe import Probe
 from ampguard.headroom_watch.watch import HeadroomWatch
 from ampguard.log import event_logger
@@ -80,6 +75,7 @@ class _Healing:
     probe: Probe = field(default_factory=Probe)
     watch: HeadroomWatch = field(default_factory=lambda: HeadroomWatch(0, 4.0))
     buffers: BufferGuard = field(default_factory=BufferGuard)
+    inputs: ModelInputs = field(default_factory=ModelInputs)  # to tell a batch holding inf/NaN from a module
     verdict: int = 0  # the probe's verdict decoded from this iteration's read
     quiet_steps: int = 0
     exhausted: bool = False
@@ -118,12 +114,19 @@ def deactivate() -> None:
         _active.probe.disarm()
         _active.watch.stop()
         _active.buffers.close()
+        _active.inputs.close()
+        model_inputs.strip_everywhere()
         islands.clear()
     _active = None
 
 
 def is_active() -> bool:
     return _active is not None
+
+
+def state() -> _Healing | None:
+    """The patch's state while applied (its probe, watch, buffers, inputs, mode): for its stats and checkpoints."""
+    return _active
 
 
 def watch_next_iteration() -> bool:
@@ -164,17 +167,27 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     active = _active
     if active is None:
         return
+    active.inputs.end_update()
+    _host_iteration(active, scaler, overflow)
+
+
+def _host_iteration(active: _Healing, scaler: Any, overflow: bool) -> None:
     owner = _follow(active, scaler)
+    step = _steps_of(scaler)
     verdict = active.verdict if active.watch.in_read else 0
-    blamed = (active.watch.busy() or overflow) and _judge_watch(active, _steps_of(scaler), overflow, verdict)
+    bad_batch = overflow and active.inputs.held_nonfinite(step, updates=1, collective=True)
+    blamed = (active.watch.busy() or overflow) and _judge_watch(active, step, overflow, verdict, not bad_batch)
     try:
-        _end_iteration(active, scaler, owner, overflow, blamed)
+        _end_iteration(active, scaler, owner, overflow, blamed or bad_batch)
     finally:
         if active.watch.every:
-            active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active), scaler=scaler)
+            active.watch.after_update(step, may_watch=_may_watch(active), scaler=scaler)
+            if active.watch.last is not None:  # the models it saw keep their inputs
+                active.inputs.follow_safely(active.watch.last.roots())
 
 
 def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, blamed: bool) -> None:
+    """``blamed``: the forward overflow is accounted for (an island made at once, or a batch holding inf/NaN)."""
     if not overflow and not active.probe.armed and not islands.restoring() and active.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
     step = _steps_of(scaler)
@@ -186,6 +199,9 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
         probe = active.probe
         if overflow:
             active.quiet_steps = 0
+            if blamed and probe.armed:  # a batch holding inf/NaN: the probe has nothing to judge in it
+                probe.reset()
+                return
             if not probe.armed:
                 if not blamed and _may_arm(active):
                     _arm(active)
@@ -270,12 +286,17 @@ def _may_watch(active: _Healing) -> bool:
     return not (active.probe.armed or active.exhausted or active.stopped)
 
 
-def _judge_watch(active: _Healing, step: int, overflow: bool, verdict: int, watched: bool | None = None) -> bool:
-    """The watch's part of an update (:func:`ampguard.fp32_islands.watch_verdicts.judge`): True when it blamed."""
+def _judge_watch(
+    active: _Healing, step: int, overflow: bool, verdict: int, may_blame: bool = True, watched: bool | None = None
+) -> bool:
+    """The watch's part of an update (:func:`ampguard.fp32_islands.watch_verdicts.judge`): True when it blamed.
+
+    ``may_blame``: False when the overflow was a batch holding inf/NaN (no module is blamed for it).
+    """
     if active.watch.pending is not None:
         active.verdict = 0  # the verdict read was the watch's
     try:
-        may_blame = _may_watch(active)
+        may_blame = may_blame and _may_watch(active)
         watch, mode, limit = active.watch, active.mode, active.max_islands
         return watch_verdicts.judge(watch, step, overflow, verdict, mode, limit, may_blame, watched)
     except Exception as error:  # never the reason a run dies
@@ -323,11 +344,14 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     active = _active
     if active is None:
         return None
+    active.inputs.end_update()
     owner = _follow(active, scaler)
     if active.watch.every:  # its verdict waits for the next read of the counters (after_stats_read)
         if active.watch.watching:
             active.watch.finish()
         active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active), scaler=scaler)
+        if active.watch.last is not None:
+            active.inputs.follow_safely(active.watch.last.roots())
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return None
     try:
@@ -340,7 +364,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
             active.verdict = max(active.verdict, int(verdict_value))
             if overflow:
                 active.seen_in_device_mode[scaler] = active.seen_in_device_mode.get(scaler, 0) + 1
-            end_iteration(scaler, overflow)
+            _host_iteration(active, scaler, overflow)
             return bool(skipped_value > 0)
         islands.end_restore_window()
         if owner and not active.buffers.discovered:
@@ -382,7 +406,10 @@ def after_stats_read(
         verdict = pending.read_verdict() if pending is not None and ready else 0
         watched = pending.overflowed if pending is not None and ready else None
         judge = ready or (unseen > 0 and pending is None)
-        blamed = _judge_watch(active, step, unseen > 0, verdict, watched) if judge else False
+        # The inputs of the iterations told, when they are the last ones (else not known: judged without them).
+        bad_batch = unseen > 0 and active.inputs.held_nonfinite(step, iterations if current else None)
+        blamed = _judge_watch(active, step, unseen > 0, verdict, not bad_batch, watched) if judge else False
+        blamed = blamed or bad_batch
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"
@@ -415,30 +442,3 @@ def _warn_once(key: str, message: str, *args: Any) -> None:
     if _active is not None and key not in _active.warned:
         _active.warned.add(key)
         logger.warning(message, *args)
-
-
-# -- stats and checkpoints --------------------------------------------------------------------
-
-
-def stats_fields() -> dict[str, Any]:
-    """The fields of ScalerStats this module fills."""
-    return {
-        "fp32_islands": islands.names(),
-        "buffers_restored": _active.buffers.restores if _active is not None else 0,
-        "headroom": _active.watch.last.tightest() if _active is not None and _active.watch.last is not None else (),
-    }
-
-
-def island_outputs() -> dict[str, list[str]]:
-    """The recorded output dtypes of the islands, by name (for checkpoints)."""
-    return islands.recorded_outputs() if _active is not None else {}
-
-
-def restore_islands(names: Any, outputs: Any = None, *, full_names: bool) -> None:
-    """A loaded checkpoint's island names (and output dtypes): re-applied at the next forward when the patch is applied.
-
-    ``full_names``: qualified from the top-level module (checkpoints since that
-    naming); else relative to the outermost module called then.
-    """
-    if _active is not None and _active.mode == "auto" and names:
-        islands.restore(names, outputs, full_names=full_names)

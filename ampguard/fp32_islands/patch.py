@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.healing as healing
+import ampguard.fp32_islands.islands as islands
 import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
@@ -57,24 +58,35 @@ class IslandsListener(listeners.StepListener):
         healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
 
     def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
-        return healing.stats_fields()
+        state = healing.state()
+        last = state.watch.last if state is not None else None
+        return {
+            "fp32_islands": islands.names(),
+            "buffers_restored": state.buffers.restores if state is not None else 0,
+            "headroom": last.tightest() if last is not None else (),
+        }
 
     def save(self, scaler: SafeGradScaler) -> dict[str, Any]:
-        names = list(healing.stats_fields()["fp32_islands"])  # plain strings
+        names = list(islands.names())  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
-        outputs = healing.island_outputs()
-        if outputs:  # each island's output dtypes under autocast, given again after a resume
+        # each island's output dtypes under autocast, given again after a resume
+        outputs = islands.recorded_outputs() if healing.is_active() else {}
+        if outputs:
             entries["fp32_island_outputs"] = outputs
         if names:  # qualified from the top-level module (earlier: from the one called)
             entries[ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
         return entries
 
     def load(self, scaler: SafeGradScaler, entries: dict[str, Any]) -> None:
-        healing.restore_islands(
-            entries.get("fp32_islands"),
-            entries.get("fp32_island_outputs"),
-            full_names=entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL,
-        )
+        """A checkpoint's islands (and output dtypes): re-applied at the next forward, in auto mode.
+
+        Their names are qualified from the top-level module (checkpoints since that
+        naming), or else relative to the outermost module called then.
+        """
+        state, names = healing.state(), entries.get("fp32_islands")
+        if state is not None and state.mode == "auto" and names:
+            full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
+            islands.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
 
 
 class Fp32IslandsPatch(Patch):

@@ -52,6 +52,11 @@ class Sighting:
         module, root = (ref() for ref in self.modules[index])
         return None if module is None or root is None else (module, root, self.outputs[index])
 
+    def roots(self) -> list[torch.nn.Module]:
+        """The living root modules (outermost calls) of the candidates, each once."""
+        found = {id(root): root for root in (ref() for _, ref in self.modules) if root is not None}
+        return list(found.values())
+
     def tightest(self) -> tuple[tuple[str, float], ...]:
         """The candidates with the highest peaks, named from their root (no read: see :class:`~ampguard.syncs.HostCopy`)."""
         if self.shown is None:

@@ -1,0 +1,181 @@
+"""The inputs of the model's last forward passes, kept until the updates that judge them: was it the data?
+
+A loss that is inf/NaN because a batch held inf/NaN is the data's fault, no
+module's: no module is blamed and no island made for it. The probe tells the
+two apart call by call (it judges only calls whose inputs were finite); the
+headroom watch's blame at the first overflow has no call to look at, so it asks
+here first.
+
+Each model the headroom watch has seen (the outermost module called: the root)
+gets one forward pre-hook, :class:`KeepInputs`. On every call it keeps a
+reference to the call's arguments: no device work, no copy, no read. The
+references of the last :data:`KEEP_UPDATES` optimizer updates are kept (with
+gradient accumulation, every micro-batch's), so a batch's inputs live at most
+that many updates longer than the training loop keeps them. Only at a forward
+overflow are they looked at (:meth:`ModelInputs.nonfinite`: one read).
+
+The hook has no state of its own, as an island's (:mod:`ampguard.fp32_islands.island_hooks`):
+a deepcopy of the model (an EMA) or a model saved whole carries a hook that does
+nothing, and :func:`strip_everywhere` takes those copies off at uninstall. A
+compiled root gets no hook (its hooks would run inside the compiled code).
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import weakref
+from collections import deque
+from typing import Any
+
+import torch
+
+import ampguard.messages as messages
+from ampguard.distributed import agree_on_skip, distributed
+from ampguard.fp32_islands.probe import is_compiled, nonfinite_mark
+from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.log import event_logger
+from ampguard.syncs import read_to_host
+from ampguard.torch_privates import is_compiling
+
+logger = event_logger("island")
+
+# Optimizer updates whose inputs are kept: on a GPU with a fused optimizer the host learns of a forward overflow
+# an iteration or two after it (ampguard.scaler.row_copies).
+KEEP_UPDATES = 3
+# Forward passes kept per update at most (micro-batches of gradient accumulation, evaluation passes).
+MAX_PASSES = 64
+
+# By id() of the root module: the keeper of its inputs (an entry whose module is dead or whose id was reused is none).
+_kept: dict[int, tuple[weakref.ref[torch.nn.Module], ModelInputs]] = {}
+_hooks_made = False  # whether copies of a model may carry a hook (strip_everywhere scans only then)
+
+
+class KeepInputs:
+    """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments."""
+
+    def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        if is_compiling():
+            return
+        entry = _kept.get(id(module))
+        if entry is not None and entry[0]() is module:
+            entry[1].note(args, kwargs)
+
+
+class ModelInputs:
+    """The root modules' inputs of the last :data:`KEEP_UPDATES` updates.
+
+    Example::
+
+        inputs = ModelInputs()
+        inputs.follow(sighting_roots)  # a pre-hook on each model the watch saw
+        ...                            # forward passes: references kept
+        inputs.nonfinite()             # at a forward overflow: True when the batch held inf/NaN (one read)
+        inputs.end_update()            # after each update
+        inputs.close()                 # hooks off (uninstall)
+    """
+
+    def __init__(self) -> None:
+        self._handles: dict[int, Any] = {}
+        # One list of (args, kwargs) per update, the last one open (this update's passes so far).
+        self._cycles: deque[list[tuple[Any, Any]]] = deque([[]], maxlen=KEEP_UPDATES + 1)
+        self._refused: set[int] = set()
+        self.bad_batches = 0  # forward overflows found to come from inputs holding inf/NaN
+        self.broken = False  # after an error: no more keeping or judging
+
+    def follow(self, roots: Any) -> None:
+        """Keep the inputs of each module of ``roots`` (not compiled) from its next call on."""
+        for root in roots:
+            key = id(root)
+            entry = _kept.get(key)
+            if key in self._refused or (entry is not None and entry[0]() is root):
+                continue
+            if is_compiled(root) or isinstance(root, torch.jit.ScriptModule):
+                self._refused.add(key)
+                continue
+            global _hooks_made
+            _hooks_made = True
+            self._handles[key] = root.register_forward_pre_hook(KeepInputs(), with_kwargs=True)
+            _kept[key] = (weakref.ref(root), self)
+
+    def note(self, args: Any, kwargs: Any) -> None:
+        passes = self._cycles[-1]
+        if len(passes) < MAX_PASSES:
+            passes.append((args, kwargs))
+
+    def end_update(self) -> None:
+        """An optimizer update begins its bookkeeping: the passes so far are its own, the next ones the next's."""
+        self._cycles.append([])
+
+    def nonfinite(self, updates: int = 1) -> bool | None:
+        """Whether the inputs of the last ``updates`` updates held inf/NaN (one read); None: not kept."""
+        ended = list(self._cycles)[:-1]
+        cycles = ended[-updates:] if 0 < updates <= len(ended) else []
+        mark = nonfinite_mark(tensors(cycles)) if any(cycles) else None
+        return None if mark is None else bool(read_to_host(mark.isnan()))
+
+    def held_nonfinite(self, step: int, updates: int | None, collective: bool = False) -> bool:
+        """At a forward overflow: whether the inputs of the last ``updates`` updates held inf/NaN, said at INFO.
+
+        One read, after a failure only; False when not known (``updates`` None: the
+        overflow is not known to be among the last updates). ``collective``: under
+        torch.distributed every rank calls this at the same update (an agreed forward
+        overflow) and the ranks agree (any rank's bad batch), so they make the same islands.
+        """
+        try:
+            bad = self.nonfinite(updates) if updates and not self.broken else None
+        except Exception as error:  # never the reason a run dies: judged as if the inputs were not kept
+            self._fail(error)
+            bad = None
+        if collective and distributed() is not None:
+            bad = agree_on_skip(bool(bad), [])[0]
+        if bad:
+            self.bad_batches += 1
+            logger.log(logging.INFO if self.bad_batches == 1 else logging.DEBUG, messages.BAD_BATCH.format(step=step))
+        return bool(bad)
+
+    def follow_safely(self, roots: Any) -> None:
+        """:meth:`follow`, stopping for good (one WARNING) after an error."""
+        if self.broken:
+            return
+        try:
+            self.follow(roots)
+        except Exception as error:  # never the reason a run dies: overflows are judged without the inputs
+            self._fail(error)
+
+    def _fail(self, error: Exception) -> None:
+        self.close()
+        self.broken = True
+        logger.warning(
+            "ampguard stopped keeping the model's inputs after an error (%r); training goes on (a batch holding "
+            "inf/NaN may then be taken for a module's overflow).",
+            error,
+        )
+
+    def close(self) -> None:
+        """Take the hooks off (uninstall, another model); forget the inputs."""
+        for key, handle in self._handles.items():
+            handle.remove()
+            _kept.pop(key, None)
+        self._handles.clear()
+        self._refused.clear()
+        self._cycles = deque([[]], maxlen=KEEP_UPDATES + 1)
+
+
+def strip(module: torch.nn.Module) -> None:
+    """Take :class:`KeepInputs` hooks off ``module`` (those a deepcopy or a pickle carried)."""
+    for key, hook in list(module._forward_pre_hooks.items()):
+        if isinstance(hook, KeepInputs):
+            del module._forward_pre_hooks[key]
+            module._forward_pre_hooks_with_kwargs.pop(key, None)
+
+
+def strip_everywhere() -> None:
+    """Take the hooks off every live module (copies made while a model had one): at uninstall only."""
+    global _hooks_made
+    if not _hooks_made:
+        return
+    _hooks_made = False
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.nn.Module) and obj._forward_pre_hooks:
+            strip(obj)
