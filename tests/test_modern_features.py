@@ -151,10 +151,6 @@ OLD_DYNAMO_HOOKS = pytest.mark.xfail(
     reason="open (issue 31): torch 2.3.1's dynamo cannot trace ampguard's global hooks (bound methods) in a compiled "
     "region with fullgraph=True, and compiles a region again when they change",
 )
-BAD_BATCH_OPEN = pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 31): a batch with inf/NaN inputs is blamed on the module the last watch saw closest",
-)
 
 
 @pytest.fixture
