@@ -173,7 +173,10 @@ def test_first_occurrence_then_once_per_stats_interval(reinstall, caplog):
     assert [m.split(" skipped")[0] for m in described] == ["step 1", "step 12", "step 25"]
     assert "(3 skipped steps since the previous report were not described.)" in described[1]
     assert "(1 skipped step since the previous report was not described.)" in described[2]
-    assert "(Next description from step 11 on.)" in described[0]
+    assert (
+        "(Further skipped steps up to step 10 are counted in the stats line but not described; "
+        "the first one from step 11 on is described again.)" in described[0]
+    )
     assert scaler.stats.skipped == 7
 
 

@@ -388,9 +388,11 @@ def test_disabled_scaler_counts_steps_and_is_torchs_passthrough():
 
 # -- the stats line ----------------------------------------------------------------------
 
+# Each figure under the words that say what it counts: the interval (since the previous line), the whole run, now.
 LINE = re.compile(
-    r"^stats step=(\d+) scale=(\S+) skipped=(\d+) skipped_total=(\d+) \((\d+\.\d\d)%\) no_grad=(\d+) "
-    r"nonfinite_loss=(\d+) consecutive_skipped=\d+ scale_range=\S+\.\.\S+ clip_skipped=\d+( headroom=\S+)?( underflow=.*)?$"
+    r"^stats step=(\d+) scale=(\S+) \| this interval: skipped=(\d+) \| whole run: skipped_total=(\d+) "
+    r"\((\d+\.\d\d)% of \1 steps\) no_grad=(\d+) nonfinite_loss=(\d+) scale_range=\S+\.\.\S+ clip_skipped=\d+( buffers_restored=\d+)?( underflow_growths=\d+)? "
+    r"\| now: consecutive_skipped=\d+( \| last headroom watch: peak_per_module=\S+)?( \| last underflow sample: .*)?$"
 )
 
 

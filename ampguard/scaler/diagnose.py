@@ -256,7 +256,13 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
         )
         message += f" ({unreported} {what} not described.)"
     if every > 0:
-        message += f" (Next description from step {((step - 1) // every + 1) * every + 1} on.)"
+        # One skipped step is described per stats interval: the rest of this one are only counted.
+        start = ((step - 1) // every + 1) * every + 1
+        if start - 1 > step:
+            message += (
+                f" (Further skipped steps up to step {start - 1} are counted in the stats line but not described; "
+                f"the first one from step {start} on is described again.)"
+            )
     global _own_loss_told
     if loss_nonfinite and not _own_loss_told:
         # Under DDP the other ranks see only inf/NaN gradients: that this rank's loss was inf/NaN is

@@ -98,17 +98,32 @@ def _g(value: float) -> str:
 
 
 def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
-    """One greppable line: ``stats step=... scale=... skipped=...``."""
-    return (
-        f"stats step={stats.steps} scale={_g(stats.scale)} "
-        f"skipped={skipped_in_interval} skipped_total={stats.skipped} ({stats.skipped_percent:.2f}%) "
+    """One greppable line, each figure under a label saying what it counts.
+
+    ``stats step=... scale=... | this interval: skipped=... | whole run: skipped_total=... | now: ...``:
+    "this interval" is the steps since the previous stats line, "whole run" every step since the scaler was
+    made (or restored from a checkpoint), "now" the state at this step; headroom and underflow figures come
+    from the last step the headroom watch observed and the last step sampled for underflow.
+    """
+    run = (
+        f"skipped_total={stats.skipped} ({stats.skipped_percent:.2f}% of {stats.steps} steps) "
         f"no_grad={stats.no_grad_steps} nonfinite_loss={stats.nonfinite_loss} "
-        f"consecutive_skipped={stats.consecutive_skipped} "
         f"scale_range={_g(stats.min_scale_seen)}..{_g(stats.max_scale_seen)} "
         f"clip_skipped={process_counters.clip_skipped}"
-        + (f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else "")
         + (f" buffers_restored={stats.buffers_restored}" if stats.buffers_restored else "")
-        + (f" headroom={','.join(f'{name}:{peak:.4g}' for name, peak in stats.headroom)}" if stats.headroom else "")
+        + (f" underflow_growths={stats.underflow_growths}" if stats.underflow_samples else "")
+    )
+    now = f"consecutive_skipped={stats.consecutive_skipped}" + (
+        f" fp32_islands={','.join(stats.fp32_islands)}" if stats.fp32_islands else ""
+    )
+    return (
+        f"stats step={stats.steps} scale={_g(stats.scale)} | this interval: skipped={skipped_in_interval} "
+        f"| whole run: {run} | now: {now}"
+        + (
+            f" | last headroom watch: peak_per_module={','.join(f'{name}:{peak:.4g}' for name, peak in stats.headroom)}"
+            if stats.headroom
+            else ""
+        )
         + (_underflow_text(stats) if stats.underflow_samples else "")
     )
 
@@ -116,9 +131,8 @@ def stats_line(stats: ScalerStats, skipped_in_interval: int) -> str:
 def _underflow_text(stats: ScalerStats) -> str:
     worst = ",".join(f"{name}:{share:.2%}" for name, share in stats.underflow_modules)
     return (
-        f" underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
-        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step} "
-        f"at_scale={_g(stats.underflow_scale)}) underflow_growths={stats.underflow_growths}"
+        f" | last underflow sample: underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
+        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step} at_scale={_g(stats.underflow_scale)})"
         + (f" underflow_modules={worst}" if worst else "")
     )
 
