@@ -11,7 +11,9 @@ runs ``examples/xtts_style_finetune.py`` twice, at the same time:
 ``AMPGUARD_STATS_FILE=demo.jsonl AMPGUARD_STATS_EVERY=5 python examples/demo.py`` also
 records the ampguard run for ``ampguard report demo.jsonl``.
 
-It shows each run's own output, then a summary table. Takes well under a minute on a CPU.
+It shows each run's own output (a ``--- scenario NAME ---`` line before each
+scenario's, ampguard's stats lines included), then a summary table and what each
+scenario did, written from the two runs' results. Takes well under a minute on a CPU.
 """
 
 from __future__ import annotations
@@ -49,6 +51,48 @@ def cell(result: dict) -> str:
     return f"{result['skipped_steps']} skipped, loss {result['final_loss']}, scale {result['final_scale']:g}"
 
 
+def _outcome(result: dict) -> str:
+    """``skipped 3 of 60 steps, scale 65536 -> 8192`` or ``crashed (AssertionError)``."""
+    if result["outcome"] != "finished":
+        return cell(result)
+    return (
+        f"skipped {result['skipped_steps']} of {result['steps_run']} steps, "
+        f"scale {result['initial_scale']:g} -> {result['final_scale']:g}"
+    )
+
+
+def _islands(result: dict) -> str:
+    names = result.get("fp32_islands") or []
+    if not names:
+        return "made no fp32 island"
+    return f"made fp32 island{'s' if len(names) > 1 else ''} of {', then '.join(names)} (docs/islands.md)"
+
+
+def closing(without: list[dict], with_ampguard: list[dict]) -> str:
+    """What each scenario did, from the two runs' own results (nothing here is assumed of a run)."""
+    lines = []
+    for plain, guarded in zip(without, with_ampguard):
+        name = plain["scenario"]
+        what = {
+            "calibration": "the loss scale's first steps, finding a scale",
+            "storm": f"{guarded['corrupt_batches']} corrupt batches (a NaN loss in any precision, "
+            "which no loss scale fixes)",
+            "no_grad": "a second optimizer whose parameters get no gradient",
+            "hot_block": "one block overflows float16 on every batch",
+        }.get(name, name)
+        lines.append(f"{name}: {what}.")
+        lines.append(f"    torch:    {_outcome(plain)}.")
+        said = _outcome(guarded)
+        if guarded["outcome"] == "finished" and (guarded["fp32_islands"] or name == "hot_block"):
+            said += f"; {_islands(guarded)}"
+        lines.append(f"    ampguard: {said}.")
+        if name == "storm" and guarded["outcome"] == "finished":
+            lines.append(
+                "    (ampguard does not lower its scale for a non-finite loss: it says nothing about the scale.)"
+            )
+    return "\n".join(lines)
+
+
 def main() -> int:
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     plain = launch([sys.executable, str(SCRIPT)], base)
@@ -65,21 +109,13 @@ def main() -> int:
         rows.append((a["scenario"], cell(a), cell(b)))
     rows.append(("FutureWarnings", str(len(without["future_warnings"])), str(len(with_ampguard["future_warnings"]))))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
-    print("\n===== summary (60 optimizer steps per scenario) =====")
+    steps = max(r["steps_run"] for r in with_ampguard["results"])
+    print(f"\n===== summary ({steps} optimizer steps per scenario) =====")
     for index, row in enumerate(rows):
         print("  ".join(text.ljust(width) for text, width in zip(row, widths)))
         if index == 0:
             print("  ".join("-" * width for width in widths))
-    print(
-        "\ncalibration: torch starts at scale 65536 and burns steps finding a scale; ampguard starts at 1024."
-        "\nstorm:       24 corrupt batches (a NaN loss in any precision): torch halves its scale at each, far below 1,"
-        "\n             where it stays; ampguard skips them too (no fp16 trick fixes bad data) but keeps its scale:"
-        "\n             a non-finite loss says nothing about the loss scale."
-        "\nno_grad:     an optimizer whose parameters got no gradient crashes torch's scaler; ampguard steps it as fp32 would."
-        "\nhot_block:   one block overflows float16 on every batch: torch skips them all and its scale sinks to ~1e-14;"
-        "\n             ampguard keeps the scale, finds the modules (blocks.0.linear1, then .linear2) and runs just"
-        "\n             them in float32 (fp32 islands, docs/islands.md): a few steps lost, then it trains as fp32 would."
-    )
+    print("\n" + closing(without["results"], with_ampguard["results"]))
     return 0
 
 

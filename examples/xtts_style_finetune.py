@@ -123,6 +123,7 @@ def run(scenario: str, steps: int) -> dict[str, object]:
     trainer = Trainer(model, grad_clip=1.0, accumulation=2, second_optimizer=scenario == "no_grad")
     data = batches(seed=1)
     storm = range(steps // 4, steps // 4 + 24) if scenario == "storm" else range(0)
+    initial_scale = trainer.scaler.get_scale()
     losses: list[float] = []
     started = time.perf_counter()
     outcome = "finished"
@@ -136,16 +137,21 @@ def run(scenario: str, steps: int) -> dict[str, object]:
     except Exception as error:  # the demo reports a crash instead of dying
         outcome = f"crashed: {type(error).__name__}: {error}"
     tail = losses[-10:] or [float("nan")]
+    stats = getattr(trainer.scaler, "stats", None)  # a SafeGradScaler's counters, when ampguard is installed
     return {
         "scenario": scenario,
         "outcome": outcome,
         "steps_run": step + 1 if outcome == "finished" else step,
         # coqui's own count (scale dropped) misses skips at a floor; SafeGradScaler counts exactly.
-        "skipped_steps": trainer.scaler.stats.skipped if hasattr(trainer.scaler, "stats") else trainer.skipped,
+        "skipped_steps": stats.skipped if stats is not None else trainer.skipped,
+        "corrupt_batches": len(storm),
+        "initial_scale": initial_scale,
         "first_loss": round(losses[0], 3) if losses else None,
         "final_loss": round(sum(tail) / len(tail), 3),
         "final_scale": trainer.scaler.get_scale(),
         "seconds": round(time.perf_counter() - started, 1),
+        # The modules ampguard made fp32 islands, in the order it made them (none without ampguard).
+        "fp32_islands": list(getattr(stats, "fp32_islands", ())),
     }
 
 
@@ -158,7 +164,11 @@ def main() -> int:
     scenarios = ["calibration", "storm", "no_grad", "hot_block"] if args.scenario == "all" else [args.scenario]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        results = [run(name, args.steps) for name in scenarios]
+        results = []
+        for name in scenarios:
+            # A header on stderr, where ampguard's stats lines go: they belong to the scenario named last.
+            print(f"--- scenario {name} ({args.steps} steps) ---", file=sys.stderr, flush=True)
+            results.append(run(name, args.steps))
     deprecations = sorted(
         {str(w.message).split("(")[0].strip("`") for w in caught if issubclass(w.category, FutureWarning)}
     )
