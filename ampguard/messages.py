@@ -109,6 +109,11 @@ BAD_BATCH = (
     "no module's. The step is skipped and counted, the loss scale kept; no module is blamed, no fp32 island made."
 )
 
+NOT_RUN_AGAIN = (
+    "forward overflow at step {step}: its forward pass is not run again to find the module ({reason}); the probe "
+    "watches the next forward passes instead, and names the module at the next overflow."
+)
+
 
 ISLAND_AHEAD = (
     "fp32 island: {name} ({cls}) came within AMPGUARD_HEADROOM={headroom:g} of float16's limit before any overflow: "

@@ -24,7 +24,7 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 
 import ampguard
 import ampguard.scaler
-from ampguard.fp32_islands import healing, islands
+from ampguard.fp32_islands import healing, islands, rerun
 from ampguard.fp32_islands.model_inputs import KeepInputs
 from ampguard.syncs import HostReadCounter
 
@@ -131,9 +131,10 @@ def test_healing_run_reads_the_host_as_often_as_torch_plus_the_documented_diagno
     assert run.scaler.stats.fp32_islands == ("blocks.1.attn",)
     assert ours.by_source["aten::_local_scalar_dense"] == torch_reads.by_source["aten::_local_scalar_dense"] == steps
     # The probe, the headroom watch and the island add none; diagnose names the parameters of the first skipped
-    # step (one read), and each forward overflow reads whether the batch held inf/NaN (one read each).
+    # step (one read), and the forward overflow reads whether the batch held inf/NaN and the verdict of its forward
+    # run again (ampguard/fp32_islands/rerun.py), one read each.
     assert run.scaler.stats.nonfinite_loss == 1
-    assert ours.by_source["ampguard.read_to_host"] == 1 + 1
+    assert ours.by_source["ampguard.read_to_host"] == 1 + 2
 
 
 def test_the_permanent_line_from_the_warning_heals_plain_torch(stock_torch):
@@ -178,9 +179,9 @@ def test_an_overflow_in_the_root_is_reported_not_islanded(ampguard_log):
     run = train(3 * EVERY, model=_RootOverflow())
     assert run.scaler.stats.fp32_islands == ()
     assert len(records(ampguard_log, logging.WARNING, "forward overflow located in _RootOverflow itself")) == 1
-    # The probe looks again at the next overflow (another module may be at fault), without saying so again.
-    assert len(records(ampguard_log, logging.INFO, "watching the next forward passes")) == 1
-    assert len(records(ampguard_log, logging.DEBUG, "watching the next forward passes")) >= 1
+    # Each overflow's forward runs again (another module may be at fault) and names the root, without saying so
+    # again; after 3 such verdicts it looks less often.
+    assert len(records(ampguard_log, logging.INFO, "the forward-overflow probe looks less often")) == 1
 
 
 def _corrupt_then_hot(steps: int, corrupt: set[int], hot: set[int], model=None):
@@ -231,7 +232,7 @@ def test_models_trained_one_after_another_each_get_their_islands():
         ensemble.append(model)  # kept alive: the islands of the models before stay theirs
         # named at its first overflow: the headroom watch of step 2 saw it closest to the limit (of this model)
         assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [9]
-        assert healing._active.fruitless == 0
+        assert healing._active.back_off.fruitless == 0
 
 
 def test_uninstall_removes_the_islands():
@@ -302,20 +303,23 @@ def armings(caplog) -> int:
     )
 
 
-def test_a_scripted_block_is_reported_once_and_the_probe_backs_off_instead_of_failing(ampguard_log):
+def test_a_scripted_block_is_reported_once_and_the_probe_backs_off_instead_of_failing(ampguard_log, monkeypatch):
     """A TorchScript module takes no hooks: it is named with what to do, never made an island (which raised)."""
     model = make_net()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit.script is deprecated, and still used
         model.blocks[1].attn = torch.jit.script(model.blocks[1].attn)
+    runs_again = []
+    find = rerun.find
+    monkeypatch.setattr(rerun, "find", lambda *args: runs_again.append(1) or find(*args))
     run = train(12 * EVERY, model=model)
     assert run.scaler.stats.fp32_islands == ()
     scripted = records(ampguard_log, logging.WARNING, "forward overflow located: blocks.1.attn (Attention)")
     assert len(scripted) == 1 and "TorchScript module" in scripted[0].getMessage()
     assert not records(ampguard_log, logging.WARNING, "probe stopped")
-    # 12 overflows: armed at the 1st, 3rd and 5th (each next one a verdict that made no island), then it backs
-    # off (2, then 4 overflows pass), arming at the 9th only.
-    assert armings(ampguard_log) == 4
+    # 12 overflows, each named from its own forward run again: at the 1st, 2nd and 3rd (verdicts that made no
+    # island), then it backs off (2, 4, then 8 overflows pass): again at the 6th and the 11th. The probe never arms.
+    assert len(runs_again) == 5 and armings(ampguard_log) == 0
     assert len(records(ampguard_log, logging.INFO, "the forward-overflow probe looks less often")) == 1
 
 

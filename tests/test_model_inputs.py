@@ -79,7 +79,7 @@ def test_only_the_last_updates_inputs_are_kept():
             for _ in range(2):  # two micro-batches per update
                 model(torch.full((1, 2), float(update)))
             inputs.end_update()
-        kept = [float(args[0][0, 0]) for cycle in inputs._cycles for args, _ in cycle]
+        kept = [float(p.args[0][0, 0]) for cycle in inputs._cycles for p in cycle]
         assert kept == [float(u) for u in range(3, KEEP_UPDATES + 3) for _ in range(2)]
         assert inputs.nonfinite(1) is False and inputs.nonfinite(KEEP_UPDATES + 1) is None
         model(torch.tensor([[1.0, float("inf")]]))

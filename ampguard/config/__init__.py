@@ -45,6 +45,7 @@ class Config:
     fp32_islands: str = "auto"
     max_islands: int = 8
     probe_steps: int = 200
+    forward_rerun: bool = True
     master_weights: str = "fp16"
     stats_file: str | None = None
     watch_every: int = 100

@@ -277,6 +277,16 @@ SETTINGS: tuple[Setting, ...] = (
         _number_parser(int, 1, describe="a whole number >= 1"),
     ),
     Setting(
+        "AMPGUARD_FORWARD_RERUN",
+        "forward_rerun",
+        True,
+        "on or off",
+        "At a forward overflow, run that iteration's forward pass again (no autograd, state put back) to name the "
+        "module at once; off: the probe names it at the next overflow (a forward that cannot be repeated).",
+        "AMPGUARD_FORWARD_RERUN=off",
+        _parse_bool,
+    ),
+    Setting(
         "AMPGUARD_WATCH_EVERY",
         "watch_every",
         100,

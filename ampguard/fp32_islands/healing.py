@@ -46,9 +46,11 @@ import torch
 
 import ampguard.fp32_islands.islands as islands
 import ampguard.fp32_islands.model_inputs as model_inputs
+import ampguard.fp32_islands.rerun as rerun
 import ampguard.fp32_islands.watch_verdicts as watch_verdicts
 import ampguard.messages as messages
 from ampguard.distributed import distributed
+from ampguard.fp32_islands.back_off import BackOff
 from ampguard.fp32_islands.buffers import BufferGuard
 from ampguard.fp32_islands.model_inputs import ModelInputs
 from ampguard.fp32_islands.probe import Probe
@@ -62,16 +64,13 @@ logger = event_logger("island")
 if TYPE_CHECKING:
     from ampguard.config import Config
 
-# After this many verdicts in a row that made no island, the probe backs off: it lets 2, then 4, 8, ...
-# forward overflows pass before it arms again.
-FRUITLESS_VERDICTS = 3
-
 
 @dataclass
 class _Healing:
     mode: str
     max_islands: int
     probe_steps: int
+    rerun: bool = True  # a forward overflow's forward passes run again under the probe (rerun.py)
     probe: Probe = field(default_factory=Probe)
     watch: HeadroomWatch = field(default_factory=lambda: HeadroomWatch(0, 4.0))
     buffers: BufferGuard = field(default_factory=BufferGuard)
@@ -84,9 +83,7 @@ class _Healing:
     seen_in_device_mode: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
     # The scaler whose updates delimit buffer discovery (a weak reference).
     buffers_owner: Any = None
-    # Verdicts in a row that made no island (only a report): the overflows go on, arming again is not news.
-    fruitless: int = 0
-    skip_arming: int = 0  # forward overflows (device mode: reads that found some) to let pass before arming
+    back_off: BackOff = field(default_factory=BackOff)  # while verdicts make no island
     # Armed since the last update: if the probe recorded no module call, it did not see that iteration's forward
     # pass (armed by a read after it, in device mode) and has nothing to judge.
     armed_since_update: bool = False
@@ -105,7 +102,7 @@ def activate(config: Config) -> None:
     global _active
     deactivate()
     watch = HeadroomWatch(config.watch_every, config.headroom)
-    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps, watch=watch)
+    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps, config.forward_rerun, watch=watch)
 
 
 def deactivate() -> None:
@@ -176,9 +173,11 @@ def _host_iteration(active: _Healing, scaler: Any, overflow: bool) -> None:
     step = _steps_of(scaler)
     verdict = active.verdict if active.watch.in_read else 0
     bad_batch = overflow and active.inputs.held_nonfinite(step, updates=1, collective=True)
-    blamed = (active.watch.busy() or overflow) and _judge_watch(active, step, overflow, verdict, not bad_batch)
+    found = overflow and not bad_batch and _found_again(active, step, collective=True)
+    may_blame = not (bad_batch or found)
+    blamed = (active.watch.busy() or overflow) and _judge_watch(active, step, overflow, verdict, may_blame)
     try:
-        _end_iteration(active, scaler, owner, overflow, blamed or bad_batch)
+        _end_iteration(active, scaler, owner, overflow, blamed or bad_batch or found)
     finally:
         if active.watch.every:
             active.watch.after_update(step, may_watch=_may_watch(active), scaler=scaler)
@@ -206,7 +205,7 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
                 if not blamed and _may_arm(active):
                     _arm(active)
                     logger.log(
-                        logging.DEBUG if active.fruitless else logging.INFO,
+                        logging.DEBUG if active.back_off.fruitless else logging.INFO,
                         "forward overflow at step %d: watching the next forward passes to find the module "
                         "(AMPGUARD_PROBE_STEPS=%d).",
                         step,
@@ -230,7 +229,7 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
             active.quiet_steps += 1
             if active.quiet_steps >= active.probe_steps:
                 probe.disarm()
-                active.fruitless = active.skip_arming = 0  # the overflows stopped: the next one is news
+                active.back_off.reset()  # the overflows stopped: the next one is news
                 logger.info(
                     "forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps
                 )
@@ -241,14 +240,31 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
         _stop(active, "end", error)
 
 
+def _found_again(active: _Healing, step: int, collective: bool = False) -> bool:
+    """At a forward overflow: its forward passes run again under the probe (rerun.py). True when a module was named.
+
+    Not while the probe watches (its verdict is this iteration's) or may not arm.
+    """
+    if not active.rerun or active.probe.armed or active.exhausted or active.stopped or active.back_off.skip_arming:
+        return False
+    try:
+        call, reason = rerun.find(active.inputs.last_passes(), active.probe, collective)
+    except Exception as error:  # never the reason a run dies
+        _stop(active, "rerun", error)
+        return False
+    if reason is not None:
+        _say_once(f"rerun {reason.split(':')[0]}", messages.NOT_RUN_AGAIN.format(step=step, reason=reason))
+    if call is None:
+        return False
+    again = islands.holds(call[0])  # an island that overflows in float32 too
+    made = islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
+    _after_verdict(active, made_island=made, conclusive=again)
+    return True
+
+
 def _may_arm(active: _Healing) -> bool:
     """Whether the probe may arm at this forward overflow (no island limit reached or error, no back-off pending)."""
-    if active.exhausted or active.stopped:
-        return False
-    if active.skip_arming:
-        active.skip_arming -= 1
-        return False
-    return True
+    return not (active.exhausted or active.stopped) and active.back_off.may_arm()
 
 
 def _arm(active: _Healing) -> None:
@@ -258,20 +274,9 @@ def _arm(active: _Healing) -> None:
 
 
 def _after_verdict(active: _Healing, made_island: bool, conclusive: bool = False) -> None:
-    """After the probe named a module (or found none): back off while verdicts keep making no island.
-
-    ``conclusive``: the verdict named an existing island (float32 does not fix it): back off at once.
-    """
-    if conclusive:
-        active.fruitless = max(active.fruitless, FRUITLESS_VERDICTS - 1)
-    active.fruitless = 0 if made_island else active.fruitless + 1
-    if active.fruitless >= FRUITLESS_VERDICTS:
+    """After a verdict (a module named, or none): the probe backs off while verdicts keep making no island."""
+    if active.back_off.after_verdict(made_island, conclusive):
         active.probe.disarm()
-        active.skip_arming = 2 ** (active.fruitless - FRUITLESS_VERDICTS + 1)
-        logger.log(
-            logging.INFO if active.fruitless == FRUITLESS_VERDICTS else logging.DEBUG,
-            messages.PROBE_BACKING_OFF.format(count=active.fruitless, skip=active.skip_arming),
-        )
     _note_limit(active)
 
 
@@ -319,7 +324,7 @@ def _follow(active: _Healing, scaler: Any) -> bool:
     if active.buffers_owner is not None:  # the scaler before was freed: another model trains now
         active.buffers.restart()
         active.probe.disarm()  # it watched for the model before
-        active.fruitless = active.skip_arming = 0  # the probe backed off for the model before, not this one
+        active.back_off.reset()  # the probe backed off for the model before, not this one
         active.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
     active.buffers_owner = weakref.ref(scaler)
     return True
@@ -408,13 +413,16 @@ def after_stats_read(
         judge = ready or (unseen > 0 and pending is None)
         # The inputs of the iterations told, when they are the last ones (else not known: judged without them).
         bad_batch = unseen > 0 and active.inputs.held_nonfinite(step, iterations if current else None)
-        blamed = _judge_watch(active, step, unseen > 0, verdict, not bad_batch, watched) if judge else False
-        blamed = blamed or bad_batch
+        # Its forward passes run again when the overflow is the iteration just updated (a CPU: rows known at once).
+        found = unseen > 0 and not bad_batch and current and iterations == 1 and _found_again(active, step)
+        may_blame = not (bad_batch or found)
+        blamed = _judge_watch(active, step, unseen > 0, verdict, may_blame, watched) if judge else False
+        blamed = blamed or bad_batch or found
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"
             logger.log(
-                logging.DEBUG if active.fruitless else logging.INFO,
+                logging.DEBUG if active.back_off.fruitless else logging.INFO,
                 "forward overflow %s learned at step %d (a fused optimizer: learned from the steps' verdicts "
                 "copied to the host, without a sync): watching the next forward passes to find the module "
                 "(AMPGUARD_PROBE_STEPS=%d).",
@@ -438,7 +446,11 @@ def _stop(active: _Healing, where: str, error: Exception) -> None:
     )
 
 
-def _warn_once(key: str, message: str, *args: Any) -> None:
+def _warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
     if _active is not None and key not in _active.warned:
         _active.warned.add(key)
-        logger.warning(message, *args)
+        logger.log(level, message, *args)
+
+
+def _say_once(key: str, message: str) -> None:
+    _warn_once(key, "%s", message, level=logging.INFO)

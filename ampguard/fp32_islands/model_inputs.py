@@ -26,12 +26,13 @@ import gc
 import logging
 import weakref
 from collections import deque
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 import ampguard.messages as messages
 from ampguard.distributed import agree_on_skip, distributed
+from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
 from ampguard.fp32_islands.probe import is_compiled, nonfinite_mark
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
@@ -46,6 +47,18 @@ KEEP_UPDATES = 3
 # Forward passes kept per update at most (micro-batches of gradient accumulation, evaluation passes).
 MAX_PASSES = 64
 
+AUTOCAST_DEVICES = ("cuda", "cpu")
+
+
+class Pass(NamedTuple):
+    """One forward pass of a root module, as called."""
+
+    module: weakref.ref[torch.nn.Module]
+    args: Any
+    kwargs: Any
+    autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast region it ran in
+
+
 # By id() of the root module: the keeper of its inputs (an entry whose module is dead or whose id was reused is none).
 _kept: dict[int, tuple[weakref.ref[torch.nn.Module], ModelInputs]] = {}
 _hooks_made = False  # whether copies of a model may carry a hook (strip_everywhere scans only then)
@@ -59,7 +72,7 @@ class KeepInputs:
             return
         entry = _kept.get(id(module))
         if entry is not None and entry[0]() is module:
-            entry[1].note(args, kwargs)
+            entry[1].note(module, args, kwargs)
 
 
 class ModelInputs:
@@ -78,7 +91,7 @@ class ModelInputs:
     def __init__(self) -> None:
         self._handles: dict[int, Any] = {}
         # One list of (args, kwargs) per update, the last one open (this update's passes so far).
-        self._cycles: deque[list[tuple[Any, Any]]] = deque([[]], maxlen=KEEP_UPDATES + 1)
+        self._cycles: deque[list[Pass]] = deque([[]], maxlen=KEEP_UPDATES + 1)
         self._refused: set[int] = set()
         self.bad_batches = 0  # forward overflows found to come from inputs holding inf/NaN
         self.broken = False  # after an error: no more keeping or judging
@@ -98,10 +111,17 @@ class ModelInputs:
             self._handles[key] = root.register_forward_pre_hook(KeepInputs(), with_kwargs=True)
             _kept[key] = (weakref.ref(root), self)
 
-    def note(self, args: Any, kwargs: Any) -> None:
+    def note(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         passes = self._cycles[-1]
         if len(passes) < MAX_PASSES:
-            passes.append((args, kwargs))
+            autocast = tuple(
+                (device, autocast_dtype(device)) for device in AUTOCAST_DEVICES if autocast_enabled(device)
+            )
+            passes.append(Pass(weakref.ref(module), args, kwargs, autocast))
+
+    def last_passes(self) -> list[Pass]:
+        """The forward passes of the last update (its micro-batches, in order)."""
+        return list(self._cycles[-2]) if len(self._cycles) > 1 else []
 
     def end_update(self) -> None:
         """An optimizer update begins its bookkeeping: the passes so far are its own, the next ones the next's."""
@@ -111,7 +131,7 @@ class ModelInputs:
         """Whether the inputs of the last ``updates`` updates held inf/NaN (one read); None: not kept."""
         ended = list(self._cycles)[:-1]
         cycles = ended[-updates:] if 0 < updates <= len(ended) else []
-        mark = nonfinite_mark(tensors(cycles)) if any(cycles) else None
+        mark = nonfinite_mark(tensors([(p.args, p.kwargs) for cycle in cycles for p in cycle])) if any(cycles) else None
         return None if mark is None else bool(read_to_host(mark.isnan()))
 
     def held_nonfinite(self, step: int, updates: int | None, collective: bool = False) -> bool:
