@@ -8,6 +8,14 @@ hooks' keys: hooks registered anew at each arming (new keys) made it compile
 again at each watched or sampled step, until its recompile limit, after which
 it ran eagerly for good. Re-inserted under the keys of their first
 registration, the hooks give the same guards each time: one more graph, once.
+
+What is registered is a plain function (:func:`eager_only`), never the bound
+method given: a module called inside a compiled region calls the global hooks
+inside it, so dynamo traces them. torch 2.3's dynamo can call a bound method
+only of an ``nn.Module`` (``call_function UserDefinedObjectVariable``: a graph
+break, with ``fullgraph=True`` an error); a function it inlines, and its first
+line, ``is_compiling()``, is constant there: the hook returns before anything
+of ampguard's is read, so nothing of it is traced or guarded on.
 """
 
 from __future__ import annotations
@@ -16,6 +24,19 @@ from collections.abc import Callable
 from typing import Any
 
 from torch.nn.modules import module as nn_module
+
+from ampguard.torch_privates import is_compiling
+
+
+def eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` as a plain function (a global module hook) that returns None at once while dynamo traces it."""
+
+    def call(*args: Any) -> Any:
+        if is_compiling():
+            return None
+        return hook(*args)
+
+    return call
 
 
 class GlobalModuleHooks:
@@ -30,8 +51,9 @@ class GlobalModuleHooks:
     """
 
     def __init__(self, before: Callable[..., Any], after: Callable[..., Any]) -> None:
-        self._before = before
-        self._after = after
+        # Made once: the same functions under the same keys at each arming (dynamo guards on them).
+        self._before = eager_only(before)
+        self._after = eager_only(after)
         self._keys: tuple[int, int] | None = None
         self.armed = False
 

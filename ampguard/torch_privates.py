@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -108,14 +109,24 @@ def problem(privates: Iterable[Private]) -> str | None:
 
 
 def is_compiling() -> bool:
-    """Whether dynamo is tracing the caller (``torch.compiler.is_compiling``; ``torch._dynamo``'s before 2.3).
+    """Whether torch.compile is tracing the caller: dynamo (``torch.compiler.is_compiling``; ``torch._dynamo``'s
+    before 2.3), or the backend tracing the graph dynamo made (a compile in progress).
 
     Global module hooks return at once then: dynamo would trace them, and on torch 2.3 a hook that looks at
-    modules recursed until the process aborted.
+    modules recursed until the process aborted. torch 2.3's ``is_compiling()`` is true only where dynamo traces
+    (it folds the call to a constant, and never traces the lines after it), and its graphs call ``torch.nn``
+    modules (``call_module``): AOT autograd (``aot_eager``, inductor) traces them through their ``__call__``, global
+    hooks and all, with functional and fake tensors, while it is false. A later torch holds it true for the whole
+    compile (torch 2.14 in CI); on 2.3 dynamo's compile context (set for the whole compile, never while compiled
+    code runs) tells.
     """
     import torch
 
     check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if check is None:
         check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return bool(check and check())
+    if check and check():
+        return True
+    guards = sys.modules.get("torch._guards")  # (imported by torch._dynamo: not there, nothing compiles)
+    context = getattr(getattr(guards, "CompileContext", None), "try_get", None)
+    return context is not None and context() is not None

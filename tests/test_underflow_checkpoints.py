@@ -81,9 +81,9 @@ def underflow_state(scaler: Any) -> Any:
 
 
 def hooks_of(sampler: Any) -> list[Any]:
-    """The global module hooks the underflow sampler holds."""
+    """The global module hooks the underflow sampler holds (functions, not its bound methods: ampguard.module_hooks)."""
     hooks = [*nn.modules.module._global_forward_pre_hooks.values(), *nn.modules.module._global_forward_hooks.values()]
-    return [hook for hook in hooks if getattr(hook, "__self__", None) is sampler]
+    return [hook for hook in hooks if hook is sampler._hooks._before or hook is sampler._hooks._after]
 
 
 @pytest.mark.parametrize("how", ["state_dict", "pickle", "deepcopy"])

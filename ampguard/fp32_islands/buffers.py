@@ -43,8 +43,8 @@ import torch
 from torch.nn.modules import module as nn_module
 
 from ampguard.log import event_logger
+from ampguard.module_hooks import eager_only
 from ampguard.syncs import read_to_host
-from ampguard.torch_privates import is_compiling
 
 logger = event_logger("buffers")
 
@@ -111,13 +111,16 @@ class BufferGuard:
         return self.state == "guarding" and not self.buffers
 
     def _note(self, module: torch.nn.Module, args: Any) -> None:
-        """Discovery's pre-hook: a module with buffers, and their values before this forward pass updates them."""
+        """Discovery's pre-hook: a module with buffers, and their values before this forward pass updates them.
+
+        Registered through :func:`eager_only`: a module called inside compiled code is not seen (dynamo would trace
+        this method: torch 2.3 cannot call it there, a graph break, with ``fullgraph=True`` an error).
+        """
         if module._buffers and id(module) not in self._modules:
             self._modules[id(module)] = weakref.ref(module)
-            if not is_compiling():  # the copy is what an overflow in this very iteration is put back to
-                with _ordinary_tensors():
-                    for _, buffer in _guardable(module):
-                        self._before.setdefault(id(buffer), buffer.detach().clone())
+            with _ordinary_tensors():  # the copy is what an overflow in this very iteration is put back to
+                for _, buffer in _guardable(module):
+                    self._before.setdefault(id(buffer), buffer.detach().clone())
 
     @property
     def discovered(self) -> bool:
@@ -132,7 +135,7 @@ class BufferGuard:
         """
         if self.state == "new":
             self.state = "discovering"
-            self._handle = nn_module.register_module_forward_pre_hook(self._note)
+            self._handle = nn_module.register_module_forward_pre_hook(eager_only(self._note))
             return False
         if self.state == "discovering":
             self.close()
@@ -244,7 +247,7 @@ class BufferGuard:
                 total += buffer.numel()
         self.buffers = [buffer for buffer, _ in found.values()]
         self.labels = [label for _, label in found.values()]
-        # A buffer without a copy from before (a module first called inside compiled code) starts from its value now.
+        # A buffer without a copy from before (one the module was given after its first call) starts from its value now.
         with _ordinary_tensors():
             self.snapshot = [
                 self._before[key] if key in self._before else buffer.detach().clone()
