@@ -148,8 +148,16 @@ class Counting:
 OLD_DYNAMO_HOOKS = pytest.mark.xfail(
     torch_release().release < (2, 4),
     strict=True,
-    reason="open (issue 31): torch 2.3.1's dynamo cannot trace ampguard's global hooks (bound methods) in a compiled "
-    "region with fullgraph=True, and compiles a region again when they change",
+    reason="open (issue 31): torch 2.3.1's dynamo guards a region on torch's global module hooks (read by "
+    "nn.Module._call_impl, inlined at each submodule call), empty ones included: the region is compiled again for the "
+    "steps where ampguard's are armed (buffer discovery with the watch and the sample, then those 2): 3 graphs, not 1",
+)
+OLD_DYNAMO_MODE = pytest.mark.xfail(
+    torch_release().release < (2, 4),
+    strict=True,
+    reason="open (issue 31): torch 2.3.1 checks a compiled function's guards under the watch's dispatch mode (its key "
+    "fails the tensor guards) and compiles it with the mode off: compiled again at every watched step, and at the 9th "
+    "dynamo raises (its recompile limit: AssertionError 'TODO(whc) any other recompile reasons?')",
 )
 
 
@@ -243,7 +251,7 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-@OLD_DYNAMO_HOOKS
+@OLD_DYNAMO_MODE
 @pytest.mark.usefixtures("dynamo_reset")
 def test_a_helper_function_compiled_with_inductor_and_fullgraph_inside_an_eager_model(reinstall, ampguard_log):
     """``torch.compile(swiglu, fullgraph=True)`` (inductor: its own kernels) called by an eager module. Were it run
