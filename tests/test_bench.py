@@ -6,6 +6,7 @@ docs/performance.md has the measured numbers and the method.
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -267,7 +268,7 @@ def test_bench_json_has_the_documented_fields(bench_json):
     assert set(bench_json["import_time"]) == IMPORT_FIELDS
     assert bench_json["targets"] == report.TARGETS
     assert {c["name"] for c in bench_json["checks"]} == set(report.TARGETS)
-    assert all(set(c) == {"name", "target", "measured", "ok"} for c in bench_json["checks"])
+    assert all(set(c) == {"name", "target", "measured", "ok", "unreliable"} for c in bench_json["checks"])
     assert bench_json["environment"]["torch_threads"] == 1
     assert bench_json["settings"]["model"] == {
         "vocab": 64,
@@ -312,6 +313,176 @@ def test_bench_table_plain_text(bench_json):
     assert "import ampguard after torch" in text
     assert "clip_grad_norm_, 100 tensors, nothing scaled" in text
     assert "a step sampled for underflow" in text
+
+
+# -- what the table says of its own figures (a synthetic result: wording and logic, no timing) ----------
+
+
+def _synthetic(load: float, ratio_stderr: float = 0.001) -> dict:
+    """A bench result on a 2-core machine: torch's median faster, the paired ratio under 1, the targets missed."""
+    result = {
+        "environment": {
+            "ampguard": "0.1.0",
+            "torch": "2.14.1",
+            "python": "3.11.7",
+            "device": "cpu",
+            "device_name": "x86_64",
+            "cpu_count": 2,
+            "torch_threads": 2,
+            "load_average_before": [load, load, load],
+            "load_average_after": [load + 2, load, load],
+        },
+        "settings": {
+            "steps": 50,
+            "block_steps": 1,
+            "warmup_steps": 10,
+            "autocast_dtype": "float16",
+            "fused": False,
+            "model": dataclasses.asdict(TINY),
+        },
+        "clip_wrapped": True,
+        "step_time": {
+            "plain": {
+                "optimizer": "AdamW",
+                "torch_ms_per_step": 10.0,
+                "ampguard_ms_per_step": 10.5,  # the medians: ampguard slower ...
+                "ratio": 1.02,  # ... the ratio too: they agree here
+                "ratio_min": 0.6,
+                "ratio_max": 1.7,
+                "ratio_stderr": ratio_stderr,
+                "overhead_us_per_step": 200.0,
+                "blocks": 50,
+                "block_steps": 1,
+                "same_parameters": True,
+                "underflow_growths": 0,
+            },
+            "fused": {
+                "optimizer": "AdamW(fused=True)",
+                "torch_ms_per_step": 10.0,
+                "ampguard_ms_per_step": 9.8,  # the medians: ampguard faster; the paired ratio: slower
+                "ratio": 1.03,
+                "ratio_min": 0.6,
+                "ratio_max": 1.7,
+                "ratio_stderr": ratio_stderr,
+                "overhead_us_per_step": 300.0,
+                "blocks": 50,
+                "block_steps": 1,
+                "same_parameters": True,
+                "underflow_growths": 0,
+            },
+        },
+        "syncs": {
+            "plain": {
+                "optimizer": "AdamW",
+                "torch_per_step": 1,
+                "ampguard_per_step": 1,
+                "extra_per_step": 0,
+                "ampguard_per_stats_report": 0,
+                "torch_ops_per_step": 100,
+                "ampguard_ops_per_step": 104,
+                "extra_ops_per_step": {"aten::mul_": 4},
+            }
+        },
+        "clip_idle": {
+            "tensors": 100,
+            "tensor_shape": [64, 64],
+            "wrapped": True,
+            "torch_us_per_call": 500.0,
+            "ampguard_us_per_call": 520.0,
+            "overhead": 0.03,
+            "overhead_min": -0.2,
+            "overhead_max": 0.4,
+            "overhead_stderr": 0.004,
+            "torch_syncs_per_call": 0,
+            "ampguard_syncs_per_call": 0,
+            "blocks": 30,
+        },
+        "sampled_steps": {},
+        "import_time": {
+            "runs": 5,
+            "bytecode_cache": True,
+            "torch_ms": 900.0,
+            "ampguard_ms": 60.0,
+            "ampguard_ms_min": 55.0,
+            "ampguard_ms_max": 70.0,
+            "ampguard_cpu_ms": 25.0,
+            "ampguard_terminal_ms": None,
+            "ampguard_terminal_cpu_ms": None,
+        },
+        "targets": dict(report.TARGETS),
+    }
+    result["checks"] = report.checks(result)
+    return result
+
+
+def _table_text(result: dict) -> str:
+    stream = io.StringIO()
+    print_table(
+        report.title(result),
+        ["measure", "torch", "ampguard", "result", "target", "met"],
+        list(report.iter_table_rows(result)),
+        stream=stream,
+    )
+    return stream.getvalue()
+
+
+def test_bench_table_says_what_ran():
+    text = _table_text(_synthetic(load=0.1))
+    title = text.splitlines()[0]
+    for said in ("cpu (x86_64, 2 cores)", "autocast float16", "2 torch thread(s)", "load average 0.10 before"):
+        assert said in title
+    assert "others' 0.05 per core" in title  # the bench's own 2 threads are taken off the load after
+
+
+def test_a_quiet_machine_misses_a_target_with_a_flat_no():
+    result = _synthetic(load=0.1)
+    assert all(c["unreliable"] is None for c in result["checks"])
+    text = _table_text(result)
+    step_rows = [line for line in text.splitlines() if line.startswith("step time")]
+    assert all(line.rstrip().endswith("NO") for line in step_rows)
+    assert report.unreliable_note(result) is None
+    assert "unreliable" not in text and "unreliable" not in markdown.render(result, "python -m ampguard bench")
+
+
+def test_a_busy_machine_says_its_timed_figures_are_unreliable_instead_of_no():
+    result = _synthetic(load=1.5)  # others' load: 1.5 before, 3.5 - 2 after: 1.5 / 2 cores = 0.75 per core
+    verdicts = {c["name"]: report.verdict(c["ok"], c["unreliable"]) for c in result["checks"]}
+    assert verdicts == {
+        "step_time_ratio": "unreliable",
+        "extra_syncs_per_step": "yes",  # counted, not timed: the load changes nothing
+        "import_overhead_ms": "unreliable",
+        "clip_idle_overhead": "unreliable",
+    }
+    assert "load 0.75/core" in next(c["unreliable"] for c in result["checks"] if c["name"] == "step_time_ratio")
+    text = _table_text(result)
+    assert "others' 0.75 per core" in text.splitlines()[0]
+    step_rows = [line for line in text.splitlines() if line.startswith("step time")]
+    assert step_rows and all(line.rstrip().endswith("unreliable") for line in step_rows)
+    note = report.unreliable_note(result)
+    assert note is not None and note.startswith("unreliable: step_time_ratio (load 0.75/core")
+    section = markdown.render(result, "python -m ampguard bench")
+    assert (
+        "busy, the timings are unreliable" in section and "| step_time_ratio | <= 1.01 | 1.03 | unreliable |" in section
+    )
+    assert "Unreliable: step_time_ratio" in section
+
+
+def test_a_wide_spread_is_unreliable_on_a_quiet_machine_too():
+    result = _synthetic(load=0.1, ratio_stderr=0.02)
+    why = next(c["unreliable"] for c in result["checks"] if c["name"] == "step_time_ratio")
+    assert why is not None and why.startswith("spread: +-0.0200 s.e.") and "load" not in why
+    assert next(c["unreliable"] for c in result["checks"] if c["name"] == "extra_syncs_per_step") is None
+
+
+def test_the_medians_that_point_the_other_way_from_the_ratio_are_called_out():
+    result = _synthetic(load=0.1)
+    rows = {line.split("  ")[0]: line for line in _table_text(result).splitlines() if line.startswith("step time")}
+    assert report.DISAGREE in rows["step time, AdamW(fused=True)"]  # 9.8 < 10.0 ms, ratio 1.03
+    assert report.DISAGREE not in rows["step time, AdamW"]  # 10.5 > 10.0 ms, ratio 1.02
+    assert "ms (median)" in rows["step time, AdamW"]
+    section = markdown.render(result, "python -m ampguard bench")
+    assert section.count("(the medians point the other way: drift)") == 1
+    assert "not the ratio of the two medians beside it" in section
 
 
 def test_bench_rejects_a_device_it_does_not_have(capsys):

@@ -134,15 +134,15 @@ def main(args: argparse.Namespace) -> int:
         return 0
     from ampguard.commands.console import print_table
 
-    environment = result["environment"]
-    title = (
-        f"ampguard bench: {environment['device']} ({environment['device_name']}), torch {environment['torch']}, "
-        f"{environment['torch_threads']} threads, load {environment['load_average_before']}"
-    )
     print_table(
-        title, ["measure", "torch", "ampguard", "result", "target", "met"], list(report.iter_table_rows(result))
+        report.title(result),
+        ["measure", "torch", "ampguard", "result", "target", "met"],
+        list(report.iter_table_rows(result)),
     )
     print(report.RATIO_NOTE)
+    note = report.unreliable_note(result)
+    if note:
+        print(note)
     if not result["clip_wrapped"]:
         print("note: the clip_grad patch is not applied: both variants call torch's clip_grad_norm_.")
     return 0

@@ -41,6 +41,72 @@ TARGETS: dict[str, float] = {
 }
 
 
+# When the timed figures are not to be trusted (a "NO" then says "unreliable" instead):
+# other processes' 1-minute load average per core above this (they take turns with the bench on the cores) ...
+BUSY_LOAD_PER_CORE = 0.5
+# ... or a spread so wide that the target's margin lies within two standard errors (the import time: its
+# fastest and slowest run further apart than the target itself).
+TIMED = ("step_time_ratio", "import_overhead_ms", "clip_idle_overhead")
+
+
+def load_per_core(environment: dict[str, Any]) -> float | None:
+    """Other processes' 1-minute load average per core: the larger of before and after, less the bench's threads.
+
+    The load after includes the bench itself (about one per torch thread), which is not taken as a sign of a
+    busy machine; None where the OS has no load average.
+    """
+    before, after = environment.get("load_average_before"), environment.get("load_average_after")
+    cores = environment.get("cpu_count") or 1
+    loads = []
+    if before:
+        loads.append(before[0])
+    if after:
+        loads.append(max(0.0, after[0] - (environment.get("torch_threads") or 1)))
+    return max(loads) / cores if loads else None
+
+
+def unreliable(name: str, result: dict[str, Any], timing: dict[str, Any] | None = None) -> str | None:
+    """Why the timed figure behind target ``name`` is not to be trusted on this run, or None.
+
+    ``timing``: one optimizer kind's ``step_time`` entry (default: the one the check took, the worst).
+    """
+    if name not in TIMED:
+        return None  # counted, not timed: the load changes nothing
+    reasons = []
+    load = load_per_core(result["environment"])
+    if load is not None and load > BUSY_LOAD_PER_CORE:
+        reasons.append(f"load {load:.2f}/core, over {BUSY_LOAD_PER_CORE:g}")
+    if name == "step_time_ratio":
+        timings = [timing] if timing else [t for t in result["step_time"].values() if t]
+        worst = max(timings, key=lambda t: t["ratio"], default=None)
+        if worst and 2 * worst["ratio_stderr"] > TARGETS[name] - 1.0:
+            reasons.append(f"spread: +-{worst['ratio_stderr']:.4f} s.e., over half the {TARGETS[name] - 1:.0%} margin")
+    elif name == "clip_idle_overhead" and result.get("clip_idle"):
+        stderr = result["clip_idle"]["overhead_stderr"]
+        if 2 * stderr > TARGETS[name]:
+            reasons.append(f"spread: +-{stderr:.1%} s.e., over half the {TARGETS[name]:.0%} margin")
+    elif name == "import_overhead_ms" and result.get("import_time"):
+        imported = result["import_time"]
+        if imported["ampguard_ms_max"] - imported["ampguard_ms_min"] > TARGETS[name]:
+            reasons.append(
+                f"spread: {imported['ampguard_ms_min']:.0f}..{imported['ampguard_ms_max']:.0f} ms, "
+                f"wider than the {TARGETS[name]:g} ms target"
+            )
+    return "; ".join(reasons) or None
+
+
+def verdict(ok: bool, why_unreliable: str | None) -> str:
+    """The "met" column: yes / NO, or "unreliable" where a miss may be the machine's (a met target says so too)."""
+    if why_unreliable is None:
+        return "yes" if ok else "NO"
+    return "yes (unreliable)" if ok else "unreliable"
+
+
+def medians_disagree(torch_value: float, ampguard_value: float, ratio: float) -> bool:
+    """The two medians' order says the other run is faster than the paired ratio does."""
+    return (ampguard_value - torch_value) * (ratio - 1.0) < 0
+
+
 def _load() -> list[float] | None:
     try:
         return [round(x, 2) for x in os.getloadavg()]
@@ -74,6 +140,7 @@ def checks(result: dict[str, Any]) -> list[dict[str, Any]]:
             "target": f"{'==' if name == 'extra_syncs_per_step' else '<='} {TARGETS[name]:g}",
             "measured": value,
             "ok": value <= TARGETS[name],
+            "unreliable": unreliable(name, result),
         }
         for name, value in measured.items()
     ]
@@ -155,25 +222,57 @@ def run(options: Options) -> dict[str, Any]:
 RATIO_NOTE = (
     "note: a step time's ratio is the median of ampguard/torch over pairs of blocks run back to back, not the "
     "ratio of the two medians beside it: pairing cancels the machine's drift between blocks, which the medians "
-    "keep, so the two can differ, even in which run they call faster."
+    "keep, so the two can differ, even in which run they call faster (the row says so when they do)."
 )
+DISAGREE = "the medians beside it point the other way (drift between blocks: see the note)"
+
+
+def title(result: dict[str, Any]) -> str:
+    """What ran, where, and how busy the machine was."""
+    environment, settings = result["environment"], result["settings"]
+    load = load_per_core(environment)
+    return (
+        f"ampguard bench: {environment['device']} ({environment['device_name']}, {environment['cpu_count']} cores), "
+        f"autocast {settings['autocast_dtype']}, {environment['torch_threads']} torch thread(s), "
+        f"torch {environment['torch']}; 1-minute load average {_shown(environment['load_average_before'])} before, "
+        f"{_shown(environment['load_average_after'])} after"
+        + (f" (others' {load:.2f} per core)" if load is not None else "")
+    )
+
+
+def _shown(values: list[float] | None) -> str:
+    return f"{values[0]:.2f}" if values else "unknown"
+
+
+def unreliable_note(result: dict[str, Any]) -> str | None:
+    """One paragraph naming the targets whose figures are unreliable on this run, and why; None when none is."""
+    named = [f"{c['name']} ({c['unreliable']})" for c in result["checks"] if c.get("unreliable")]
+    if not named:
+        return None
+    return (
+        "unreliable: " + ", ".join(named) + ". These figures say more about the machine than about ampguard: "
+        f"a miss there is not a measured cost. Rerun on an idle machine (load under {BUSY_LOAD_PER_CORE:g} per "
+        "core), with --threads 1 and more --steps."
+    )
 
 
 def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
     """``[measure, torch, ampguard, result, target, ok]`` rows for the human-readable table."""
-    verdict = {c["name"]: "yes" if c["ok"] else "NO" for c in result["checks"]}
+    met = {c["name"]: verdict(c["ok"], c.get("unreliable")) for c in result["checks"]}
     for key, timing in result["step_time"].items():
         if timing is None:
             yield [f"step time, {optimizer_name(key == 'fused')}", "-", "-", "unavailable", "", ""]
             continue
+        disagree = medians_disagree(timing["torch_ms_per_step"], timing["ampguard_ms_per_step"], timing["ratio"])
         yield [
             f"step time, {timing['optimizer']}",
-            f"{timing['torch_ms_per_step']:.2f} ms",
-            f"{timing['ampguard_ms_per_step']:.2f} ms",
+            f"{timing['torch_ms_per_step']:.2f} ms (median)",
+            f"{timing['ampguard_ms_per_step']:.2f} ms (median)",
             f"median paired ratio {timing['ratio']:.4f} +-{timing['ratio_stderr']:.4f} "
-            f"({timing['ratio_min']:.3f}-{timing['ratio_max']:.3f}), {timing['overhead_us_per_step']:+.0f} us/step",
+            f"({timing['ratio_min']:.3f}-{timing['ratio_max']:.3f}), {timing['overhead_us_per_step']:+.0f} us/step"
+            + (f"; {DISAGREE}" if disagree else ""),
             f"<= {TARGETS['step_time_ratio']}",
-            "yes" if timing["ratio"] <= TARGETS["step_time_ratio"] else "NO",
+            verdict(timing["ratio"] <= TARGETS["step_time_ratio"], unreliable("step_time_ratio", result, timing)),
         ]
     for counted in result["syncs"].values():
         if "unavailable" in counted:
@@ -198,7 +297,7 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
             f"median of {imported['runs']}; CPU {imported['ampguard_cpu_ms']:.1f} ms"
             + (f"; on a terminal {terminal:.1f} ms" if terminal is not None else ""),
             f"<= {TARGETS['import_overhead_ms']:g} ms",
-            verdict.get("import_overhead_ms", ""),
+            met.get("import_overhead_ms", ""),
         ]
     watched = result.get("sampled_steps", {}).get("headroom_watch")
     if watched and "unavailable" not in watched:
@@ -225,11 +324,16 @@ def iter_table_rows(result: dict[str, Any]) -> Iterator[list[str]]:
     clip = result["clip_idle"]
     yield [
         f"clip_grad_norm_, {clip['tensors']} tensors, nothing scaled",
-        f"{clip['torch_us_per_call']:.0f} us",
-        f"{clip['ampguard_us_per_call']:.0f} us",
-        f"{clip['overhead']:+.2%} ({clip['overhead_min']:+.1%}..{clip['overhead_max']:+.1%}); "
+        f"{clip['torch_us_per_call']:.0f} us (median)",
+        f"{clip['ampguard_us_per_call']:.0f} us (median)",
+        f"median paired {clip['overhead']:+.2%} ({clip['overhead_min']:+.1%}..{clip['overhead_max']:+.1%}); "
         f"syncs {clip['torch_syncs_per_call']} vs {clip['ampguard_syncs_per_call']}"
-        + ("" if clip["wrapped"] else "; clip patch not applied"),
+        + ("" if clip["wrapped"] else "; clip patch not applied")
+        + (
+            f"; {DISAGREE}"
+            if medians_disagree(clip["torch_us_per_call"], clip["ampguard_us_per_call"], 1.0 + clip["overhead"])
+            else ""
+        ),
         f"<= {TARGETS['clip_idle_overhead']:.0%}",
-        verdict.get("clip_idle_overhead", ""),
+        met.get("clip_idle_overhead", ""),
     ]
