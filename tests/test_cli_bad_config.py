@@ -39,18 +39,18 @@ def test_other_commands_print_one_line_and_exit_2(args):
 
 def test_doctor_reports_the_bad_variable_as_a_finding():
     done = ampguard_command("doctor", "--json", env={"AMPGUARD_MAX_SCALE": "1e39"})
-    assert done.returncode == 0 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr  # the report, then exit 2 (docs/doctor.md)
     report = json.loads(done.stdout)
     assert report["config_error"].startswith("AMPGUARD_MAX_SCALE='1e39' is not valid")
     assert report["gpus"] == [] and report["patches"]  # the rest of the report is there
     table = ampguard_command("doctor", env={"AMPGUARD_MAX_SCALE": "1e39"})
-    assert table.returncode == 0 and "configuration problem" in table.stdout
+    assert table.returncode == 2 and "configuration problem" in table.stdout
 
 
 def test_doctor_reports_every_bad_variable_and_every_unknown_name(capsys):
     bad = {"AMPGUARD_MAX_SCALE": "1e39", "AMPGUARD_FP32_ISLANDS": "off", "ampguard_init_scale": "3"}
     done = ampguard_command("doctor", "--json", env=bad)
-    assert done.returncode == 0, done.stderr
+    assert done.returncode == 2, done.stderr
     report = json.loads(done.stdout)
     assert [problem.split("=")[0] for problem in report["config_problems"]] == [
         "AMPGUARD_MAX_SCALE",

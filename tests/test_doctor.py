@@ -239,3 +239,43 @@ def test_libraries_come_from_metadata_without_importing_them(tmp_path):
     libraries, imported = json.loads(result.stdout)
     assert {"name": "transformers", "version": "99.1.0"} in libraries
     assert imported is False
+
+
+def _command(*args: str, **variables: str) -> subprocess.CompletedProcess:
+    """``python -m ampguard ARGS`` with these AMPGUARD_* variables only."""
+    environment = {k: v for k, v in os.environ.items() if not k.upper().startswith("AMPGUARD")}
+    environment |= {"AMPGUARD_QUIET": "1"} | variables
+    return subprocess.run(
+        [sys.executable, "-m", "ampguard", *args], capture_output=True, text=True, env=environment, timeout=120
+    )
+
+
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_exit_status_0_with_a_good_configuration_or_only_an_unknown_name(json_flag):
+    """Exit 0: a name ampguard does not know is a warning; the JSON keeps its shape."""
+    result = _command("doctor", *json_flag, AMPGUARD_INIT_SCLAE="1024")
+    assert result.returncode == 0, result.stderr
+    assert "error" not in result.stderr
+    if json_flag:
+        data = json.loads(result.stdout)
+        assert_matches_docs(data, complete=False)
+        assert data["config_problems"] == [] and data["config_error"] is None
+        assert [w.split(" ")[0] for w in data["config_warnings"]] == ["AMPGUARD_INIT_SCLAE"]
+    else:
+        assert "configuration warning" in result.stdout and "configuration problem" not in result.stdout
+
+
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_exit_status_2_with_a_bad_value_as_patches_exits(json_flag):
+    """Exit 2 for AMPGUARD_INIT_SCALE=abc, as ``ampguard patches`` does; the whole report is printed first."""
+    result = _command("doctor", *json_flag, AMPGUARD_INIT_SCALE="abc")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].startswith("ampguard doctor: error: 1 bad AMPGUARD_* value")
+    if json_flag:
+        data = json.loads(result.stdout)  # stdout is the JSON object alone, the same fields as ever
+        assert_matches_docs(data, complete=False)
+        assert [problem.split("=")[0] for problem in data["config_problems"]] == ["AMPGUARD_INIT_SCALE"]
+    else:
+        assert "configuration problem" in result.stdout and "recommendation:" in result.stdout
+    assert _command("patches", AMPGUARD_INIT_SCALE="abc").returncode == result.returncode == 2

@@ -1,7 +1,8 @@
 """``ampguard doctor``: this machine, ampguard's state here, and the precision setup to train with.
 
 Works on a machine without a GPU. ``--json`` prints one object whose fields
-are documented in ``docs/doctor.md`` (a test keeps the two in step).
+are documented in ``docs/doctor.md`` (a test keeps the two in step). Exit status
+0, or 2 when the configuration has a bad value (the report is printed all the same).
 """
 
 from __future__ import annotations
@@ -167,10 +168,20 @@ def _config_value(value: Any) -> str:
 
 
 def main(args: argparse.Namespace) -> int:
+    """Exit status 0, or 2 when an ``AMPGUARD_*`` value is bad (as every other command that needs the
+    configuration exits); a name ampguard does not know is a warning and leaves it 0."""
     data = collect()
     if args.json:
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
-        return 0
-    render(data)
+    else:
+        render(data)
+    if data["config_problems"] or data["config_error"]:
+        count = len(data["config_problems"]) or 1
+        print(
+            f"ampguard doctor: error: {count} bad AMPGUARD_* value{'s' if count != 1 else ''} "
+            f"({'config_problems' if args.json else 'configuration problem, above'}): exit status 2",
+            file=sys.stderr,
+        )
+        return 2
     return 0
