@@ -39,10 +39,17 @@ def finish(title: str, process: subprocess.Popen[str]) -> dict:
     results = max((i for i, line in enumerate(lines) if line.startswith('{"results"')), default=None)
     print(f"\n===== {title} =====")
     shown = [line for i, line in enumerate(lines) if i != results]
-    print("\n".join(line if len(line) < 220 else line[:217] + "..." for line in shown))
+    print("\n".join(_shortened(line) for line in shown))
     if process.returncode != 0 or results is None:
         raise SystemExit(f"{title} exited with {process.returncode}")
     return json.loads(lines[results])
+
+
+def _shortened(line: str) -> str:
+    """A long line cut at 220 characters; a stats line keeps its step, interval, run and now parts whole."""
+    if "stats step=" in line and " | last " in line:
+        line = line.split(" | last ")[0] + " | last ..."
+    return line if len(line) < 220 or "stats step=" in line else line[:217] + "..."
 
 
 def cell(result: dict) -> str:

@@ -86,6 +86,8 @@ def test_demo_driver_prints_the_side_by_side_summary():
     skipped = re.findall(r"(\d+) skipped", row)[-1]
     assert re.search(rf"^hot_block: .*\n.*\n    ampguard: skipped {skipped} of ", summary, flags=re.M)
     assert "--- scenario hot_block (60 steps) ---" in result.stdout
+    stats = [line for line in result.stdout.splitlines() if "stats step=" in line]
+    assert stats and all("| now: consecutive_skipped=" in line for line in stats)  # shortened, never that part
 
 
 def _sections(stderr: str) -> dict[str, list[str]]:
