@@ -6,16 +6,21 @@
 
 A bad line stops the report with ``ampguard report: error: FILE line N: ...``
 (exit status 2); only an incomplete last line, as a crash mid-write leaves it,
-is skipped with a warning. See docs/stats-file.md.
+is skipped with a warning. ``--png`` on a file without stats lines prints the
+report, says there is nothing to chart and exits 1. See docs/stats-file.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import logging
 import math
 import sys
 import time
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 from ampguard.stats.report import ReportError, Run, Series, read
@@ -32,26 +37,50 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if args.png:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
-            return _error("--png needs matplotlib, which is not installed: pip install 'ampguard[report]'")
     try:
-        runs, warnings = read(args.file)
+        runs, problems = read(args.file)
     except ReportError as error:
         return _error(str(error))
-    for warning in warnings:
-        print(f"ampguard report: warning: {warning}", file=sys.stderr)
+    charted = any(run.series for run in runs)
+    if args.png and charted:
+        try:
+            with _quiet_third_parties():
+                import matplotlib  # noqa: F401
+        except ImportError:
+            return _error("--png needs matplotlib, which is not installed: pip install 'ampguard[report]'")
+    for problem in problems:
+        print(f"ampguard report: warning: {problem}", file=sys.stderr)
     if args.json:
         json.dump([run.summary() for run in runs], sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(render(args.file, runs))
     if args.png:
-        draw_png(runs, args.png)
+        if not charted:
+            print(
+                f"ampguard report: nothing to chart: {args.file} has no stats lines (the run was shorter than "
+                f"AMPGUARD_STATS_EVERY, 500 steps by default, or it was 0); no PNG written",
+                file=sys.stderr,
+            )
+            return 1
+        with _quiet_third_parties():
+            draw_png(runs, args.png)
         print(f"chart written to {args.png}", file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+@contextlib.contextmanager
+def _quiet_third_parties() -> Iterator[None]:
+    """matplotlib's warnings and log records (a font cache being built, an empty legend) are not the report's."""
+    library = logging.getLogger("matplotlib")
+    level = library.level
+    library.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        library.setLevel(level)
 
 
 def _error(message: str) -> int:
@@ -68,7 +97,10 @@ def render(path: str, runs: list[Run]) -> str:
             f"\nrun {number}: {_when(summary)}, pid {summary['pid'] or '?'}, ampguard {summary['ampguard'] or '?'}"
         )
         if not run.series:
-            out.append("  no stats lines (AMPGUARD_STATS_EVERY=0, or fewer steps than it)")
+            out.append(
+                "  no stats lines (fewer steps than AMPGUARD_STATS_EVERY, 500 by default, or it is 0): "
+                "what follows is from the run's events"
+            )
         for index, (series, numbers) in enumerate(zip(run.series, summary["scalers"]), start=1):
             out.append(
                 f"  scaler {index} (lines {numbers['lines'][0]}-{numbers['lines'][1]}): {numbers['steps']} steps, "
@@ -91,10 +123,58 @@ def render(path: str, runs: list[Run]) -> str:
                     f"(at most {underflow['max_share']:.2%}), {underflow['samples']} steps sampled, "
                     f"the scale grown {underflow['growths']} times for it; modules losing most: {modules}"
                 )
-        out.append(f"  fp32 islands: {', '.join(summary['fp32_islands']) or 'none'}")
+        out.extend(_from_events(summary))
         events = summary["events"]
         out.append("  events: " + (", ".join(f"{kind} {count}" for kind, count in events.items()) or "none"))
     return "\n".join(out)
+
+
+def _from_events(summary: dict[str, Any]) -> list[str]:
+    """The lines the run's events give: the exit tally, skipped steps described, peaks, underflow, islands."""
+    digest, out = summary["from_events"], []
+    for tally in digest["exit_summary"]:
+        scale = f"; loss scale {tally['final_scale']:g}" if tally["final_scale"] is not None else ""
+        out.append(
+            f"  at exit (summary event), {tally['scaler']}: {tally['steps']} steps, {tally['skipped']} skipped "
+            f"({tally['skipped_percent']:.2f}%), {tally['nonfinite_loss']} non-finite losses, "
+            f"{tally['no_grad_steps']} without gradients{scale}"
+        )
+    if digest["clip_skipped"]:
+        out.append(f"  at exit (summary event): clip_grad_norm_ without a GradScaler skipped {digest['clip_skipped']}")
+    steps = digest["skips_described"]
+    if steps:
+        shown = ", ".join(map(str, steps[:8])) + (", ..." if len(steps) > 8 else "")
+        out.append(
+            f"  skipped steps described (skip events, the first of each stats interval): {len(steps)}, "
+            f"at step{'s' if len(steps) != 1 else ''} {shown}"
+        )
+    peak = digest["headroom_peak"]
+    if peak is not None:
+        at = f", step {peak['step']}" if peak["step"] is not None else ""
+        out.append(
+            f"  headroom: the closest to float16's 65,504 an event named was {peak['module']} at "
+            f"{peak['peak']:,.0f} ({peak['peak'] / FLOAT16_MAX:.0%}){at}"
+        )
+    for seen in digest["underflow"]:
+        grown = (
+            f"the scale grown {seen['scale']:g} -> {seen['grown_to']:g}"
+            if seen["grown_to"] is not None and seen["scale"] is not None
+            else f"at loss scale {seen['scale']:g}"
+            if seen["scale"] is not None
+            else "reported"
+        )
+        modules = ", ".join(f"{name} {share:.0%}" for name, share in seen["modules"])
+        out.append(
+            f"  float16 gradient underflow (underflow event): {seen['share']:.2%} at step {seen['step']}, {grown}"
+            + (f"; modules losing most: {modules}" if modules else "")
+        )
+    made = {island["name"]: island["step"] for island in digest["fp32_islands"]}
+    named = [
+        name + (f" (made at step {made[name]})" if made.get(name) is not None else "")
+        for name in summary["fp32_islands"]
+    ]
+    out.append(f"  fp32 islands: {', '.join(named) or 'none'}")
+    return out
 
 
 def _when(summary: dict[str, Any]) -> str:

@@ -5,12 +5,21 @@ The file holds one JSON object per line (docs/stats-file.md). A run starts at a
 several). A scaler's stats lines count its steps from its own start, so within a
 run a step count lower than the one before begins the next scaler's series (the
 demo runs its scenarios one after the other, each with its own scaler).
+
+Stats lines come every ``AMPGUARD_STATS_EVERY`` steps (500 by default): a shorter
+run has none, and what happened after a run's last one is only in its events. So
+the report also reads the events (:class:`EventDigest`): the islands made, the
+skipped steps described, the peaks and underflow named, and the exit summary's
+final tally. Events carry their message as text: the patterns below follow the
+messages (ampguard/messages.py and the loggers that write them); tests/test_report.py
+runs a real short training and checks the report against it.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,6 +112,137 @@ class Series:
         }
 
 
+# "fp32 island: NAME (CLASS) overflowed ..." (made by the probe, ahead by the headroom watch, or blamed),
+# "fp32 island NAME (CLASS) re-applied from the checkpoint." / "... overflowed again at step N ...".
+_ISLAND = re.compile(r"^fp32 island:? (?P<name>\S+) \((?P<cls>[^)]*)\) ")
+_ISLAND_STEP = re.compile(r"\bstep (?P<step>\d+)")
+# "... NAME (CLASS) came within AMPGUARD_HEADROOM=... a peak of 12,424 ... step N" and
+# "... the headroom watch of step N saw NAME (CLASS) closest ... a peak of 12,424" (and the island it blames).
+_PEAK = re.compile(
+    r"(?:^|: |saw )(?P<name>[^\s:]+) \((?P<cls>[^)]*)\) (?:came within|is taken|closest).*?"
+    r"peak of (?P<peak>[\d,]+(?:\.\d+)?)"
+)
+_WATCH_STEP = re.compile(
+    r"headroom watch of step (?P<step>\d+)|forward pass of step (?P<ahead>\d+)|, step (?P<at>\d+)\)"
+)
+# The underflow listener: "loss scale A -> B at step N: P% of the float16 gradient values ..." (grown) and
+# "at loss scale A, P% of the float16 gradient values of the sampled backward pass (step N) ..." (reported).
+_UNDERFLOW_GROWN = re.compile(
+    r"^loss scale (?P<before>\S+) -> (?P<after>\S+) at step (?P<step>\d+): (?P<share>[\d.]+)% of the float16"
+)
+_UNDERFLOW_SEEN = re.compile(
+    r"^at loss scale (?P<before>[^,]+), (?P<share>[\d.]+)% of the float16 .*?\(step (?P<step>\d+)\)"
+)
+_WORST = re.compile(r"\(most in (?P<modules>[^)]*)\)")
+# "step N skipped at loss scale S: ..." (diagnose.py), the first of each stats interval.
+_SKIP = re.compile(r"^step (?P<step>\d+) skipped")
+# The exit summary: "run summary: LABEL: K of N steps skipped (P%), X with a non-finite loss, Y without
+# gradients, final scale S; ...; clip_grad_norm_ without a GradScaler: N step(s) skipped ...".
+_TALLY = re.compile(
+    r"^(?P<scaler>[^:;]+): (?P<skipped>\d+) of (?P<steps>\d+) steps skipped \([^)]*\), (?P<nonfinite>\d+) with a "
+    r"non-finite loss, (?P<no_grad>\d+) without gradients(?:, final scale (?P<scale>\S+))?$"
+)
+_CLIP = re.compile(r"^clip_grad_norm_ without a GradScaler: (?P<skipped>\d+) step")
+
+
+def _number(text: str) -> float | None:
+    try:
+        value = float(text.replace(",", ""))
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None
+
+
+@dataclass
+class EventDigest:
+    """What a run's events say, for a run shorter than the stats interval or the steps after its last stats line."""
+
+    islands: dict[str, dict[str, Any]] = field(default_factory=dict)  # name -> {"class", "step", "line"}
+    skips_described: list[int] = field(default_factory=list)  # the step of each skip event
+    headroom: list[dict[str, Any]] = field(default_factory=list)  # {"module", "peak", "step"}
+    underflow: list[dict[str, Any]] = field(default_factory=list)  # {"step", "share", "scale", "grown_to", "modules"}
+    exit_tally: list[dict[str, Any]] = field(default_factory=list)  # per scaler, from the summary event
+    clip_skipped: int | None = None
+
+    def add(self, event: dict[str, Any]) -> None:
+        kind, message = event["event"], event["message"]
+        if kind == "island":
+            self._island(message, event["_line"])
+        elif kind == "skip" and (skip := _SKIP.match(message)):
+            self.skips_described.append(int(skip["step"]))
+        elif kind == "underflow":
+            self._underflow(message)
+        elif kind == "summary" and message.startswith("run summary: "):
+            self._tally(message)
+
+    def _island(self, message: str, line: int) -> None:
+        island = _ISLAND.match(message)
+        if island is not None and island["name"] not in self.islands:
+            step = _ISLAND_STEP.search(message)
+            self.islands[island["name"]] = {
+                "class": island["cls"],
+                "step": int(step["step"]) if step else None,
+                "line": line,
+            }
+        peak = _PEAK.search(message)
+        if peak is not None and (value := _number(peak["peak"])) is not None:
+            at = _WATCH_STEP.search(message)
+            seen = next((int(group) for group in at.groups() if group), None) if at else None
+            self.headroom.append({"module": peak["name"], "peak": value, "step": seen})
+
+    def _underflow(self, message: str) -> None:
+        found = _UNDERFLOW_GROWN.match(message) or _UNDERFLOW_SEEN.match(message)
+        if found is None or (share := _number(found["share"])) is None:
+            return
+        worst = _WORST.search(message)
+        modules = []
+        for item in worst["modules"].split(", ") if worst else ():
+            name, _, percent = item.rpartition(" ")
+            if name and percent.endswith("%") and (value := _number(percent[:-1])) is not None:
+                modules.append([name, value / 100])
+        grown = found.groupdict().get("after")
+        self.underflow.append(
+            {
+                "step": int(found["step"]),
+                "share": share / 100,
+                "scale": _number(found["before"]),
+                "grown_to": _number(grown) if grown else None,
+                "modules": modules,
+            }
+        )
+
+    def _tally(self, message: str) -> None:
+        for part in message.removeprefix("run summary: ").removesuffix(".").split("; "):
+            if (clip := _CLIP.match(part)) is not None:
+                self.clip_skipped = int(clip["skipped"])
+            elif (tally := _TALLY.match(part)) is not None:
+                steps, skipped = int(tally["steps"]), int(tally["skipped"])
+                self.exit_tally.append(
+                    {
+                        "scaler": tally["scaler"],
+                        "steps": steps,
+                        "skipped": skipped,
+                        "skipped_percent": round(100.0 * skipped / steps, 2) if steps else 0.0,
+                        "nonfinite_loss": int(tally["nonfinite"]),
+                        "no_grad_steps": int(tally["no_grad"]),
+                        "final_scale": _number(tally["scale"]) if tally["scale"] else None,
+                    }
+                )
+
+    def summary(self) -> dict[str, Any]:
+        closest = max(self.headroom, key=lambda item: item["peak"]) if self.headroom else None
+        return {
+            "fp32_islands": [
+                {"name": name, "class": what["class"], "step": what["step"]} for name, what in self.islands.items()
+            ],
+            "skips_described": list(self.skips_described),
+            "headroom_peak": dict(closest) if closest else None,
+            "underflow": [dict(item) for item in self.underflow],
+            "exit_summary": [dict(item) for item in self.exit_tally],
+            "clip_skipped": self.clip_skipped,
+        }
+
+
 @dataclass
 class Run:
     """The records of one process: its start record (None for records before any), its scalers and its events."""
@@ -116,11 +256,21 @@ class Run:
             self.series.append(Series(record["_line"]))
         self.series[-1].records.append(record)
 
+    def digest(self) -> EventDigest:
+        """What the run's events say (islands, skips, headroom, underflow, the exit tally)."""
+        digest = EventDigest()
+        for event in self.events:
+            digest.add(event)
+        return digest
+
     def summary(self) -> dict[str, Any]:
         kinds: dict[str, int] = {}
         for event in self.events:
             kinds[event["event"]] = kinds.get(event["event"], 0) + 1
         start = self.start or {}
+        from_events = self.digest().summary()
+        islands = {name for s in self.series for name in s.last.get("fp32_islands", [])}
+        islands.update(island["name"] for island in from_events["fp32_islands"])
         return {
             # When ampguard was installed in the process (import ampguard), and the time of the start record,
             # written with the process's first record (files from before "installed" have only that).
@@ -129,8 +279,11 @@ class Run:
             "pid": start.get("pid"),
             "ampguard": start.get("ampguard"),
             "scalers": [series.summary() for series in self.series],
-            "fp32_islands": sorted({name for s in self.series for name in s.last.get("fp32_islands", [])}),
+            # The islands of the stats lines and of the events (an island made after the last stats line, or in a
+            # run shorter than the stats interval, is only in an event).
+            "fp32_islands": sorted(islands),
             "events": dict(sorted(kinds.items())),
+            "from_events": from_events,
         }
 
 
