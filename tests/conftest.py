@@ -9,6 +9,7 @@ default installation back in place.
 from __future__ import annotations
 
 import os
+import sys
 
 os.environ["AMPGUARD_QUIET"] = "1"
 for _variable in [
@@ -47,6 +48,17 @@ def _default_installation(monkeypatch: pytest.MonkeyPatch):
     if not ampguard.registry.is_installed() or ampguard.registry._registry.config != default:
         ampguard.uninstall()
         ampguard.install()
+
+
+@pytest.fixture(autouse=True)
+def _compiled_graphs_forgotten():
+    """Each test starts as a process that compiled nothing: on torch < 2.4 the headroom watch steps aside for good
+    once dynamo has compiled a graph in the process (docs/islands.md), which one test's compile must not decide for
+    the next."""
+    yield
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is not None:
+        utils.counters["stats"].pop("unique_graphs", None)
 
 
 @pytest.fixture

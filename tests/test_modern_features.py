@@ -33,7 +33,7 @@ import pytest
 import torch
 import torch.utils.checkpoint
 from islands_support import CLASSES, DIM, Attention, Block, Net, Result, batch, fresh_islands, make_net, train  # noqa: F401
-from scaler_support import ampguard_log, one_thread  # noqa: F401  (fixtures)
+from scaler_support import ampguard_log, needs_fused_adam, one_thread  # noqa: F401  (fixtures)
 from torch import nn
 from torch.nn import functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -152,13 +152,6 @@ OLD_DYNAMO_HOOKS = pytest.mark.xfail(
     "nn.Module._call_impl, inlined at each submodule call), empty ones included: the region is compiled again for the "
     "steps where ampguard's are armed (buffer discovery with the watch and the sample, then those 2): 3 graphs, not 1",
 )
-OLD_DYNAMO_MODE = pytest.mark.xfail(
-    torch_release().release < (2, 4),
-    strict=True,
-    reason="open (issue 31): torch 2.3.1 checks a compiled function's guards under the watch's dispatch mode (its key "
-    "fails the tensor guards) and compiles it with the mode off: compiled again at every watched step, and at the 9th "
-    "dynamo raises (its recompile limit: AssertionError 'TODO(whc) any other recompile reasons?')",
-)
 
 
 @pytest.fixture
@@ -251,7 +244,6 @@ def swiglu(x: torch.Tensor) -> torch.Tensor:
     return F.silu(a) * b
 
 
-@OLD_DYNAMO_MODE
 @pytest.mark.usefixtures("dynamo_reset")
 def test_a_helper_function_compiled_with_inductor_and_fullgraph_inside_an_eager_model(reinstall, ampguard_log):
     """``torch.compile(swiglu, fullgraph=True)`` (inductor: its own kernels) called by an eager module. Were it run
@@ -802,7 +794,7 @@ def train_with_bad_batch(value: float | None, steps: int = 10, fused: bool = Fal
     return run
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["sgd", "fused-adamw"])
+@pytest.mark.parametrize("fused", [False, pytest.param(True, marks=needs_fused_adam)], ids=["sgd", "fused-adamw"])
 @pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
 def test_a_batch_with_non_finite_inputs_is_skipped_and_counted_and_makes_no_island(
     reinstall, ampguard_log, value, fused

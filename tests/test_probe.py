@@ -26,10 +26,7 @@ def _verdict(model: torch.nn.Module, x: torch.Tensor) -> tuple[int, probe.Probe]
         code = watcher.add_to(torch.zeros(()), 4.0)
         return int(code.item()) >> 2, watcher
     finally:
-        handles = list(watcher._handles)
-        watcher._handles = []
-        for handle in handles:
-            handle.remove()
+        watcher._hooks.disarm()  # the hooks off, the calls kept (disarm() forgets them)
 
 
 def _named(model: torch.nn.Module, x: torch.Tensor) -> str | None:

@@ -28,10 +28,10 @@ import threading
 from typing import Any, NamedTuple
 
 import torch
-from torch.nn.modules import module as nn_module
 
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import is_compiling
 
 # The verdict travels as index + 1 in VERDICT_BITS bits of the scaler's packed read (ampguard.scaler.listeners).
@@ -104,28 +104,23 @@ class Probe:
     """Global forward hooks recording, on the device, the first module call that turned finite inputs into inf/NaN."""
 
     def __init__(self) -> None:
-        self._handles: list[Any] = []
+        self._hooks = GlobalModuleHooks(self._before, self._after)
         self._local = threading.local()
         self.calls: list[Call] = []
         self.verdict: torch.Tensor | None = None
 
     @property
     def armed(self) -> bool:
-        return bool(self._handles)
+        return self._hooks.armed
 
     def arm(self) -> None:
-        if self._handles:
+        if self._hooks.armed:
             return
         self.reset()
-        self._handles = [
-            nn_module.register_module_forward_pre_hook(self._before),
-            nn_module.register_module_forward_hook(self._after, always_call=True),
-        ]
+        self._hooks.arm()
 
     def disarm(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        self._hooks.disarm()
         self.reset()
 
     def reset(self) -> None:

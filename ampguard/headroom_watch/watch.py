@@ -31,6 +31,7 @@ gloo worker thread freeing such a bucket at exit hung the job on torch < 2.8
 
 from __future__ import annotations
 
+import sys
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -64,6 +65,13 @@ BLAME_BOUND = 64.0
 # Outermost module calls watched per iteration at most (micro-batches of gradient accumulation, a GAN's models): an
 # evaluation loop run under autocast before the next step() is watched no further, in time or memory.
 MAX_PASSES = 64
+
+
+def _dynamo_compiled() -> bool:
+    """Whether torch.compile has compiled a graph in this process (never imports dynamo)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    counters = getattr(utils, "counters", None)
+    return bool(counters is not None and counters["stats"]["unique_graphs"])
 
 
 def _in_backward() -> bool:
@@ -196,6 +204,12 @@ class HeadroomWatch:
                 return
             if not self._stack and self._passes >= MAX_PASSES:
                 self._opaque = module  # nor a 65th pass
+                return
+            if not self._stack and not COMPILE_AWARE and _dynamo_compiled():
+                # This torch checks a compiled function's guards under the mode, fails them, and compiles it again
+                # at every watched step, until its recompile limit raises (a helper compiled inside a module).
+                self._opaque = module
+                self.step_aside("this process's models", f"torch {torch.__version__} compiled code here")
                 return
             if not self._stack and not COMPILE_AWARE and any(is_compiled(inner) for inner in module.modules()):
                 self._opaque = module  # this torch would trace the mode into the compiled submodule's graph
