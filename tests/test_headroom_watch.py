@@ -107,10 +107,18 @@ def test_report_mode_names_the_module_before_the_overflow_and_changes_nothing(re
 
 
 def test_a_sudden_overflow_is_blamed_at_once_on_the_module_the_watch_saw_closest(reinstall, ampguard_log):
-    """Every 10th batch 8x louder (the logits 64x): no warning to act on, so the watch names the module at the first
-    overflow from what it saw at step 2 (a peak within 64x of the limit, the closest of all): 1 batch lost, not 2."""
+    """Every 10th batch 8x louder (the logits 64x): no warning to act on. The first overflow's forward runs again and
+    names the module (ampguard/fp32_islands/rerun.py); where it is not run again, the watch names it from what it saw
+    at step 2 (a peak within 64x of the limit, the closest of all): 1 batch lost either way, not 2."""
     reference = recipe(make_net(), (batch(step) for step in range(3 * EVERY)), stock=True)
     assert reference.nonfinite == [9, 19, 29]
+    healed = recipe(make_net(), (batch(step) for step in range(3 * EVERY)))
+    assert healed.nonfinite == [9]
+    assert healed.scaler.stats.fp32_islands == ("blocks.1.attn",) and min(healed.scales) >= 1024.0
+    made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention) overflowed float16")
+    assert len(made) == 1 and "step 10" in made[0].getMessage()
+    reinstall(AMPGUARD_FORWARD_RERUN="off")
+    ampguard_log.clear()
     healed = recipe(make_net(), (batch(step) for step in range(3 * EVERY)))
     assert healed.nonfinite == [9]
     assert healed.scaler.stats.fp32_islands == ("blocks.1.attn",) and min(healed.scales) >= 1024.0
@@ -204,12 +212,13 @@ def test_with_a_fused_optimizer_the_first_overflow_is_blamed_at_its_own_update(r
             reads.append(syncs._reads_by_ampguard - before)
             if not torch.isfinite(loss.detach()).item():
                 nonfinite.append(step)
-    # the overflow's inputs (step 10), then the counters' reads only
-    assert {step: n for step, n in enumerate(reads, start=1) if n} == {10: 1, 20: 1, 40: 1, 60: 1}
+    # the overflow's inputs checked and its forward run again (step 10: one read each), then the counters' reads only
+    assert {step: n for step, n in enumerate(reads, start=1) if n} == {10: 2, 20: 1, 40: 1, 60: 1}
     assert torch_reads.by_source["aten::_local_scalar_dense"] == 60  # the test's own .item(): torch reads nothing
     assert nonfinite == [9]  # blamed at its own update (the probe alone: also 19)
     assert scaler.stats.fp32_islands == ("blocks.1.attn",)
-    assert len(records(ampguard_log, logging.WARNING, "the headroom watch of step 2 saw it closest")) == 1
+    # named from step 10's forward run again (without it, the watch of step 2 blames the block: also at step 10)
+    assert len(records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention) overflowed")) == 1
 
 
 def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
@@ -220,7 +229,7 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
 
     from ampguard.fp32_islands import healing
 
-    reinstall(AMPGUARD_WATCH_EVERY="5")
+    reinstall(AMPGUARD_WATCH_EVERY="5", AMPGUARD_FORWARD_RERUN="off")  # (run again, the first overflow names it)
     torch.manual_seed(0)
     model = Net(sharpness=0.3)
     model.blocks[0].attn = Storm()

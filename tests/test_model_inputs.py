@@ -111,8 +111,7 @@ def test_a_copy_keeps_nothing_a_saved_model_loads_and_uninstall_strips_both(rein
     state = healing.state()
     assert state is not None
     before = [len(cycle) for cycle in state.inputs._cycles]
-    with torch.no_grad():
-        ema(batch(0)[0])  # the copy's hook does nothing: not its keeper's model
+    ema(batch(0)[0])  # the copy's hook does nothing: not its keeper's model
     assert [len(cycle) for cycle in state.inputs._cycles] == before
     saved = io.BytesIO()
     torch.save(model, saved)
@@ -126,3 +125,94 @@ def test_a_copy_keeps_nothing_a_saved_model_loads_and_uninstall_strips_both(rein
         assert not model_inputs._kept
     finally:
         ampguard.install()
+
+
+def overflowing_run(model: nn.Module, steps: int, loss_of) -> tuple[list[int], tuple[str, ...]]:
+    """islands_support's batches: every 10th is loud, and ``blocks.1.attn`` overflows float16 in it."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    lost = []
+    for step in range(steps):
+        x, y = batch(step)
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = loss_of(model, x, y, step)
+        lost += [step] if not torch.isfinite(loss) else []
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    return lost, scaler.stats.fp32_islands
+
+
+class TwoStage(nn.Module):
+    """A backbone and a head called one after the other by the loop (a GAN's D(G(z)), a student fed a teacher)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        net = make_net()
+        self.backbone = nn.Sequential(*net.blocks)
+        self.head = nn.Sequential(nn.LayerNorm(16), nn.Linear(16, 4))
+
+
+def test_a_second_model_fed_the_first_ones_overflow_is_not_bad_data(reinstall, ampguard_log):
+    """Before: the head's kept inputs were inf (the backbone overflowed), so every overflow was taken for bad data:
+    4 of 4 lost, no island (with the watch off, the probe healed it at the 2nd)."""
+    reinstall()
+    two = TwoStage()
+    lost, made = overflowing_run(two, 30, lambda m, x, y, _: F.cross_entropy(m.head(m.backbone(x).mean(1)), y))
+    assert lost == [9] and made == ("backbone.1.attn",)
+    assert not [r for r in ampguard_log.records if "the batch itself held" in r.getMessage()]
+
+
+class Masked(nn.Module):
+    """An additive float mask with -inf for padding, by design (``generate_square_subsequent_mask``, key padding)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def forward(self, x: torch.Tensor, pad_bias: torch.Tensor) -> torch.Tensor:
+        for block in self.net.blocks:
+            x = block(x)
+        weights = (x.mean(-1) + pad_bias).softmax(-1)
+        return self.net.head((weights[..., None] * x).sum(1))
+
+
+def test_an_input_holding_minus_inf_by_design_is_not_bad_data(reinstall):
+    reinstall()
+
+    def loss_of(model, x, y, _):
+        pad_bias = torch.zeros(x.shape[:2])
+        pad_bias[:, -1] = float("-inf")
+        return F.cross_entropy(model(x, pad_bias), y)
+
+    assert overflowing_run(Masked(), 30, loss_of) == ([9], ("net.blocks.1.attn",))
+
+
+def test_a_nan_label_is_not_a_module_even_one_the_watch_saw_close(reinstall):
+    """The loss is NaN from a target, which the model never sees: its forward runs again and finite, so nothing is
+    blamed (before: blocks.1.attn, the watch's closest, became a permanent island)."""
+    reinstall()
+
+    def loss_of(model, x, y, step):
+        target = torch.nn.functional.one_hot(y, 4).float()
+        if step == 5:
+            target[0, 0] = float("nan")
+        return F.mse_loss(model(x).float().softmax(-1), target)
+
+    lost, made = overflowing_run(make_net(), 8, loss_of)
+    assert lost == [5] and made == ()
+
+
+def test_evaluation_passes_are_not_kept(reinstall):
+    reinstall()
+    model = make_net()
+    train(model, 3)
+    state = healing.state()
+    assert state is not None
+    with torch.no_grad():
+        for _ in range(100):  # a validation loop: 100 batches that must not stay alive
+            model(batch(0)[0])
+    with torch.inference_mode():
+        model(batch(0)[0])
+    assert state.inputs._cycles[-1] == []

@@ -19,9 +19,12 @@ GRADIENT_OVERFLOWS = (3, 4, 11)  # the loss is finite, its gradients are not: a 
 FORWARD_OVERFLOW = 7  # the forward pass itself gives inf: a non-finite loss
 
 
-def train(steps: int, overflow_every_step: bool = False, after_each_step=None) -> ampguard.SafeGradScaler:
+def train(steps: int, overflow_every_step: bool = False, after_each_step=None, keep=None) -> ampguard.SafeGradScaler:
+    """``keep``: a list the model is appended to (its islands live as long as it does)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+    if keep is not None:
+        keep.append(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu")
     assert isinstance(scaler, ampguard.SafeGradScaler)
@@ -49,7 +52,8 @@ def read(path: Path) -> list[dict]:
 def test_stats_lines_and_events_are_json_objects_matching_the_scaler(reinstall, tmp_path):
     path = tmp_path / "run.jsonl"
     reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="5")
-    scaler = train(20)
+    models: list[nn.Module] = []
+    scaler = train(20, keep=models)  # the model lives on: its island ("0", named at step 7) is in both
     records = read(path)
 
     start = records[0]

@@ -173,11 +173,11 @@ def _host_iteration(active: _Healing, scaler: Any, overflow: bool) -> None:
     step = _steps_of(scaler)
     verdict = active.verdict if active.watch.in_read else 0
     bad_batch = overflow and active.inputs.held_nonfinite(step, updates=1, collective=True)
-    found = overflow and not bad_batch and _found_again(active, step, collective=True)
-    may_blame = not (bad_batch or found)
+    found = _found_again(active, step, collective=True) if overflow and not bad_batch else None
+    may_blame = found is None and not bad_batch  # run again without a module found: the overflow is not one's
     blamed = (active.watch.busy() or overflow) and _judge_watch(active, step, overflow, verdict, may_blame)
     try:
-        _end_iteration(active, scaler, owner, overflow, blamed or bad_batch or found)
+        _end_iteration(active, scaler, owner, overflow, blamed or bad_batch or bool(found))
     finally:
         if active.watch.every:
             active.watch.after_update(step, may_watch=_may_watch(active), scaler=scaler)
@@ -240,22 +240,24 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
         _stop(active, "end", error)
 
 
-def _found_again(active: _Healing, step: int, collective: bool = False) -> bool:
-    """At a forward overflow: its forward passes run again under the probe (rerun.py). True when a module was named.
+def _found_again(active: _Healing, step: int, collective: bool = False) -> bool | None:
+    """At a forward overflow: its forward passes run again under the probe (rerun.py).
 
-    Not while the probe watches (its verdict is this iteration's) or may not arm.
+    True when a module was named (its island decided), False when they ran and no
+    module turned finite inputs into inf/NaN (the loss, the data), None when they
+    were not run. Not while the probe watches (its verdict is this iteration's) or may not arm.
     """
     if not active.rerun or active.probe.armed or active.exhausted or active.stopped or active.back_off.skip_arming:
-        return False
+        return None
     try:
         call, reason = rerun.find(active.inputs.last_passes(), active.probe, collective)
     except Exception as error:  # never the reason a run dies
         _stop(active, "rerun", error)
-        return False
+        return None
     if reason is not None:
         _say_once(f"rerun {reason.split(':')[0]}", messages.NOT_RUN_AGAIN.format(step=step, reason=reason))
     if call is None:
-        return False
+        return None if reason is not None else False
     again = islands.holds(call[0])  # an island that overflows in float32 too
     made = islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
     _after_verdict(active, made_island=made, conclusive=again)
@@ -412,12 +414,12 @@ def after_stats_read(
         watched = pending.overflowed if pending is not None and ready else None
         judge = ready or (unseen > 0 and pending is None)
         # The inputs of the iterations told, when they are the last ones (else not known: judged without them).
-        bad_batch = unseen > 0 and active.inputs.held_nonfinite(step, iterations if current else None)
         # Its forward passes run again when the overflow is the iteration just updated (a CPU: rows known at once).
-        found = unseen > 0 and not bad_batch and current and iterations == 1 and _found_again(active, step)
-        may_blame = not (bad_batch or found)
+        bad_batch = unseen > 0 and active.inputs.held_nonfinite(step, iterations if current else None)
+        found = _found_again(active, step) if unseen > 0 and not bad_batch and current and iterations == 1 else None
+        may_blame = found is None and not bad_batch
         blamed = _judge_watch(active, step, unseen > 0, verdict, may_blame, watched) if judge else False
-        blamed = blamed or bad_batch or found
+        blamed = blamed or bad_batch or bool(found)
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"

@@ -33,7 +33,7 @@ import torch
 import ampguard.messages as messages
 from ampguard.distributed import agree_on_skip, distributed
 from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
-from ampguard.fp32_islands.probe import is_compiled, nonfinite_mark
+from ampguard.fp32_islands.probe import is_compiled
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
@@ -68,11 +68,21 @@ class KeepInputs:
     """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments."""
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if is_compiling():
+        if is_compiling() or not torch.is_grad_enabled():  # (an evaluation pass is not a training batch)
             return
         entry = _kept.get(id(module))
         if entry is not None and entry[0]() is module:
             entry[1].note(module, args, kwargs)
+
+
+def _data(tensor: torch.Tensor) -> bool:
+    return (
+        tensor.is_floating_point()
+        and tensor.layout == torch.strided
+        and tensor.device.type != "meta"
+        and type(tensor) is torch.Tensor  # not a FakeTensor (a memory estimate) or another subclass
+        and tensor.numel() > 0
+    )
 
 
 class ModelInputs:
@@ -128,11 +138,18 @@ class ModelInputs:
         self._cycles.append([])
 
     def nonfinite(self, updates: int = 1) -> bool | None:
-        """Whether the inputs of the last ``updates`` updates held inf/NaN (one read); None: not kept."""
+        """Whether the first model called in each of the last ``updates`` updates was given NaN or +inf (one read).
+
+        None: nothing kept. Training passes only (autograd on: an evaluation pass is not kept).
+        """
         ended = list(self._cycles)[:-1]
         cycles = ended[-updates:] if 0 < updates <= len(ended) else []
-        mark = nonfinite_mark(tensors([(p.args, p.kwargs) for cycle in cycles for p in cycle])) if any(cycles) else None
-        return None if mark is None else bool(read_to_host(mark.isnan()))
+        # The data as it came: the inputs of the first model called in each update (a second one, a head or a GAN's
+        # discriminator, is fed what the first computed, inf where that overflowed).
+        first = [[p for p in cycle if p.module() is cycle[0].module()] for cycle in cycles if cycle]
+        leaves = [t for t in tensors([(p.args, p.kwargs) for passes in first for p in passes]) if _data(t)]
+        marks = [(t.isnan() | t.isposinf()).any() for t in leaves]  # NaN or +inf: -inf is a mask's, by design
+        return bool(read_to_host(torch.stack([m.to(marks[0].device) for m in marks]).any())) if marks else None
 
     def held_nonfinite(self, step: int, updates: int | None, collective: bool = False) -> bool:
         """At a forward overflow: whether the inputs of the last ``updates`` updates held inf/NaN, said at INFO.
@@ -144,8 +161,8 @@ class ModelInputs:
         """
         try:
             bad = self.nonfinite(updates) if updates and not self.broken else None
-        except Exception as error:  # never the reason a run dies: judged as if the inputs were not kept
-            self._fail(error)
+        except Exception:  # never the reason a run dies: judged as if the inputs were not kept
+            logger.debug("the model's inputs could not be checked for inf/NaN", exc_info=True)
             bad = None
         if collective and distributed() is not None:
             bad = agree_on_skip(bool(bad), [])[0]

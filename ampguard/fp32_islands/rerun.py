@@ -26,6 +26,7 @@ forward adds no computation, and DDP's would talk to the other ranks).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -84,7 +85,9 @@ def run_again(passes: list[Pass], probe: Probe) -> torch.Tensor | None:
         inner = model
         while type(inner).__name__ in PLAIN_WRAPPERS:
             inner = getattr(inner, PLAIN_WRAPPERS[type(inner).__name__])
-        with _state_put_back(inner), torch.no_grad(), _autocast(kept.autocast):
+        # Its warnings were the first run's to show (and a checkpointed block warns that no input requires grad).
+        with _state_put_back(inner), torch.no_grad(), _autocast(kept.autocast), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
             inner(*kept.args, **kept.kwargs)
     return probe.verdict
 
