@@ -216,3 +216,35 @@ def test_evaluation_passes_are_not_kept(reinstall):
     with torch.inference_mode():
         model(batch(0)[0])
     assert state.inputs._cycles[-1] == []
+
+
+def test_a_model_saved_whole_loads_without_ampguard_and_scripts_and_keeps_its_hooks(reinstall, tmp_path):
+    """Before: the file named ampguard's KeepInputs (ModuleNotFoundError where ampguard is not installed) and
+    torch.jit.script raised AttributeError: 'KeepInputs' object has no attribute '__name__'."""
+    import subprocess
+    import sys
+    import warnings
+
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(3):
+        x, y = batch(step, healthy=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = F.cross_entropy(model(x).mean(1), y)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert keepers(model) == 1
+    path = tmp_path / "model.pt"
+    torch.save({"model": model, "step": 3}, path)
+    load = f"import sys; sys.modules['ampguard'] = None; import torch; torch.load({str(path)!r}, weights_only=False)"
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.jit.script is deprecated, and still used
+        scripted = torch.jit.script(model)
+    x = batch(0, healthy=True)[0]
+    assert torch.equal(scripted(x), model(x))
+    assert keepers(model) == 1  # put back: the model keeps its inputs as before

@@ -22,6 +22,7 @@ import ampguard.fp32_islands.islands as islands
 import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
+from ampguard.fp32_islands.portable import without_our_hooks
 from ampguard.fp32_islands.probe import VERDICT_BITS
 from ampguard.patch import Patch
 
@@ -101,6 +102,9 @@ class Fp32IslandsPatch(Patch):
     def apply(self, config: Config) -> None:
         healing.activate(config)
         listeners.add(LISTENER)
+        # A model saved or scripted comes out without ampguard's hooks (portable.py).
+        self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
+        self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
 
     def revert(self) -> None:
         listeners.remove(LISTENER)
