@@ -26,6 +26,7 @@ import gc
 import logging
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -48,6 +49,10 @@ KEEP_UPDATES = 3
 MAX_PASSES = 64
 
 AUTOCAST_DEVICES = ("cuda", "cpu")
+# torch's own functions where they take a device type (torch >= 2.4): no Python call of ampguard's per forward pass.
+_NEW_AUTOCAST_API = getattr(torch, "get_autocast_dtype", None) is not None
+_autocast_on: Callable[[str], bool] = torch.is_autocast_enabled if _NEW_AUTOCAST_API else autocast_enabled
+_autocast_dtype: Callable[[str], torch.dtype] = torch.get_autocast_dtype if _NEW_AUTOCAST_API else autocast_dtype
 
 
 class Pass(NamedTuple):
@@ -124,9 +129,7 @@ class ModelInputs:
     def note(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         passes = self._cycles[-1]
         if len(passes) < MAX_PASSES:
-            autocast = tuple(
-                (device, autocast_dtype(device)) for device in AUTOCAST_DEVICES if autocast_enabled(device)
-            )
+            autocast = tuple((device, _autocast_dtype(device)) for device in AUTOCAST_DEVICES if _autocast_on(device))
             passes.append(Pass(weakref.ref(module), args, kwargs, autocast))
 
     def last_passes(self) -> list[Pass]:
