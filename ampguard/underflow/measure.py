@@ -21,9 +21,10 @@ them to the host. Healthy steps run none of this: the hooks exist only between
 
 from __future__ import annotations
 
+import itertools
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TypeGuard
 
 import torch
@@ -73,6 +74,32 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors(item)
+
+
+# Where a module call's walk ends: at the nodes made before the call began. autograd numbers each node it makes
+# from a counter of the thread (``Node._sequence_nr``); read as the call begins, it tells the nodes the call made
+# from its caller's and from those of the calls before it, whichever way they came in (by position, by keyword,
+# through an attribute). Without it (a torch that renamed it) only positional inputs end a walk, as before: keyword
+# inputs then cost a walk down through every layer below (quadratic in depth) and count the caller's nodes in the
+# first child that reaches them.
+_next_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+# One number per module call entered or left while a sample is armed, on any thread: a call during which another
+# thread entered or left one (a DataParallel-like wrapper running replicas in threads) may reach nodes that another
+# thread's counter numbered, so its walk ends at its positional inputs only.
+_TICKETS = itertools.count()
+
+
+class _Call:
+    """A module call in progress on this thread, and where its walk will end."""
+
+    __slots__ = ("inputs", "own", "start", "ticket")
+
+    def __init__(self, inputs: set[Any], start: int | None, ticket: int, own: int) -> None:
+        self.inputs = inputs  # the nodes of its positional tensor inputs
+        self.start = start  # the sequence number of the first node it could make (None: unknown)
+        self.ticket = ticket  # its number from _TICKETS
+        self.own = own  # the tickets this thread had taken then
 
 
 def _counted(node: Any) -> bool:
@@ -163,12 +190,22 @@ class Sampler:
         except Exception as error:
             self._fail("module forward pre-hook", error)
 
-    def _inputs(self) -> list[set[Any]]:
-        """This thread's module calls in progress (the nodes of their inputs)."""
-        inputs: list[set[Any]] | None = getattr(self._calls_in_progress, "inputs", None)
+    def _inputs(self) -> list[_Call]:
+        """This thread's module calls in progress (where their walks end)."""
+        inputs: list[_Call] | None = getattr(self._calls_in_progress, "inputs", None)
         if inputs is None:
             inputs = self._calls_in_progress.inputs = []
         return inputs
+
+    # The nodes visited by this sampler's walks, all samples together (tests count them: a cost linear in depth).
+    walked = 0
+
+    def _ticket(self) -> tuple[int, int]:
+        """A number from :data:`_TICKETS`, and the count of those this thread has taken."""
+        local = self._calls_in_progress
+        own: int = getattr(local, "tickets", 0) + 1
+        local.tickets = own
+        return next(_TICKETS), own
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         in_progress = self._inputs()
@@ -181,7 +218,9 @@ class Sampler:
         if not in_progress and id(module) not in self._names:
             for name, child in module.named_modules():
                 self._names.setdefault(id(child), name or type(module).__name__)
-        in_progress.append({t.grad_fn for t in _tensors(args) if t.grad_fn is not None})
+        ticket, own = self._ticket()
+        start = _next_sequence_nr() if _next_sequence_nr is not None else None
+        in_progress.append(_Call({t.grad_fn for t in _tensors(args) if t.grad_fn is not None}, start, ticket, own))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         # is_compiling() first: dynamo must not trace ampguard's state (a RemovableHandle: fullgraph=True raised)
@@ -194,25 +233,37 @@ class Sampler:
 
     def _leave(self, module: nn.Module, output: Any) -> None:
         in_progress = self._inputs()
-        inputs = in_progress.pop() if in_progress else set()
+        call = in_progress.pop() if in_progress else None
+        ticket, own = self._ticket()
         if not torch.is_grad_enabled():
             return
         nodes = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
-        if nodes:
-            self._hook_graph(module, nodes, inputs)
+        if not nodes:
+            return
+        if call is None:
+            self._hook_graph(module, nodes, set(), None)
+            return
+        alone = ticket - call.ticket == own - call.own  # no other thread entered or left a module call meanwhile
+        self._hook_graph(module, nodes, call.inputs, call.start if alone else None)
 
-    def _hook_graph(self, module: nn.Module, stack: list[Any], inputs: set[Any]) -> None:
-        """Hook the nodes this module call made that no module inside it hooked: from its outputs down to
-        its inputs' nodes (its caller's). The walk goes through what its children hooked to reach the nodes
-        it made itself between them (an attention's matmuls between its projections)."""
+    def _hook_graph(self, module: nn.Module, stack: list[Any], inputs: set[Any], start: int | None) -> None:
+        """Hook the nodes this module call made that no module inside it hooked: from its outputs down to the
+        nodes made before it began (``start``: the first sequence number it could have given; its inputs, by
+        position or keyword, are its caller's) and its positional inputs' nodes. The walk goes through what its
+        children hooked to reach the nodes it made itself between them (an attention's matmuls between its
+        projections), so each node is visited once per module call it was made in: a cost linear in depth."""
         slot = id(module)
         session = self._session
         seen = set(inputs)
+        visited = 0
         while stack:
             node = stack.pop()
             if node is None or node in seen:
                 continue
             seen.add(node)
+            visited += 1
+            if start is not None and node._sequence_nr() < start:  # (an accumulator's is the largest: walked)
+                continue
             if node.metadata.get(self._mark) != session and _counted(node):
                 node.metadata[self._mark] = session
                 hook = node.register_prehook(
@@ -221,6 +272,7 @@ class Sampler:
                 self._node_hooks.append(hook)  # (the handle holds no node)
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
+        self.walked += visited
 
     def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         if session != self._session:
