@@ -1,22 +1,24 @@
-"""The inputs of the model's last forward passes, kept until the updates that judge them: was it the data?
+"""The inputs of the model's last training passes, kept until the updates that judge them.
 
-A loss that is inf/NaN because a batch held inf/NaN is the data's fault, no
-module's: no module is blamed and no island made for it. The probe tells the
-two apart call by call (it judges only calls whose inputs were finite); the
-headroom watch's blame at the first overflow has no call to look at, so it asks
-here first.
+Two things need the inputs of a forward pass that overflowed: telling a batch
+that held inf/NaN (the data's fault, no module's: nothing is blamed) from a
+module's overflow, and running that forward again under the probe to name the
+module from this very batch (:mod:`ampguard.fp32_islands.rerun`).
 
 Each model the headroom watch has seen (the outermost module called: the root)
-gets one forward pre-hook, :class:`KeepInputs`. On every call it keeps a
-reference to the call's arguments: no device work, no copy, no read. The
-references of the last :data:`KEEP_UPDATES` optimizer updates are kept (with
-gradient accumulation, every micro-batch's), so a batch's inputs live at most
-that many updates longer than the training loop keeps them. Only at a forward
-overflow are they looked at (:meth:`ModelInputs.nonfinite`: one read).
+gets one forward pre-hook, :class:`KeepInputs`. On every training call (autograd
+on) it keeps a reference to the call's arguments and its autocast state: no
+device work, no copy, no read. The passes of the last :data:`KEEP_UPDATES`
+optimizer updates are kept (with gradient accumulation, every micro-batch's), so
+a batch's inputs live at most that many updates longer than the training loop
+keeps them. Only at a forward overflow are they looked at (one read): the data
+is bad when the first model called was given NaN or +inf (-inf is an additive
+mask's; a second model is fed what the first computed).
 
 The hook has no state of its own, as an island's (:mod:`ampguard.fp32_islands.island_hooks`):
-a deepcopy of the model (an EMA) or a model saved whole carries a hook that does
-nothing, and :func:`strip_everywhere` takes those copies off at uninstall. A
+a deepcopy of the model (an EMA) carries a hook that does nothing,
+:func:`strip_everywhere` takes those copies off at uninstall, and ``torch.save`` /
+``torch.jit.script`` never see it (:mod:`ampguard.fp32_islands.portable`). A
 compiled root gets no hook (its hooks would run inside the compiled code).
 """
 
