@@ -10,6 +10,7 @@ walks visited a number of nodes quadratic in depth, and a keyword call counted i
 from __future__ import annotations
 
 import concurrent.futures
+from typing import Any
 
 import pytest
 import torch
@@ -101,9 +102,21 @@ def inputs() -> torch.Tensor:
     return torch.randn(2, 6, WIDTH, generator=torch.Generator().manual_seed(1))
 
 
-def walked(depth: int, keyword: bool) -> int:
+class Before(Sampler):
+    """The walk of before, for reference: each call walks from its outputs down to its positional inputs' nodes,
+    through everything its children walked."""
+
+    def _leave(self, module: nn.Module, output: Any) -> None:
+        in_progress = self._inputs()
+        call = in_progress.pop() if in_progress else None
+        nodes = [t.grad_fn for t in measure._tensors(output) if t.grad_fn is not None]
+        if torch.is_grad_enabled() and nodes:
+            self._hook_graph(module, nodes, call.inputs if call else set(), None, {})
+
+
+def walked(depth: int, keyword: bool, sampler: Sampler | None = None) -> int:
     """The nodes a sampled step's walks visit."""
-    sampler = Sampler()
+    sampler = sampler or Sampler()
     before = sampler.walked
     sample(net(depth, keyword), inputs(), sampler)
     return sampler.walked - before
@@ -120,12 +133,11 @@ def test_a_model_calling_by_keyword_measures_what_the_same_model_calling_positio
     assert keyword == positional
 
 
-def test_before_a_keyword_call_counted_its_callers_nodes_as_its_own(monkeypatch):
-    """The rule of before (only positional inputs end a walk) told the two apart: the attention's own matmuls,
-    its output projection's keyword input, were counted in the projection."""
-    monkeypatch.setattr(measure, "_next_sequence_nr", None)
-    positional = sample(net(2, keyword=False), inputs())
-    keyword = sample(net(2, keyword=True), inputs())
+def test_before_a_keyword_call_counted_its_callers_nodes_as_its_own():
+    """The walk of before told the two apart: the attention's own matmuls, its output projection's keyword input,
+    were counted in the projection."""
+    positional = sample(net(2, keyword=False), inputs(), Before())
+    keyword = sample(net(2, keyword=True), inputs(), Before())
     assert sum(c.values for c in keyword.values()) == sum(c.values for c in positional.values())
     assert "blocks.1.attn" in positional and "blocks.1.attn" not in keyword
     assert keyword["blocks.1.attn.o_proj"].values == (
@@ -133,33 +145,51 @@ def test_before_a_keyword_call_counted_its_callers_nodes_as_its_own(monkeypatch)
     )
 
 
+def graph_size(model: nn.Module) -> int:
+    """The nodes of the model's autograd graph."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        stack = [model(inputs()).grad_fn]
+    nodes = set()
+    while stack:
+        node = stack.pop()
+        if node is not None and node not in nodes:
+            nodes.add(node)
+            stack.extend(next_node for next_node, _ in node.next_functions)
+    return len(nodes)
+
+
+def measured(model: str, sampler: Sampler) -> dict[str, Counts]:
+    if model == "attention_net":
+        torch.manual_seed(0)
+        tokens, _ = batches(1)[0]
+        return sample(AttentionNet(), tokens, sampler)
+    return sample(net(2, keyword=model == "keyword_net"), inputs(), sampler)
+
+
 @pytest.mark.parametrize("model", ["attention_net", "positional_net"])
-def test_a_positional_model_measures_as_before(monkeypatch, model):
-    """For modules that take their input by position, the tallies per module are those of the rule of before."""
+def test_a_positional_model_measures_as_before(model):
+    """For modules that take their input by position, the tallies per module are those of the walk of before."""
+    assert measured(model, Sampler()) == measured(model, Before())
 
-    def measured() -> dict[str, Counts]:
-        if model == "attention_net":
-            torch.manual_seed(0)
-            tokens, _ = batches(1)[0]
-            return sample(AttentionNet(), tokens)
-        return sample(net(2, keyword=False), inputs())
 
-    now = measured()
+@pytest.mark.parametrize("model", ["positional_net", "keyword_net"])
+def test_without_autograds_sequence_numbers_the_walk_is_that_of_before(monkeypatch, model):
+    """A torch without ``torch._C._autograd._get_sequence_nr``: positional inputs alone end a walk (keyword calls
+    then cost what they did)."""
     monkeypatch.setattr(measure, "_next_sequence_nr", None)
-    assert measured() == now
+    assert measured(model, Sampler()) == measured(model, Before())
 
 
 @pytest.mark.parametrize("keyword", [False, True], ids=["positional", "keyword"])
 def test_a_sampled_steps_walk_visits_a_number_of_nodes_linear_in_depth(keyword):
-    """Four times the blocks, four times the nodes visited (the rule of before, with keyword calls: 14x at these
-    depths, and quadratic beyond)."""
+    """Four times the blocks, four times the nodes visited: each node once, by the innermost call that made it,
+    and each call's boundary nodes once more. The walk of before, with keyword calls: quadratic (14x here)."""
     small, large = walked(4, keyword), walked(16, keyword)
     assert 3.6 * small < large < 4.2 * small
     assert walked(16, keyword) == large  # counted, not timed: the same every time
-
-
-def test_keyword_calls_walk_no_more_nodes_than_positional_ones():
-    assert walked(8, keyword=True) <= 1.1 * walked(8, keyword=False)
+    assert large < 1.5 * graph_size(net(16, keyword))  # (1193 nodes, 1545 visits)
+    before_small, before_large = walked(4, keyword, Before()), walked(16, keyword, Before())
+    assert before_large > (12 if keyword else 3.6) * before_small and before_large > 2.5 * large
 
 
 class InThreads(nn.Module):
@@ -180,7 +210,7 @@ class InThreads(nn.Module):
             return torch.cat(list(pool.map(run, self.models, (x * self.gain).half().chunk(2))))
 
 
-def test_module_calls_in_worker_threads_are_measured_as_before(monkeypatch):
+def test_module_calls_in_worker_threads_are_measured_as_before():
     """autograd numbers nodes per thread: a call during which another thread entered or left a module call ends
     its walk at its positional inputs only, as before (the wrapper's walk goes down through the threads' nodes to
     the cast it made), and so measures as before."""
@@ -190,5 +220,4 @@ def test_module_calls_in_worker_threads_are_measured_as_before(monkeypatch):
     now = sample(InThreads(), inputs())
     assert now["InThreads"].values == 2 * 6 * WIDTH + 2 * 6 * 4  # the cast's, and the outputs' concatenation's
     assert "models.0.blocks.1.mlp.up" in now and "models.1.blocks.1.mlp.up" in now
-    monkeypatch.setattr(measure, "_next_sequence_nr", None)
-    assert sample(InThreads(), inputs()) == now
+    assert sample(InThreads(), inputs(), Before()) == now

@@ -91,15 +91,18 @@ _TICKETS = itertools.count()
 
 
 class _Call:
-    """A module call in progress on this thread, and where its walk will end."""
+    """A module call in progress on this thread, where its walk will end, and its children's walks so far."""
 
-    __slots__ = ("inputs", "own", "start", "ticket")
+    __slots__ = ("inputs", "jumps", "own", "start", "ticket")
 
     def __init__(self, inputs: set[Any], start: int | None, ticket: int, own: int) -> None:
         self.inputs = inputs  # the nodes of its positional tensor inputs
         self.start = start  # the sequence number of the first node it could make (None: unknown)
         self.ticket = ticket  # its number from _TICKETS
         self.own = own  # the tickets this thread had taken then
+        # A finished child's output node -> the nodes where the child's walk ended: this call's walk, reaching
+        # the output, goes on from there instead of walking the child's nodes again (they are hooked already).
+        self.jumps: dict[Any, list[Any]] = {}
 
 
 def _counted(node: Any) -> bool:
@@ -241,20 +244,31 @@ class Sampler:
         if not nodes:
             return
         if call is None:
-            self._hook_graph(module, nodes, set(), None)
+            self._hook_graph(module, nodes, set(), None, {})
             return
         alone = ticket - call.ticket == own - call.own  # no other thread entered or left a module call meanwhile
-        self._hook_graph(module, nodes, call.inputs, call.start if alone else None)
+        start = call.start if alone else None
+        ended = self._hook_graph(module, list(nodes), call.inputs, start, call.jumps)
+        outputs = set(nodes)
+        if in_progress and len(outputs) == 1:  # (of several outputs, one may reach less of the walk than another)
+            [node] = outputs
+            if node not in call.inputs and (start is None or node._sequence_nr() >= start):  # (walked from)
+                in_progress[-1].jumps[node] = ended
 
-    def _hook_graph(self, module: nn.Module, stack: list[Any], inputs: set[Any], start: int | None) -> None:
+    def _hook_graph(
+        self, module: nn.Module, stack: list[Any], inputs: set[Any], start: int | None, jumps: dict[Any, list[Any]]
+    ) -> list[Any]:
         """Hook the nodes this module call made that no module inside it hooked: from its outputs down to the
         nodes made before it began (``start``: the first sequence number it could have given; its inputs, by
-        position or keyword, are its caller's) and its positional inputs' nodes. The walk goes through what its
-        children hooked to reach the nodes it made itself between them (an attention's matmuls between its
-        projections), so each node is visited once per module call it was made in: a cost linear in depth."""
+        position or keyword, are its caller's) and its positional inputs' nodes; returns those where it ended.
+        The walk hooks the nodes it made itself between its children (an attention's matmuls between its
+        projections): reaching a child's output, it goes on from where the child's walk ended (``jumps``), so a
+        node is walked once, by the innermost call that made it, and a sampled step's walks cost what its graph
+        does (linear in depth)."""
         slot = id(module)
         session = self._session
-        seen = set(inputs)
+        seen: set[Any] = set()
+        ended: list[Any] = []
         visited = 0
         while stack:
             node = stack.pop()
@@ -262,7 +276,12 @@ class Sampler:
                 continue
             seen.add(node)
             visited += 1
-            if start is not None and node._sequence_nr() < start:  # (an accumulator's is the largest: walked)
+            if node in inputs or (start is not None and node._sequence_nr() < start):  # (an accumulator's: the
+                ended.append(node)  # largest number, walked)
+                continue
+            child_ended = jumps.get(node)
+            if child_ended is not None:
+                stack.extend(child_ended)
                 continue
             if node.metadata.get(self._mark) != session and _counted(node):
                 node.metadata[self._mark] = session
@@ -273,6 +292,7 @@ class Sampler:
             stack.extend(next_node for next_node, _ in node.next_functions)
         self._modules[slot] = module
         self.walked += visited
+        return ended
 
     def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         if session != self._session:
