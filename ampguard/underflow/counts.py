@@ -1,19 +1,40 @@
 """What a sampled step's counts are, and how they reach the host.
 
 Per module, on the device (:class:`Tally`): the number of values, of exact
-zeros, of values below ``2**-22`` (zeros and the two lowest subnormal
-octaves) and of values below ``2**-14`` (zeros and subnormals), and the
-largest magnitude. :class:`Transfer` brings them to the host without a
-synchronisation (:class:`~ampguard.syncs.HostCopy`: on CUDA a copy into
-pinned memory and an event polled later).
+zeros, of zeros estimated flushed, of subnormals and zeros, of values lost
+whole, and the largest magnitude. :class:`Transfer` brings them to the host
+without a synchronisation (:class:`~ampguard.syncs.HostCopy`: on CUDA a copy
+into pinned memory and an event polled later).
 
-What the counts mean (:class:`Measurement`): a subnormal keeps fewer than
-11 significant bits (at ``2**-24`` just one); an exact zero may be a true zero
-(a ReLU's mask, padding) or a value flushed by the scale. The flushed share is
-estimated from the two octaves just above float16's smallest subnormal: as
-many values lie in the two octaves just below (a smooth log-magnitude density,
-which gradients have: Chmiel et al. 2021), and those are the zeros a loss
-scale 4x as large would have kept (never more than the zeros counted).
+What the counts mean (:class:`Measurement`). A subnormal keeps fewer than 11
+significant bits (at ``2**-24`` just one). A value is *lost* where float16 holds
+an exact zero and float32 would hold the value nonzero: a zero that float32
+has too (a ReLU's mask, padding, a ``0.0 * aux_loss`` term, a loss weight
+ramped up from 0, a zero-initialised LoRA ``B``) is never lost. float32's value
+is not computed (that would be a second backward pass), so lost values are
+estimated from what float16 shows, per gradient:
+
+* a gradient with a normal value: its zeros that a loss scale 4x as large
+  would have kept, estimated as as many as the values in the two octaves just
+  above float16's smallest subnormal (a smooth log-magnitude density, which
+  gradients have: Chmiel et al. 2021), never more than that gradient's zeros.
+  A gradient whose zeros are all true (a ReLU mask) and whose small values are
+  none has no value there and loses nothing, whatever its neighbours hold;
+* a gradient with nonzero values but no normal one (the scale sank it): every
+  value;
+* a gradient of exact zeros only: lost whole when a gradient it was computed
+  from was *flushed*: it held nonzero values but no normal one, or it was
+  itself exact zeros computed from a flushed one (a zero computed from a
+  sinking gradient is the flush going on). Otherwise (computed from gradients
+  with a normal value, whose exact zeros come from an exact zero factor such as
+  the ``0.0`` weight or the zero ``B``; or from no counted gradient, a model
+  output whose gradient the loss's operations outside any module made) its
+  zeros are true zeros, unless no float16 gradient of the step held a normal
+  value: then the loss itself underflowed and they are lost too.
+
+Whether a gradient was flushed (:func:`passed_on`) travels down the autograd
+graph with the sample's node hooks (:mod:`ampguard.underflow.measure`), as a
+device boolean: no read.
 """
 
 from __future__ import annotations
@@ -29,50 +50,89 @@ from ampguard.syncs import HostCopy
 SMALLEST_NORMAL = 2.0**-14
 LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
 FLOAT16_MAX = 65504.0
+# The peak recorded for a step whose float16 gradients held inf or NaN (an overflow, skipped or masked further down
+# by a ReLU): finite, so that checkpoints hold it, and above every float16 value, so that no scale grows for it.
+OVERFLOWED = 65536.0
+
+
+def passed_on(peak: torch.Tensor, fed: torch.Tensor | bool, below: torch.Tensor | None = None) -> torch.Tensor:
+    """Whether a gradient whose largest magnitude is ``peak`` was flushed (a boolean on its device): it held
+    nonzero values but no normal one, or only exact zeros and ``fed`` (one of the gradients it was computed from
+    was flushed; False: none was, or none was counted). NaN and inf count as normal values. ``below``: ``peak <
+    2**-14``, where the caller has it."""
+    below = peak < SMALLEST_NORMAL if below is None else below
+    if isinstance(fed, bool):
+        return below if fed else below & (peak > 0)
+    return below & ((peak > 0) | on(fed, peak.device))
+
+
+def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``tensor`` on ``device`` (a copy without a synchronisation where it is elsewhere: a model across devices)."""
+    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
 
 
 class Tally:
     """One module's counts on the device and its peak magnitude.
 
-    ``counts``: ``[zeros, below 2**-22, below 2**-14]`` of the gradients that hold a normal value, and the
-    number of values of those that hold none (every value zero or subnormal: a gradient the scale sank).
+    ``counts``: of the gradients with a normal value, ``[zeros, zeros + zeros estimated flushed, zeros +
+    subnormals]``; then the values of the gradients lost whole (flushed: :func:`passed_on`), and those of the
+    gradients without a normal value, flushed or not (the difference: exact zeros not flushed, true zeros or
+    lost where the step held no normal value at all: :meth:`Transfer.result`, :func:`totals`).
+
+    ``fed``: whether one of the gradients the next one added was computed from was flushed, set by the sampler
+    before each :meth:`add`.
     """
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
         self.values = 0  # known on the host: the sizes of the gradients counted
-        self.counts = torch.zeros(4, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.peak = torch.zeros((), dtype=torch.float32, device=device)
+        self.fed: torch.Tensor | bool = False
 
-    def add(self, gradient: torch.Tensor) -> None:
+    def add(self, gradient: torch.Tensor) -> torch.Tensor:
+        """Count ``gradient``, fed :attr:`fed`; returns whether it was flushed (:func:`passed_on`). No read."""
         magnitude = gradient.detach().abs()
-        peak = magnitude.amax().float()
-        sunk = peak < SMALLEST_NORMAL  # no normal value left: every value counts as lost
-        below = torch.stack(
-            [(magnitude == 0).sum(), (magnitude < LOW_OCTAVES).sum(), (magnitude < SMALLEST_NORMAL).sum()]
-        )
-        counts = torch.cat([torch.where(sunk, 0, below), (sunk * gradient.numel()).reshape(1)])
-        self.counts.add_(counts.to(self.counts.device, non_blocking=True))
-        torch.maximum(self.peak, peak.to(self.peak.device, non_blocking=True), out=self.peak)
+        peak = magnitude.amax()
+        below = peak < SMALLEST_NORMAL  # (False for NaN: counted as a gradient with a normal value)
+        flushed = passed_on(peak, self.fed, below)
+        zeros = (magnitude == 0).sum()
+        # zeros and the zeros estimated flushed: as many as the values of the two lowest octaves, at most all zeros
+        low = torch.minimum(2 * zeros, (magnitude < LOW_OCTAVES).sum())
+        kept = torch.where(below, 0, torch.stack([zeros, low, (magnitude < SMALLEST_NORMAL).sum()]))
+        self.counts.add_(on(torch.cat([kept, torch.stack([flushed, below]) * gradient.numel()]), self.counts.device))
+        torch.maximum(self.peak, on(peak, self.peak.device), out=self.peak)
         self.values += gradient.numel()
+        return flushed
+
+
+def finite_peak(peak: float) -> float:
+    """A peak as measurements keep it: :data:`OVERFLOWED` for inf or NaN."""
+    return float(peak) if math.isfinite(peak) else OVERFLOWED
 
 
 @dataclass(frozen=True)
 class Counts:
-    """The host's counts of one module, or of all."""
+    """The host's counts of one module, or of all (the module's docstring says what is lost).
+
+    ``zeros``, ``low`` and ``below_normal`` are of the gradients not lost whole. ``low``: their zeros and the zeros
+    estimated flushed, per gradient (so ``low - zeros`` is the estimate, never more than ``zeros``; a checkpoint of
+    ampguard before issue 32 holds there the zeros and the values of the two lowest subnormal octaves, which
+    :attr:`flushed` reads alike). ``peak``: :data:`OVERFLOWED` where a gradient held inf or NaN.
+    """
 
     values: int = 0
     zeros: int = 0
-    low: int = 0  # zeros and the two lowest subnormal octaves
+    low: int = 0  # zeros and the zeros estimated flushed
     below_normal: int = 0  # zeros and subnormals
-    sunk: int = 0  # values of gradients without a normal value (all counted as lost)
+    sunk: int = 0  # values of the gradients lost whole (nonzero values without a normal one; flushed all-zero ones)
     peak: float = 0.0
 
     @classmethod
     def read(cls, *values: float) -> Counts:
         """From the host's copy: ``values, zeros, low, below_normal, sunk, peak`` (counts as floats)."""
         count, zeros, low, below_normal, sunk, peak = values
-        return cls(int(count), int(zeros), int(low), int(below_normal), int(sunk), float(peak))
+        return cls(int(count), int(zeros), int(low), int(below_normal), int(sunk), finite_peak(peak))
 
     @property
     def subnormal(self) -> int:
@@ -80,8 +140,8 @@ class Counts:
 
     @property
     def flushed(self) -> int:
-        """Values lost: zeros a 4x scale would have kept (estimated: see the module's docstring), and every
-        value of the gradients the scale sank below the normal range."""
+        """Values lost: zeros estimated flushed in gradients with a normal value, and every value of the
+        gradients lost whole (see the module's docstring)."""
         return min(self.zeros, self.low - self.zeros) + self.sunk
 
     @property
@@ -160,14 +220,23 @@ def totals(tallies: list[Tally]) -> torch.Tensor:
     """All tallies in one float64 tensor, ``[values, zeros, low, below_normal, sunk, peak]``, on their device.
 
     The same size whatever was counted (zeros on the CPU when nothing was): what
-    ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). No read.
+    ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). The
+    all-zero gradients not flushed are zeros, or lost (``sunk``) when no
+    gradient of this rank held a normal value, as :meth:`Transfer.result`
+    counts them. No read.
     """
     device = tallies[0].counts.device if tallies else torch.device("cpu")
     total = torch.zeros(6, dtype=torch.float64, device=device)
+    zeros = torch.zeros((), dtype=torch.float64, device=device)
     total[0] = float(sum(t.values for t in tallies))
     for t in tallies:
-        total[1:5] += t.counts.to(device, torch.float64)
+        counts = t.counts.to(device, torch.float64)
+        total[1:5] += counts[:4]
+        zeros += counts[4] - counts[3]
         torch.maximum(total[5], t.peak.to(device, torch.float64), out=total[5])
+    lost = total[5] < SMALLEST_NORMAL
+    total[1:4] += zeros * ~lost
+    total[4] += zeros * lost
     return total
 
 
@@ -225,16 +294,20 @@ class Transfer:
         values = self._copy.values()
         agreed = values[:6] if self.agreed else []
         values = values[len(agreed) :]
+        rows = [values[6 * index : 6 * index + 6] for index in range(len(self.tallies))]
+        # all-zero gradients not flushed: true zeros, lost when no gradient of the step held a normal value
+        lost = max((finite_peak(row[5]) for row in rows), default=0.0) < SMALLEST_NORMAL
         modules: dict[str, Counts] = {}
-        for index, (name, count) in enumerate(self.tallies):
-            counts = Counts.read(count, *values[5 * index : 5 * index + 5])
+        for (name, count), (zeros, low, below_normal, sunk, below, peak) in zip(self.tallies, rows):
+            true, sunk = (0.0, below) if lost else (below - sunk, sunk)
+            counts = Counts.read(count, zeros + true, low + true, below_normal + true, sunk, peak)
             modules[name] = modules[name] + counts if name in modules else counts
         total = Counts()
         for counts in modules.values():
             total = total + counts
         if agreed:
             total = Counts.read(*agreed)
-        rest = values[5 * len(self.tallies) :]
+        rest = values[6 * len(self.tallies) :]
         scale = rest[0] if math.isnan(self.scale) and rest else self.scale
         return Measurement(self.step, scale, total, modules), rest
 
