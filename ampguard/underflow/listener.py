@@ -195,6 +195,9 @@ class UnderflowListener(StepListener):
     ) -> bool | None:
         """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew.
 
+        A sampled step that was skipped counts as a sample but is no measurement: ``scaler.stats`` and the
+        checkpoint keep the last one (so ampguard never saves the inf peak of an overflowed backward pass).
+
         None when ranks training one model counted nothing together (every rank's sampler disarmed itself:
         an evaluation of more than :attr:`Sampler.MAX_CALLS` batches while it was armed): not a sample; the
         next step is sampled instead, once (a model without float16 gradients is not sampled every step).
@@ -205,8 +208,10 @@ class UnderflowListener(StepListener):
             return None
         state.retaking = False
         state.samples += 1
+        if skipped:  # its gradients overflowed: no measurement (an inf peak, counts of what was no update)
+            return False
         state.last = measurement
-        if skipped or scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
+        if scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
             return False
         if not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
             return False
