@@ -24,15 +24,10 @@ module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`).
 The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
 optimizer steps without another forward overflow.
 
-A model's inputs are kept for a few updates (:mod:`ampguard.fp32_islands.model_inputs`):
-a forward overflow whose batch held inf/NaN is the data's, and blames no module.
-
-Device mode (fused optimizers: :func:`end_device_iteration`, :func:`after_stats_read`)
-reads nothing on a healthy step: the host learns of a forward overflow from the
-iteration's verdict copied to host memory, or at the next read of the device-side
-counters; then the logic above follows. Under torch.distributed a skipped step's
-verdicts are all-reduced (MAX, :mod:`ampguard.distributed`), on skipped steps only, so
-every rank keeps the same scale and makes the same islands (docs/islands.md).
+At a forward overflow the kept inputs (:mod:`~ampguard.fp32_islands.model_inputs`) tell bad data from a
+module's overflow, and its forward runs again under the probe (:mod:`~ampguard.fp32_islands.rerun`).
+Device mode (fused optimizers) reads nothing on a healthy step; under torch.distributed the ranks'
+verdicts are all-reduced on skipped steps only (docs/islands.md).
 """
 
 from __future__ import annotations
