@@ -33,7 +33,7 @@ from torch import nn
 import ampguard.containment as containment
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import is_compiling
-from ampguard.underflow.counts import Tally
+from ampguard.underflow.counts import Tally, on, passed_on
 
 # Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
 # split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
@@ -116,13 +116,23 @@ def _counted(node: Any) -> bool:
 
 def _countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
     """A dense float16 gradient with values (sparse and nested ones are not counted)."""
+    return _dense(gradient) and gradient.dtype == torch.float16
+
+
+def _dense(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
+    """A dense floating gradient with values."""
     return (
         gradient is not None
-        and gradient.dtype == torch.float16
+        and gradient.is_floating_point()
         and gradient.layout == torch.strided
         and not gradient.is_nested
         and gradient.numel() > 0
     )
+
+
+# The node whose pre-hook runs (torch 2.3 to 2.14; without it nothing is passed down the graph, and every exact-zero
+# gradient is judged by the step alone: ampguard.underflow.counts).
+_current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
 class Sampler:
@@ -298,26 +308,81 @@ class Sampler:
         return ended
 
     def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
+        """Count the node's float16 gradients, fed whether a gradient they were computed from was flushed, and
+        pass on to the nodes below whether they were (:func:`~ampguard.underflow.counts.passed_on`: an all-zero
+        gradient computed from a flushed one is lost, another is a true zero). Once a float16 gradient was
+        counted, the node's other floating gradients (float32 under autocast: a float32 op's input, the residual
+        stream the float16 branches are cast from) pass it on too."""
         if session != self._session:
             return
         self._calls = 0  # a backward pass through the sample: training goes on
         try:
+            node = _current_node()
+            fed = self._fed(node, session)
+            passes: torch.Tensor | None = None
             for gradient in gradients:
-                if not _countable(gradient):
-                    continue
-                tally = self.tallies.get(slot)
-                if tally is None:
-                    module = self._modules.get(slot)
-                    name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
-                    tally = self.tallies[slot] = Tally(name, gradient.device)
-                tally.add(gradient)
+                passed: torch.Tensor | None = None
+                if _countable(gradient):
+                    tally = self.tallies.get(slot)
+                    if tally is None:
+                        module = self._modules.get(slot)
+                        name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
+                        tally = self.tallies[slot] = Tally(name, gradient.device)
+                    tally.fed = fed
+                    passed = tally.add(gradient)
+                elif self.tallies and _dense(gradient):
+                    passed = passed_on(gradient.detach().abs().amax(), fed)
+                if passed is not None:
+                    passes = passed if passes is None else passes | on(passed, passes.device)
+            if passes is not None and node is not None:
+                self._pass_on(node, session, passes)
         except Exception as error:
             self._fail("backward node hook", error)
+
+    # Whether the counted gradients were flushed, this session: a node's metadata holds (session, cell), the cell
+    # holds the tensor while the sample lasts (:meth:`finish` empties the cells: nothing stays on a node kept alive).
+    _passed: tuple[int, list[list[torch.Tensor]]] = (-1, [])
+
+    def _fed(self, node: Any, session: int) -> torch.Tensor | bool:
+        """Whether a gradient ``node``'s incoming gradient was computed from was flushed (False: none was passed
+        on to it)."""
+        entry = node.metadata.get(f"{self._mark}.fed") if node is not None else None
+        if entry is None or entry[0] != session or self._passed[0] != session or not entry[1]:
+            return False
+        fed: torch.Tensor = entry[1][0]
+        return fed
+
+    def _pass_on(self, node: Any, session: int, passes: torch.Tensor) -> None:
+        """``passes`` to the nodes ``node``'s outputs feed, through views (not hooked: their gradient is their
+        base's); a node fed by several is flushed-fed if one of them was."""
+        if self._passed[0] != session:
+            self._passed = (session, [])
+        cells, key = self._passed[1], f"{self._mark}.fed"
+        stack, seen = [next_node for next_node, _ in node.next_functions], set()
+        while stack:
+            child = stack.pop()
+            if child is None or child in seen:
+                continue
+            seen.add(child)
+            if type(child).__name__ in SAME_VALUES:
+                stack.extend(next_node for next_node, _ in child.next_functions)
+            elif _counted(child):  # (not a float32 leaf's accumulator: nothing is computed from its gradient)
+                entry = child.metadata.get(key)
+                if entry is not None and entry[0] == session and entry[1]:
+                    cell = entry[1]
+                    cell[0] = cell[0] | on(passes, cell[0].device)
+                else:
+                    cell = [passes]
+                    cells.append(cell)
+                    child.metadata[key] = (session, cell)
 
     def finish(self) -> list[Tally]:
         """End the sample: no more counting; the tallies, to :func:`read`."""
         self.disarm()
         self._session += 1
         self._remove_node_hooks()
+        for cell in self._passed[1]:
+            cell.clear()
+        self._passed = (-1, [])
         tallies, self.tallies = list(self.tallies.values()), {}
         return tallies
