@@ -478,15 +478,21 @@ def test_no_scaler_nonfinite_norm_skips_the_step(
 
 
 def test_no_scaler_guard_logs_a_stats_line(reinstall: Callable, ampguard_log: list) -> None:
-    """bf16/fp32 training has no scaler stats line: the guard logs its own, every AMPGUARD_STATS_EVERY calls."""
+    """bf16/fp32 training has no scaler stats line: the guard logs its own, every AMPGUARD_STATS_EVERY calls,
+    each figure under the words that say what it counts (the interval, the whole run), as a scaler's line does."""
     reinstall(AMPGUARD_STATS_EVERY="3")
     param = nn.Parameter(torch.zeros(2))
     skipped = process_counters.clip_skipped
-    for value in (1.0, 1.0, math.nan, 1.0, 1.0, 1.0, 1.0):
+    for value in (1.0, 1.0, math.nan, 1.0, math.inf, 1.0, 1.0, 1.0, 1.0, 1.0):
         param.grad = torch.tensor([value, 1.0])
         torch.nn.utils.clip_grad_norm_([param], 1.0)
     lines = [r.getMessage() for r in ampguard_log if r.getMessage().startswith("stats clip_calls=")]
-    assert lines == [f"stats clip_calls=3 clip_skipped={skipped + 1}", f"stats clip_calls=6 clip_skipped={skipped + 1}"]
+    assert lines == [
+        "stats clip_calls=3 | this interval: clip_skipped=1 of 3 calls | whole run: clip_skipped=1 (33.33% of 3 calls)",
+        "stats clip_calls=6 | this interval: clip_skipped=1 of 3 calls | whole run: clip_skipped=2 (33.33% of 6 calls)",
+        "stats clip_calls=9 | this interval: clip_skipped=0 of 3 calls | whole run: clip_skipped=2 (22.22% of 9 calls)",
+    ]
+    assert process_counters.clip_skipped == skipped + 2  # the scaler's stats line and the exit tally count them too
 
 
 def test_no_scaler_error_if_nonfinite_raises_like_torch() -> None:

@@ -62,7 +62,7 @@ import ampguard.containment as containment
 import ampguard.master_weights as master_weights
 import ampguard.stats.summary as summary
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
-from ampguard.clip_grad.state import guard_active, idle, original_clip_grad_norm_, state
+from ampguard.clip_grad.state import guard_active, guard_stats_line, idle, original_clip_grad_norm_, state
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
 from ampguard.log import is_rank_zero, logger
 from ampguard.scaler import SafeGradScaler
@@ -72,7 +72,7 @@ from ampguard.stats.counters import process_counters
 SKIPPED_STEP = (
     "clip_grad_norm_: the total gradient norm is {norm} and no GradScaler is in play (bf16/fp32 training): "
     "this optimizer step is skipped (the gradients of the {count} clipped parameters are set to None, "
-    "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far "
+    "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far in this run "
     "(ampguard.stats.counters.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
     "too high, an fp16 overflow in a model run without a GradScaler."
 )
@@ -351,18 +351,21 @@ def _clip_without_scaler(
 
 def _log_guard_stats() -> None:
     if is_rank_zero() and logger.isEnabledFor(logging.INFO):
-        logger.info("stats clip_calls=%d clip_skipped=%d", state.guarded_calls, process_counters.clip_skipped)
+        logger.info("%s", guard_stats_line())
 
 
 def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
     for param, _ in pairs:
         param.grad = None
     process_counters.clip_skipped += 1
+    state.guarded_skipped += 1
     summary.arm()
     limiter = state.skip_log
     suppressed_before = limiter.suppressed
     if limiter.ready():
-        suppressed = f"; {suppressed_before} similar message(s) suppressed" if suppressed_before else ""
+        suppressed = (
+            f"; {suppressed_before} similar message(s) suppressed since the previous one" if suppressed_before else ""
+        )
         limiter.suppressed = 0
         logger.warning(
             SKIPPED_STEP.format(norm=norm, count=len(pairs), total=process_counters.clip_skipped, suppressed=suppressed)

@@ -30,7 +30,9 @@ class _State:
         # bf16/fp32 training has no scaler, hence no scaler stats line: the
         # guard logs its own every `stats_every` calls (AMPGUARD_STATS_EVERY).
         self.stats_every = 0
-        self.guarded_calls = 0
+        self.guarded_calls = 0  # since activate(): the guard's "whole run"
+        self.guarded_skipped = 0  # of those, the steps it skipped
+        self.skipped_at_last_line = 0  # guarded_skipped when its previous stats line was logged
 
 
 state = _State()
@@ -47,12 +49,32 @@ def activate(
     state.active = True
     state.stats_every = stats_every
     state.guarded_calls = 0
+    state.guarded_skipped = 0
+    state.skipped_at_last_line = 0
     state.original = original
     state.deprecation = deprecation
     state.guard = guard
     state.foreign_scaler = False
     state.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
     state.warned_ambiguous = False
+
+
+def guard_stats_line() -> str:
+    """The no-scaler guard's stats line, each figure under the words that say what it counts, as in a scaler's.
+
+    ``stats clip_calls=1000 | this interval: clip_skipped=0 of 500 calls | whole run: clip_skipped=2 (0.20% of
+    1000 calls)``: "this interval" is the guarded calls since the previous line, "whole run" every guarded call
+    since ampguard was installed. Called once an interval; the next interval starts here.
+    """
+    calls, skipped = state.guarded_calls, state.guarded_skipped
+    in_interval = skipped - state.skipped_at_last_line
+    interval_calls = state.stats_every if state.stats_every and calls >= state.stats_every else calls
+    state.skipped_at_last_line = skipped
+    share = 100.0 * skipped / calls if calls else 0.0
+    return (
+        f"stats clip_calls={calls} | this interval: clip_skipped={in_interval} of {interval_calls} calls "
+        f"| whole run: clip_skipped={skipped} ({share:.2f}% of {calls} calls)"
+    )
 
 
 def deactivate() -> None:
