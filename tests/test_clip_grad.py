@@ -472,6 +472,7 @@ def test_no_scaler_nonfinite_norm_skips_the_step(
     warnings_logged = [r for r in ampguard_log if r.levelno == logging.WARNING and "skipped" in r.getMessage()]
     assert len(warnings_logged) == 1, "rate-limited: one warning for two skips in a row"
     assert "nan" in warnings_logged[0].getMessage()
+    assert f"{skipped + 1} step(s) skipped so far in this run" in warnings_logged[0].getMessage()
     step(3, None)  # training goes on
     assert not torch.equal(flat(model), params)
     assert all(s["step"].item() == 2 for s in optimizer.state.values())
