@@ -35,6 +35,7 @@ PATCHES: tuple[str, ...] = (
     "ampguard.scheduler_hold.patch:SchedulerHoldPatch",
     "ampguard.underflow.patch:UnderflowPatch",
     "ampguard.trainer_logs.patch:TrainerLogsPatch",
+    "ampguard.deepspeed_fp16.patch:DeepSpeedFp16Patch",
 )
 
 State = Literal["applied", "disabled", "unavailable"]

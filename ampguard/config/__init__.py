@@ -52,6 +52,7 @@ class Config:
     headroom: float = 4.0
     underflow: str = "adapt"
     underflow_every: int = 100
+    deepspeed: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in fields(self)}

@@ -340,6 +340,19 @@ SETTINGS: tuple[Setting, ...] = (
         "AMPGUARD_UNDERFLOW_EVERY=500",
         _number_parser(int, 1, describe="a whole number >= 1"),
     ),
+    Setting(
+        "AMPGUARD_DEEPSPEED",
+        "deepspeed",
+        True,
+        "on or off",
+        "DeepSpeed's fp16 dynamic loss scaling (ZeRO 0-3) follows ampguard's policy once deepspeed is imported: "
+        "start at 1024 (AMPGUARD_INIT_SCALE when set) unless the DeepSpeed config sets initial_scale_power, never "
+        "below AMPGUARD_MIN_SCALE and "
+        "no 'Exiting run' there (AMPGUARD_ON_STALL decides), skips counted in the stats lines "
+        "(see docs/deepspeed.md). off: DeepSpeed's own.",
+        "AMPGUARD_DEEPSPEED=off",
+        _parse_bool,
+    ),
 )
 
 SETTINGS_BY_VARIABLE: dict[str, Setting] = {s.variable: s for s in SETTINGS}

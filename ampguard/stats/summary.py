@@ -56,6 +56,14 @@ def remember(scaler: Any) -> None:
             _gone.append(line)
 
 
+def remember_stats(counted: Any, stats: Any) -> None:
+    """An object counted here with its own ``stats`` (not a SafeGradScaler), about to go: keep its line."""
+    if counted in _scalers:
+        line = _line(counted, stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps, stats.scale)
+        if line is not None:
+            _gone.append(line)
+
+
 def _line(scaler: Any, steps: int, skipped: int, nonfinite: int, no_grad: int, scale: float | None) -> str | None:
     if not steps or not (skipped or nonfinite or no_grad):
         return None

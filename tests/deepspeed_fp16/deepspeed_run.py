@@ -1,0 +1,157 @@
+"""One process, the real DeepSpeed engine on the CPU (gloo, one rank): runs the trainings it is given, prints JSON.
+
+``python deepspeed_run.py '<json>'`` where the JSON is a list of runs, each
+``{"stage": 0..3, "overflow": "never"|"always"|"every5", "steps": N, "ampguard": bool,
+"initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional)}``. Each run trains a fresh engine (same
+seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
+engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
+ampguard's log records and the stats-file records written during the run.
+
+ampguard is installed again before each run with the run's environment, or uninstalled for a plain run: one process
+trains both, so both see the same DeepSpeed, and uninstall is exercised each time. DeepSpeed's CPU accelerator
+refuses float16; this script, and only it, tells it otherwise so that the GPU code paths run on CPU tensors
+(docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+os.environ.setdefault("MASTER_PORT", "29561")
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+
+import deepspeed
+import torch
+from deepspeed.accelerator import get_accelerator
+
+import ampguard
+import ampguard.deepspeed_fp16.tracking as tracking
+
+get_accelerator().is_fp16_supported = lambda: True  # the CPU runs DeepSpeed's float16 paths (this test's only)
+for _name in ("DeepSpeed", "deepspeed"):
+    logging.getLogger(_name).setLevel(logging.ERROR)
+
+
+class Loud(torch.nn.Module):
+    """Multiplies by 1e5 on the calls ``overflow`` names: its float16 activations (about 1) become inf."""
+
+    def __init__(self, overflow: str) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(16, 16)
+        self.overflow = overflow
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.linear(x)
+        if self.overflow == "always" or (self.overflow == "every5" and self.calls % 5 == 0):
+            y = y * 1e5
+        return y
+
+
+def model(overflow: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), Loud(overflow), torch.nn.Linear(16, 1))
+
+
+class Records(logging.Handler):
+    """ampguard's log records of one run, as ``LEVEL: message``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(f"{record.levelname}: {record.getMessage()}")
+
+
+def _stats_lines() -> int:
+    path = os.environ.get("AMPGUARD_STATS_FILE")
+    if not path or not os.path.exists(path):
+        return 0
+    with open(path, encoding="utf-8") as file:
+        return len(file.readlines())
+
+
+def _stats_since(count: int) -> list[dict[str, Any]]:
+    path = os.environ.get("AMPGUARD_STATS_FILE")
+    if not path or not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as file:
+        return [json.loads(line) for line in file.readlines()[count:]]
+
+
+def train(run: dict[str, Any]) -> dict[str, Any]:
+    saved = {name: os.environ.get(name) for name in run.get("env", {})}
+    os.environ.update(run.get("env", {}))
+    ampguard.uninstall()
+    if run["ampguard"]:
+        ampguard.install()
+    records = Records()
+    logging.getLogger("ampguard").addHandler(records)
+    stats_before = _stats_lines()
+    fp16: dict[str, Any] = {"enabled": True}
+    if run.get("initial_scale_power") is not None:
+        fp16["initial_scale_power"] = run["initial_scale_power"]
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "fp16": fp16,
+        "zero_optimization": {"stage": run["stage"]},
+        "steps_per_print": 10**9,
+    }
+    net = model(run["overflow"])
+    engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
+    generator = torch.Generator().manual_seed(1)
+    died, died_at = None, None
+    for step in range(1, run["steps"] + 1):
+        x = torch.randn(8, 8, generator=generator).half()
+        target = torch.randn(8, 1, generator=generator)
+        try:
+            loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+            engine.backward(loss)
+            engine.step()
+        except Exception as error:
+            died, died_at = f"{type(error).__name__}: {error}", step
+            break
+    parameters = list(engine.module.parameters())
+    if run["stage"] == 3:
+        with deepspeed.zero.GatheredParameters(parameters):
+            values = [p.detach().float().clone() for p in parameters]
+    else:
+        values = [p.detach().float().clone() for p in parameters]
+    counts = tracking.of(engine.optimizer)
+    result = {
+        "died": died,
+        "died_at": died_at,
+        "engine_skipped": engine.skipped_steps,
+        "ampguard": counts.stats.as_dict() if counts is not None else None,
+        "scale": float(engine.optimizer.loss_scale),
+        "finite": all(bool(torch.isfinite(v).all()) for v in values),
+        "parameters": [v.flatten().tolist() for v in values],
+        "log": records.lines,
+        "stats_file": _stats_since(stats_before),
+    }
+    logging.getLogger("ampguard").removeHandler(records)
+    engine.destroy()
+    for name, value in saved.items():
+        if value is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = value
+    return result
+
+
+def main() -> None:
+    deepspeed.init_distributed(dist_backend="gloo")
+    for run in json.loads(sys.argv[1]):
+        print(json.dumps(train(run)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

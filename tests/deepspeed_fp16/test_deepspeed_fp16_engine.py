@@ -1,0 +1,138 @@
+"""DeepSpeed's fp16 loss scaling under ampguard, with the real engine on the CPU (gloo, one rank), ZeRO 0-3.
+
+Each case runs against plain DeepSpeed in the same process (tests/deepspeed_fp16/deepspeed_run.py, one
+subprocess for all: DeepSpeed's distributed state is per process):
+
+- a block whose float16 activations overflow on every call: plain DeepSpeed raises "Exiting run" (ZeRO 1-3) or
+  skips every step (ZeRO 0); under ampguard the run ends, parameters finite, skips counted exactly, the collapse and
+  the stall named in the log;
+- the block overflowing on every 5th call: every overflow costs one step, counted as the engine counts it, and the
+  stats file carries the counts;
+- a healthy run from the same scale (``initial_scale_power`` in both): identical weights to plain DeepSpeed;
+- ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked.
+
+Skipped where DeepSpeed is not installed (the CI's newest leg installs it; docs/deepspeed.md).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)"
+)
+
+STEPS = 24
+STAGES = (0, 1, 2, 3)
+SCRIPT = Path(__file__).with_name("deepspeed_run.py")
+EXITING_RUN = "Current loss scale already at minimum - cannot decrease scale anymore. Exiting run."
+
+
+def _runs() -> list[dict[str, Any]]:
+    runs = []
+    for stage in STAGES:
+        for overflow, amp, power in (
+            ("always", False, None),
+            ("always", True, None),
+            ("every5", True, None),
+            ("never", False, 12),
+            ("never", True, 12),
+        ):
+            runs.append(
+                {"stage": stage, "overflow": overflow, "steps": STEPS, "ampguard": amp, "initial_scale_power": power}
+            )
+    runs.append(
+        {"stage": 2, "overflow": "always", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
+    )
+    return runs
+
+
+def _free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], dict[str, Any]]:
+    runs = _runs()
+    stats_file = tmp_path_factory.mktemp("deepspeed") / "stats.jsonl"
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")},
+        "AMPGUARD_QUIET": "1",
+        "AMPGUARD_UNDERFLOW": "report",
+        "AMPGUARD_MAX_CONSECUTIVE_SKIPS": "20",
+        "AMPGUARD_STATS_EVERY": "8",
+        "AMPGUARD_STATS_FILE": str(stats_file),
+        "MASTER_PORT": str(_free_port()),
+        "PYTHONWARNINGS": "ignore",
+    }
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), json.dumps(runs)], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == len(runs), done.stderr[-4000:]
+    return {
+        (run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"): line
+        for run, line in zip(runs, lines)
+    }
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_overflow_on_every_call_kills_or_stalls_plain_deepspeed_and_ampguard_trains_to_the_end(results, stage):
+    plain, guarded = results[stage, "always", False, "warn"], results[stage, "always", True, "warn"]
+    if stage == 0:  # FP16_UnfusedOptimizer stays at its minimum: every step skipped, no error
+        assert plain["died"] is None and plain["engine_skipped"] == STEPS
+    else:
+        assert plain["died"] == f"Exception: {EXITING_RUN}" and plain["died_at"] < STEPS
+    assert guarded["died"] is None
+    assert guarded["finite"]
+    # every step overflowed in the forward pass: skipped, and counted as the engine counts it
+    assert guarded["engine_skipped"] == STEPS
+    assert guarded["ampguard"]["skipped"] == guarded["ampguard"]["steps"] == STEPS
+    assert guarded["ampguard"]["max_scale_seen"] == 1024  # the safe start
+    assert guarded["scale"] == guarded["ampguard"]["min_scale_seen"] == 1  # the floor, AMPGUARD_MIN_SCALE=1
+    collapse = [line for line in guarded["log"] if "overflowed again" in line]
+    assert len(collapse) == 1 and collapse[0].startswith("CRITICAL") and "Exiting run" in collapse[0]
+    stall = [line for line in guarded["log"] if "consecutive DeepSpeed optimizer steps were skipped" in line]
+    assert len(stall) == 1 and stall[0].startswith("CRITICAL: 20 consecutive"), guarded["log"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_an_overflow_on_every_fifth_call_costs_one_step_each_counted_exactly(results, stage):
+    guarded = results[stage, "every5", True, "warn"]
+    assert guarded["died"] is None and guarded["finite"]
+    overflows = STEPS // 5
+    assert guarded["engine_skipped"] == guarded["ampguard"]["skipped"] == overflows
+    assert guarded["ampguard"]["steps"] == STEPS
+    assert guarded["ampguard"]["consecutive_skipped"] == 0
+    stats = [record for record in guarded["stats_file"] if record["event"] == "stats"]
+    assert [record["steps"] for record in stats] == [8, 16, 24]
+    assert [record["skipped"] for record in stats] == [1, 3, 4]  # the 5th, 10th, 15th and 20th steps
+    assert [record["skipped_in_interval"] for record in stats] == [1, 2, 1]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_healthy_run_from_the_same_scale_gives_plain_deepspeeds_weights(results, stage):
+    plain, guarded = results[stage, "never", False, "warn"], results[stage, "never", True, "warn"]
+    assert plain["died"] is None and guarded["died"] is None
+    assert plain["engine_skipped"] == guarded["engine_skipped"] == guarded["ampguard"]["skipped"]
+    assert plain["scale"] == guarded["scale"] == 4096  # the config's initial_scale_power=12 wins over 1024
+    assert plain["parameters"] == guarded["parameters"]
+    assert plain["parameters"] != results[stage, "always", False, "warn"]["parameters"]  # (they trained)
+
+
+def test_on_stall_raise_stops_the_run_where_asked(results):
+    guarded = results[2, "always", True, "raise"]
+    assert guarded["died"].startswith("ScaleCollapseError: 20 consecutive DeepSpeed optimizer steps were skipped")
+    assert guarded["died_at"] == 20
