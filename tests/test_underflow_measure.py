@@ -15,18 +15,24 @@ from ampguard.underflow.policy import HEADROOM, MATERIAL, ScaleState, decide
 
 def test_tally_counts_zeros_subnormals_and_sunk_gradients_exactly():
     tally = Tally("layer", torch.device("cpu"))
-    # 2 zeros, 3 values in the two lowest subnormal octaves, 1 higher subnormal, 4 normal values.
     tiny = 2.0**-24
-    values = [0.0, -0.0, tiny, -2 * tiny, 3 * tiny, 2.0**-16, 2.0**-14, 1.0, -3.0, 100.0]
-    tally.add(torch.tensor(values, dtype=torch.float16))
-    tally.add(torch.tensor([0.0, tiny, 2.0**-15], dtype=torch.float16))  # no normal value: all 3 lost
+    # 2 zeros, one value at 2**-24 and one at 2**-23 (the density flat: half of one zero estimated flushed, 0),
+    # 2 higher subnormals, 4 normal values
+    tally.add(
+        torch.tensor([0.0, -0.0, tiny, -2 * tiny, 3 * tiny, 2.0**-16, 2.0**-14, 1.0, -3.0, 100.0], dtype=torch.float16)
+    )
+    # no normal value, but nonzero ones: subnormal, not lost whole (before issue 32's estimate: all 3 lost)
+    tally.add(torch.tensor([0.0, tiny, 2.0**-15], dtype=torch.float16))
+    tally.add(torch.tensor([0.0, 0.0], dtype=torch.float16))  # all zero, computed from no flushed one: true zeros
+    # 10 zeros, 4 values at 2**-24, 1 at 2**-23: the density rises toward zero 4x: 4 / 2 * 4 = 8 zeros flushed
+    tally.add(torch.tensor([0.0] * 10 + [tiny] * 4 + [2 * tiny, 1.0], dtype=torch.float16))
+    tally.fed = True
+    tally.add(torch.tensor([0.0, 0.0, 0.0], dtype=torch.float16))  # all zero, computed from a flushed one: lost
     measurement, _ = read([tally], step=7, scale=1024.0)
     counts = measurement.modules["layer"]
-    # low: the zeros and the zeros estimated flushed (as many as the 3 values of the two lowest octaves, at most the
-    # gradient's own 2 zeros; before issue 32 the values below 2**-22 themselves, 5, which read the same: 2 lost)
-    assert counts == Counts(values=13, zeros=2, low=2 + 2, below_normal=6, sunk=3, peak=100.0)
-    assert counts.subnormal == 4 and counts.flushed == 2 + 3 and counts.underflow == 9
-    assert measurement.underflow_share == 9 / 13 and measurement.subnormal_share == 4 / 13
+    assert counts == Counts(values=34, zeros=15, low=15 + 8, below_normal=26, sunk=3, peak=100.0)
+    assert counts.subnormal == 11 and counts.flushed == 8 + 3 and counts.underflow == 22
+    assert measurement.underflow_share == 22 / 34 and measurement.subnormal_share == 11 / 34
 
 
 def test_sampler_counts_each_float16_gradient_once_per_module_and_leaves_no_hook():

@@ -120,9 +120,10 @@ def test_an_all_zero_gradient_that_float32_has_too_is_not_lost(weight):
 
 
 def test_a_gradient_flushed_whole_is_lost_where_float32_holds_it():
-    """The attention net's loss x 1e-8 at 1024: the head's gradient holds subnormals only, every gradient below it
-    is exact zeros in float16, while float32 holds every parameter's gradient nonzero: all of it is lost. At 1e-10
-    even the head's gradient is zero (no gradient of the step holds a normal value): all lost too."""
+    """The attention net's loss x 1e-8 at 1024: the head's gradient holds subnormals only (degraded, not lost, but
+    for its zeros), every gradient below it is exact zeros in float16, while float32 holds every parameter's
+    gradient nonzero: nearly all of it is lost, the rest subnormal. At 1e-10 even the head's gradient is zero (no
+    gradient of the step holds a normal value): all lost."""
     torch.manual_seed(0)
     model = AttentionNet()
     tokens, labels = batches(1)[0]
@@ -133,7 +134,8 @@ def test_a_gradient_flushed_whole_is_lost_where_float32_holds_it():
 
     for factor in (1e-8, 1e-10):
         measured = sampled(model, lambda factor=factor: loss(factor))
-        assert measured.flushed_share == 1.0 and measured.underflow_share == 1.0
+        assert measured.flushed_share == 1.0 if factor == 1e-10 else measured.flushed_share > 0.99
+        assert measured.underflow_share == 1.0
         model.zero_grad(set_to_none=True)
         (loss(factor, fp16=False) * SCALE).backward()
         assert all(p.grad.count_nonzero() > 0 for p in model.parameters() if p.grad is not None)
@@ -174,8 +176,9 @@ def test_gradients_flushed_whole_below_normal_ones_are_lost():
     assert measured.total.peak >= 2.0**-14
     for index, zero in enumerate(fp16_zero):
         counts = measured.modules[f"layers.{index}"]
-        if zero:
-            assert counts.flushed == counts.values, (index, counts)
+        if zero:  # its weight's gradient lost whole; its output's gradient subnormal or lost
+            assert counts.sunk >= model.layers[index].weight.numel(), (index, counts)
+            assert counts.share(counts.underflow) > 0.99, (index, counts)
     assert measured.modules["layers.5"].flushed == 0
 
 
@@ -183,7 +186,7 @@ def test_gradients_flushed_whole_below_normal_ones_are_lost():
 def test_without_torchs_current_node_true_zeros_are_still_not_lost(monkeypatch, weight):
     """A torch without ``torch._C._current_autograd_node`` (nothing passes down the graph): every all-zero gradient
     is judged by the step, lost only when no gradient held a normal value. The zero terms are not lost; the
-    loss x 1e-8 net at 1024 is all lost still."""
+    loss x 1e-8 net at 1024 is nearly all lost still (the head's subnormals are not)."""
     import ampguard.underflow.measure as measure
 
     monkeypatch.setattr(measure, "_current_node", lambda: None)
@@ -199,7 +202,7 @@ def test_without_torchs_current_node_true_zeros_are_still_not_lost(monkeypatch, 
         with torch.autocast("cpu", dtype=torch.float16):
             return nn.functional.cross_entropy(net(tokens).float(), labels) * 1e-8
 
-    assert sampled(net, tiny).flushed_share == 1.0
+    assert sampled(net, tiny).flushed_share > 0.99
 
 
 def test_true_zeros_of_one_gradient_are_not_counted_lost_for_anothers_small_values():

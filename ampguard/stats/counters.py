@@ -34,8 +34,8 @@ class ScalerStats:
         underflow_share: at the last sampled step, the share of the float16 gradient values of the backward
             pass that were subnormal or lost (``underflow_subnormal + underflow_lost``; docs/underflow.md).
         underflow_subnormal: the share subnormal (fewer than 11 significant bits).
-        underflow_lost: the share lost: zeros a 4x scale would have kept (estimated) and the values of
-            gradients without a single normal value.
+        underflow_lost: the share lost: exact zeros where float32 would hold the value nonzero (estimated
+            from float16's smallest subnormals; all-zero gradients computed from flushed ones).
         underflow_grad_peak: the largest float16 gradient magnitude of the sampled step (scaled).
         underflow_values: the float16 gradient values the last sample counted (0 with no float16 gradient:
             bfloat16 or float32 training).

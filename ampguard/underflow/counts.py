@@ -14,14 +14,16 @@ ramped up from 0, a zero-initialised LoRA ``B``) is never lost. float32's value
 is not computed (that would be a second backward pass), so lost values are
 estimated from what float16 shows, per gradient:
 
-* a gradient with a normal value: its zeros that a loss scale 4x as large
-  would have kept, estimated as as many as the values in the two octaves just
-  above float16's smallest subnormal (a smooth log-magnitude density, which
-  gradients have: Chmiel et al. 2021), never more than that gradient's zeros.
-  A gradient whose zeros are all true (a ReLU mask) and whose small values are
-  none has no value there and loses nothing, whatever its neighbours hold;
-* a gradient with nonzero values but no normal one (the scale sank it): every
-  value;
+* a gradient with a nonzero value: its zeros that float32 would hold below
+  ``2**-25`` (float16 rounds those to zero), estimated from the density of its
+  values just above: the values at ``2**-24`` stand for the float32 values in
+  ``[2**-25, 3 * 2**-25)``, twice the width of ``[0, 2**-25)``, and where
+  there are more of them than at ``2**-23`` the density still rises toward
+  zero and is extrapolated by that ratio. Never more than that gradient's
+  zeros, so a gradient whose zeros are all true (a ReLU mask) and whose
+  smallest values are not at the bottom of the subnormal range loses nothing.
+  tests/test_underflow_float32_reference.py checks the estimate against the
+  same backward pass in float32;
 * a gradient of exact zeros only: lost whole when a gradient it was computed
   from was *flushed*: it held nonzero values but no normal one, or it was
   itself exact zeros computed from a flushed one (a zero computed from a
@@ -48,7 +50,8 @@ import torch
 from ampguard.syncs import HostCopy
 
 SMALLEST_NORMAL = 2.0**-14
-LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22)
+LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22) (checkpoints before 0.2)
+SMALLEST_SUBNORMAL = 2.0**-24
 FLOAT16_MAX = 65504.0
 # The peak recorded for a step whose float16 gradients held inf or NaN (an overflow, skipped or masked further down
 # by a ReLU): finite, so that checkpoints hold it, and above every float16 value, so that no scale grows for it.
@@ -74,10 +77,10 @@ def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 class Tally:
     """One module's counts on the device and its peak magnitude.
 
-    ``counts``: of the gradients with a normal value, ``[zeros, zeros + zeros estimated flushed, zeros +
-    subnormals]``; then the values of the gradients lost whole (flushed: :func:`passed_on`), and those of the
-    gradients without a normal value, flushed or not (the difference: exact zeros not flushed, true zeros or
-    lost where the step held no normal value at all: :meth:`Transfer.result`, :func:`totals`).
+    ``counts``: of the gradients with a nonzero value, ``[zeros, zeros + zeros estimated flushed, zeros +
+    subnormals]``; then the values of the all-zero gradients lost whole (flushed: :func:`passed_on`), and those
+    of every all-zero gradient (the difference: exact zeros not flushed, true zeros or lost where the step held
+    no normal value at all: :meth:`Transfer.result`, :func:`totals`).
 
     ``fed``: whether one of the gradients the next one added was computed from was flushed, set by the sampler
     before each :meth:`add`.
@@ -96,11 +99,17 @@ class Tally:
         peak = magnitude.amax()
         below = peak < SMALLEST_NORMAL  # (False for NaN: counted as a gradient with a normal value)
         flushed = passed_on(peak, self.fed, below)
+        whole = peak == 0
         zeros = (magnitude == 0).sum()
-        # zeros and the zeros estimated flushed: as many as the values of the two lowest octaves, at most all zeros
-        low = torch.minimum(2 * zeros, (magnitude < LOW_OCTAVES).sum())
-        kept = torch.where(below, 0, torch.stack([zeros, low, (magnitude < SMALLEST_NORMAL).sum()]))
-        self.counts.add_(on(torch.cat([kept, torch.stack([flushed, below]) * gradient.numel()]), self.counts.device))
+        lowest, next_lowest = (magnitude == SMALLEST_SUBNORMAL).sum(), (magnitude == 2 * SMALLEST_SUBNORMAL).sum()
+        # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at 2**-23
+        # where the density still rises toward zero; at most all zeros
+        estimate = lowest * torch.maximum(lowest, next_lowest) // (2 * next_lowest.clamp(min=1))
+        low = zeros + torch.minimum(zeros, estimate)
+        kept = torch.where(whole, 0, torch.stack([zeros, low, (magnitude < SMALLEST_NORMAL).sum()]))
+        self.counts.add_(
+            on(torch.cat([kept, torch.stack([flushed & whole, whole]) * gradient.numel()]), self.counts.device)
+        )
         torch.maximum(self.peak, on(peak, self.peak.device), out=self.peak)
         self.values += gradient.numel()
         return flushed
@@ -125,7 +134,7 @@ class Counts:
     zeros: int = 0
     low: int = 0  # zeros and the zeros estimated flushed
     below_normal: int = 0  # zeros and subnormals
-    sunk: int = 0  # values of the gradients lost whole (nonzero values without a normal one; flushed all-zero ones)
+    sunk: int = 0  # values of the gradients lost whole (all-zero ones computed from a flushed one)
     peak: float = 0.0
 
     @classmethod
@@ -140,8 +149,8 @@ class Counts:
 
     @property
     def flushed(self) -> int:
-        """Values lost: zeros estimated flushed in gradients with a normal value, and every value of the
-        gradients lost whole (see the module's docstring)."""
+        """Values lost: zeros estimated flushed in gradients with a nonzero value, and every value of the
+        all-zero gradients lost whole (see the module's docstring)."""
         return min(self.zeros, self.low - self.zeros) + self.sunk
 
     @property

@@ -5,7 +5,7 @@ loaded for float16 does) whose loss is multiplied by ``factor`` before the
 scaler scales it. Its backward pass makes two float16 gradients: the output's
 and the weight copy's. The reference run (plain torch, the same steps) takes
 both with tensor hooks and counts them on the host: values, zeros, subnormals,
-the two lowest subnormal octaves, the largest magnitude
+the values at the two smallest subnormals, the largest magnitude
 (:class:`~ampguard.underflow.counts.Counts` turns those into the shares
 ``scaler.stats`` shows).
 
@@ -33,7 +33,7 @@ from torch import nn
 from ampguard.commands.selftest.result import CheckResult, Context, seeded, verdict
 from ampguard.commands.selftest.runner import plain_torch
 from ampguard.commands.selftest.scaling import same_parameters
-from ampguard.underflow.counts import LOW_OCTAVES, SMALLEST_NORMAL, Counts
+from ampguard.underflow.counts import SMALLEST_NORMAL, SMALLEST_SUBNORMAL, Counts
 
 WIDTH, OUTPUTS, BATCH = 32, 16, 8
 TINY, HEALTHY = 2.0**-26, 2.0**-8
@@ -101,18 +101,26 @@ def train(context: Context, factor: float, steps: int, capture: bool = False, un
 
 
 def count(gradients: list[torch.Tensor]) -> Counts:
-    """The counts of float16 gradients as docs/underflow.md defines them: a gradient without a normal value loses
-    every value (``sunk``)."""
-    total = Counts()
+    """The counts of one step's float16 gradients (in backward order: the output's, then the weight copy's,
+    computed from it) as docs/underflow.md defines them, counted here on the host."""
+    total, fed, rows = Counts(), False, []
     for gradient in gradients:
         magnitude = gradient.abs().float()
-        peak = float(magnitude.max())
-        if peak < SMALLEST_NORMAL:
-            total = total + Counts(gradient.numel(), sunk=gradient.numel(), peak=peak)
-            continue
-        zeros = int((magnitude == 0).sum())
-        low, below = int((magnitude < LOW_OCTAVES).sum()), int((magnitude < SMALLEST_NORMAL).sum())
-        total = total + Counts(gradient.numel(), zeros, low, below, 0, peak)
+        peak, zeros = float(magnitude.max()), int((magnitude == 0).sum())
+        lowest, next_lowest = (
+            int((magnitude == SMALLEST_SUBNORMAL).sum()),
+            int((magnitude == 2 * SMALLEST_SUBNORMAL).sum()),
+        )
+        estimate = lowest * max(lowest, next_lowest) // (2 * max(next_lowest, 1))
+        below = int((magnitude < SMALLEST_NORMAL).sum())
+        rows.append((gradient.numel(), peak, zeros, min(zeros, estimate), below, peak == 0 and fed))
+        fed = peak < SMALLEST_NORMAL and (peak > 0 or fed)
+    no_normal_value = max((row[1] for row in rows), default=0.0) < SMALLEST_NORMAL
+    for values, peak, zeros, estimate, below, sunk in rows:
+        if peak == 0 and (sunk or no_normal_value):  # all zeros, lost whole
+            total = total + Counts(values, sunk=values, peak=peak)
+        else:
+            total = total + Counts(values, zeros, zeros + estimate, below, 0, peak)
     return total
 
 
