@@ -1,33 +1,19 @@
 """Issue 32: the share of gradient values reported lost agrees with the same backward pass in float32.
 
-A value is lost where float16 holds an exact zero and float32, with the same weights and batch, holds it nonzero
-(docs/underflow.md). The reference here computes that directly: the model's backward pass at the same loss
-scale under float16 autocast and in float32, with tensor hooks on every leaf module's output and the parameters'
-gradients (the gradients the sampler counts, module by module), and counts the positions zero in the first and
-nonzero in the second. The sampler estimates the same share from float16 alone; the tolerance stated in
-docs/underflow.md: within 0.5 percentage points, or within a factor of 1.5 of float32's share.
+The reference (tests/float32_reference.py) computes the share directly, from the same backward pass in float32;
+the sampler estimates it from float16 alone. The tolerance stated in docs/underflow.md: within 0.5 percentage
+points, or within a factor of 1.5 of float32's share.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import pytest
 import torch
+from float32_reference import Loss, float32_lost_share, measured, within_tolerance
 from scaler_support import one_thread  # noqa: F401
 from torch import nn
 
-from ampguard.underflow.counts import Measurement, read
-from ampguard.underflow.measure import Sampler
-
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-SCALE = 1024.0
-Loss = Callable[[bool], torch.Tensor]
-
-
-def within_tolerance(measured: float, reference: float) -> bool:
-    return abs(measured - reference) <= 0.005 or reference / 1.5 <= measured <= reference * 1.5
 
 
 class Stack(nn.Module):
@@ -43,52 +29,6 @@ class Stack(nn.Module):
         for block in self.blocks:
             x = block(x) * self.fade
         return self.head(x)
-
-
-def gradients(model: nn.Module, loss: Loss, fp16: bool) -> dict[str, list[torch.Tensor]]:
-    """Per leaf module: its outputs' gradients (float16 ones only under autocast) and its parameters'."""
-    found: dict[str, list[torch.Tensor]] = {}
-    leaves = {name: module for name, module in model.named_modules() if name and not any(module.children())}
-
-    def keep(name: str, tensor: torch.Tensor) -> None:
-        if tensor.requires_grad and (tensor.dtype == torch.float16 or not fp16):
-            tensor.register_hook(lambda grad: found.setdefault(name, []).append(grad.detach().float()))
-
-    handles = [
-        module.register_forward_hook(lambda _m, _i, out, name=name: keep(name, out)) for name, module in leaves.items()
-    ]
-    model.zero_grad(set_to_none=True)
-    try:
-        (loss(fp16) * SCALE).backward()
-    finally:
-        for handle in handles:
-            handle.remove()
-    for name, module in leaves.items():
-        found.setdefault(name, []).extend(p.grad.float() for p in module.parameters() if p.grad is not None)
-    return found
-
-
-def float32_lost_share(model: nn.Module, loss: Loss) -> float:
-    """The share of the float16 gradients' values that are exact zeros where float32's are not."""
-    half, full = gradients(model, loss, True), gradients(model, loss, False)
-    values = lost = 0
-    for name, tensors in half.items():
-        if not tensors:
-            continue
-        # float32 has no float16 outputs to select: take its gradients of the same shapes, in the same order
-        same = [t for t in full[name] if any(t.shape == h.shape for h in tensors)][-len(tensors) :]
-        for h, f in zip(tensors, same):
-            values += h.numel()
-            lost += int(((h == 0) & (f != 0)).sum())
-    return lost / values
-
-
-def measured(model: nn.Module, loss: Loss) -> Measurement:
-    sampler = Sampler()
-    sampler.arm()
-    model.zero_grad(set_to_none=True)
-    (loss(True) * SCALE).backward()
-    return read(sampler.finish(), step=2, scale=SCALE)[0]
 
 
 def classification(model: nn.Module, factor: float) -> Loss:

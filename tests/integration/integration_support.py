@@ -159,5 +159,12 @@ def note_new_sample(stats: dict[str, Any], samples: list[dict[str, Any]]) -> Non
 
 
 def samples_text(samples: list[dict[str, Any]]) -> str:
-    """``samples`` (as :func:`note_new_sample` keeps them) for a table: "step: share (scale)", ...; "-": none."""
-    return ", ".join(f"{s['underflow_step']}: {s['underflow_share']:.2%} ({s['scale']:g})" for s in samples) or "-"
+    """``samples`` (as :func:`note_new_sample` keeps them) for a table: "step: share, lost share (scale)", ...;
+    "-": none."""
+    return (
+        ", ".join(
+            f"{s['underflow_step']}: {s['underflow_share']:.2%}, lost {s['underflow_lost']:.2%} ({s['scale']:g})"
+            for s in samples
+        )
+        or "-"
+    )

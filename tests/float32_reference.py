@@ -1,0 +1,72 @@
+"""The float32 reference of issue 32: which float16 gradient values are lost, computed directly.
+
+A value is lost where float16 holds an exact zero and float32, with the same weights and batch, holds it nonzero
+(docs/underflow.md). :func:`float32_lost_share` runs the model's backward pass at the same loss scale under
+float16 autocast and in float32, with tensor hooks on every leaf module's outputs and the parameters' gradients
+(the gradients the sampler counts, module by module), and counts the positions zero in the first and nonzero in
+the second; :func:`measured` is the sampler's estimate of the same share from float16 alone. The tolerance
+stated in docs/underflow.md: :func:`within_tolerance`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ampguard.underflow.counts import Measurement, read
+from ampguard.underflow.measure import Sampler
+
+SCALE = 1024.0
+Loss = Callable[[bool], torch.Tensor]  # loss(fp16): the loss under float16 autocast, or in float32
+
+
+def within_tolerance(measured: float, reference: float) -> bool:
+    return abs(measured - reference) <= 0.005 or reference / 1.5 <= measured <= reference * 1.5
+
+
+def gradients(model: nn.Module, loss: Loss, fp16: bool) -> dict[str, list[torch.Tensor]]:
+    """Per leaf module: its outputs' gradients (float16 ones only under autocast) and its parameters'."""
+    found: dict[str, list[torch.Tensor]] = {}
+    leaves = {name: module for name, module in model.named_modules() if name and not any(module.children())}
+
+    def keep(name: str, tensor: torch.Tensor) -> None:
+        if tensor.requires_grad and (tensor.dtype == torch.float16 or not fp16):
+            tensor.register_hook(lambda grad: found.setdefault(name, []).append(grad.detach().float()))
+
+    handles = [
+        module.register_forward_hook(lambda _m, _i, out, name=name: keep(name, out)) for name, module in leaves.items()
+    ]
+    model.zero_grad(set_to_none=True)
+    try:
+        (loss(fp16) * SCALE).backward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    for name, module in leaves.items():
+        found.setdefault(name, []).extend(p.grad.float() for p in module.parameters() if p.grad is not None)
+    return found
+
+
+def float32_lost_share(model: nn.Module, loss: Loss) -> float:
+    """The share of the float16 gradients' values that are exact zeros where float32's are not."""
+    half, full = gradients(model, loss, True), gradients(model, loss, False)
+    values = lost = 0
+    for name, tensors in half.items():
+        if not tensors:
+            continue
+        # float32 has no float16 outputs to select: take its gradients of the same shapes, in the same order
+        same = [t for t in full[name] if any(t.shape == h.shape for h in tensors)][-len(tensors) :]
+        for h, f in zip(tensors, same):
+            values += h.numel()
+            lost += int(((h == 0) & (f != 0)).sum())
+    return lost / values
+
+
+def measured(model: nn.Module, loss: Loss) -> Measurement:
+    sampler = Sampler()
+    sampler.arm()
+    model.zero_grad(set_to_none=True)
+    (loss(True) * SCALE).backward()
+    return read(sampler.finish(), step=2, scale=SCALE)[0]
