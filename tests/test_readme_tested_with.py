@@ -1,8 +1,9 @@
 """The README's "Tested with" table names exactly the versions CI installs.
 
 The torch (and torchvision) pins are read from .ci/run's requirements, the trainer
-libraries' from pyproject.toml's ``integration`` extra, the demo's torch from the
-README's own demo command: a pin changed in one place and not in the table fails here.
+libraries' from pyproject.toml's ``integration`` extra, DeepSpeed's from .ci/run's
+``after_install``, the demo's torch from the README's own demo command: a pin changed
+in one place and not in the table fails here.
 """
 
 from __future__ import annotations
@@ -40,6 +41,13 @@ def ci_pins(package: str) -> set[str]:
     return {pin for requirements in ci_requirements().values() for pin in re.findall(pattern, requirements)}
 
 
+def ci_after_install() -> dict[str, str]:
+    """.ci/run's ``after_install`` array (what a leg installs into its environment once made): package -> pin."""
+    script = (ROOT / ".ci" / "run").read_text()
+    block = script.split("declare -A after_install=(", 1)[1].split(")\n", 1)[0]
+    return dict(re.findall(r"([\w-]+)==([\d.]+)", block))
+
+
 def integration_pins() -> dict[str, str]:
     extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]["integration"]
     return dict(requirement.split("==") for requirement in extra)
@@ -64,7 +72,8 @@ def test_demo_torch_row_names_the_demo_commands_torch():
 
 def test_every_integration_pin_has_its_row_and_no_other_library_is_listed():
     table = readme_table()
-    pins = integration_pins()
+    pins = integration_pins() | ci_after_install()
+    assert "deepspeed" in pins  # the parser read .ci/run
     assert {name: versions(table.get(name, "")) for name in pins} == {name: {pin} for name, pin in pins.items()}
     libraries = set(table) - ROWS_NOT_PINNED - {"torch", "torchvision", "torch (demo)"}
     assert libraries == set(pins)
