@@ -82,10 +82,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(runs), done.stderr[-4000:]
-    return {
+    results = {
         (run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"): line
         for run, line in zip(runs, lines)
     }
+    results["stderr"] = done.stderr
+    return results
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -130,6 +132,16 @@ def test_a_healthy_run_from_the_same_scale_gives_plain_deepspeeds_weights(result
     assert plain["scale"] == guarded["scale"] == 4096  # the config's initial_scale_power=12 wins over 1024
     assert plain["parameters"] == guarded["parameters"]
     assert plain["parameters"] != results[stage, "always", False, "warn"]["parameters"]  # (they trained)
+
+
+def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
+    summary = [line for line in results["stderr"].splitlines() if "run summary: " in line]
+    assert len(summary) == 1, results["stderr"][-3000:]
+    tallies = summary[0].split("run summary: ", 1)[1].rstrip(".").split("; ")
+    assert all(tally.startswith("DeepSpeedLossScale#") for tally in tallies), tallies
+    counts = sorted(tally.split(": ", 1)[1].split(" steps skipped")[0] for tally in tallies)
+    # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20; healthy runs: none
+    assert counts == sorted([f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + ["20 of 20"])
 
 
 def test_on_stall_raise_stops_the_run_where_asked(results):
