@@ -23,7 +23,8 @@ from typing import Any
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29561")
-os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+for _name, _value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
+    os.environ.setdefault(_name, _value)  # one rank unless the caller starts several
 
 import deepspeed
 import torch
