@@ -22,6 +22,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING
 
 import ampguard.containment as containment
+import ampguard.deepspeed_fp16.tracking as deepspeed_tracking
 from ampguard.bindings import Bindings
 from ampguard.errors import PatchUnavailable
 from ampguard.log import logger
@@ -117,6 +118,16 @@ class MetricFields:
             "ampguard/nonfinite_loss": float(stats.nonfinite_loss),
             "ampguard/fp32_islands": float(len(stats.fp32_islands)),
         }
+
+
+def deepspeed_stats(optimizer: object) -> ScalerStats | None:
+    """ampguard's counts of a DeepSpeed fp16 loss scale (docs/deepspeed.md), for ``optimizer``: DeepSpeed's own
+    optimizer or accelerate's wrapper around it (the HF Trainer's); None when it has none."""
+    for candidate in (getattr(optimizer, "optimizer", None), optimizer):
+        counts = deepspeed_tracking.of(candidate) if candidate is not None else None
+        if counts is not None:
+            return counts.stats
+    return None
 
 
 def safe_scaler(candidate: object) -> SafeGradScaler | None:

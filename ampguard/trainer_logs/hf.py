@@ -13,6 +13,9 @@ just appended (a copy made before the callbacks run). Evaluation and prediction
 logs are left as they are. ``trainer.remove_callback(callback_class())`` turns
 it off for one Trainer.
 
+Under DeepSpeed fp16 (``--deepspeed``, no GradScaler) the numbers are those of
+DeepSpeed's loss scale as ampguard counts it (docs/deepspeed.md).
+
 Cost: nothing on the other steps. At a logging step it reads the scaler's
 ``stats``, which after fused-optimizer steps reads the device once; the
 Trainer reads its loss from the device at the same steps.
@@ -60,9 +63,10 @@ def _merge(fields: integrations.MetricFields, state: Any, logs: dict[str, Any], 
     if any(key.startswith(("eval_", "test_")) for key in logs):
         return
     scaler = integrations.safe_scaler(getattr(optimizer, "scaler", None))  # accelerate's AcceleratedOptimizer
-    if scaler is None:
+    stats = scaler.stats if scaler is not None else integrations.deepspeed_stats(optimizer)  # or DeepSpeed's fp16
+    if stats is None:
         return
-    numbers = fields(scaler.stats)
+    numbers = fields(stats)
     entry = state.log_history[-1] if state.log_history else None
     # Trainer.log appended {**logs, "step": global_step} just before the callbacks: that entry gets them too.
     if isinstance(entry, dict) and entry.get("step") == state.global_step and set(entry) - {"step"} == set(logs):

@@ -23,15 +23,21 @@ from typing import Any
 
 os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
 os.environ.setdefault("MASTER_PORT", "29561")
-for _name, _value in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("LOCAL_WORLD_SIZE", "1")):
-    os.environ.setdefault(_name, _value)  # one rank unless the caller starts several
+os.environ.setdefault("RANK", "0")  # one rank unless the caller starts several
+os.environ.setdefault("LOCAL_RANK", "0")
+os.environ.setdefault("WORLD_SIZE", "1")
+os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
 
-import deepspeed
 import torch
-from deepspeed.accelerator import get_accelerator
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
+
+# isort: split
+# deepspeed is imported after ampguard: the patch reaches it through the post-import hook
+# (tests/deepspeed_fp16/test_deepspeed_fp16_patch.py imports it before).
+import deepspeed
+from deepspeed.accelerator import get_accelerator
 
 get_accelerator().is_fp16_supported = lambda: True  # the CPU runs DeepSpeed's float16 paths (this test's only)
 for _name in ("DeepSpeed", "deepspeed"):

@@ -106,8 +106,35 @@ _IMPORT_ORDER = textwrap.dedent(
 )
 
 
+def _run_fresh(code: str) -> None:
+    """``code`` in a fresh interpreter (its own DeepSpeed import), which must print "ok" last."""
+    env = {"PATH": "", "AMPGUARD_QUIET": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
 @needs_deepspeed
 def test_deepspeed_imported_before_ampguard_is_patched_and_uninstall_restores_it_by_identity():
-    env = {"PATH": "", "AMPGUARD_QUIET": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run([sys.executable, "-c", _IMPORT_ORDER], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    _run_fresh(_IMPORT_ORDER)
+
+
+_IMPORTED_AFTER = textwrap.dedent(
+    """
+    import sys
+    import ampguard
+    assert "deepspeed" not in sys.modules
+    from ampguard.deepspeed_fp16 import hooks
+    import deepspeed  # after ampguard: the post-import hook patches it
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
+    from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+
+    assert DynamicLossScaler.update_scale.__module__ == hooks.__name__, DynamicLossScaler.update_scale
+    assert DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args()["init_scale"] == 1024
+    print("ok")
+    """
+)
+
+
+@needs_deepspeed
+def test_deepspeed_imported_after_ampguard_is_patched_by_the_import_hook():
+    _run_fresh(_IMPORTED_AFTER)
