@@ -146,7 +146,13 @@ def _gone(counts: DeepSpeedLossScale) -> None:
 
 
 def of(optimizer: object) -> DeepSpeedLossScale | None:
-    """The counts for a DeepSpeed optimizer (``engine.optimizer``), or None when none were made."""
-    holder = getattr(optimizer, "loss_scaler", None)
-    found = _trackers.get(holder) if holder is not None else None
-    return found if found is not None else _trackers.get(optimizer)
+    """The counts for a DeepSpeed optimizer (``engine.optimizer``), or None when none were made (or ``optimizer``
+    is anything else, an object that takes no weak reference included)."""
+    for holder in (getattr(optimizer, "loss_scaler", None), optimizer):
+        try:
+            found = _trackers.get(holder) if holder is not None else None
+        except TypeError:  # not weakly referable, or unhashable: no DeepSpeed object
+            found = None
+        if found is not None:
+            return found
+    return None

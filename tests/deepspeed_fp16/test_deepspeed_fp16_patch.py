@@ -11,6 +11,7 @@ import types
 import pytest
 
 import ampguard
+import ampguard.deepspeed_fp16.tracking as tracking
 from ampguard.deepspeed_fp16.patch import SUPPORTED, unsupported
 
 needs_deepspeed = pytest.mark.skipif(
@@ -39,6 +40,12 @@ def test_an_unsupported_deepspeed_imported_before_install_makes_the_patch_unavai
         monkeypatch.undo()
         ampguard.uninstall()
         ampguard.install()
+
+
+@pytest.mark.parametrize("anything", [None, {}, [1], object(), 3.0])
+def test_looking_up_counts_for_an_object_deepspeed_never_made_finds_none(anything):
+    """The HF Trainer's callback asks for any optimizer's counts: no answer, and no error, for the others."""
+    assert tracking.of(anything) is None
 
 
 # Run in a fresh process: DeepSpeed imported BEFORE ampguard, then uninstall / install / AMPGUARD_DEEPSPEED=off.
