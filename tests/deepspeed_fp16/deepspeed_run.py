@@ -15,6 +15,7 @@ refuses float16; this script, and only it, tells it otherwise so that the GPU co
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ import torch
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
+from ampguard.syncs import HostReadCounter
 
 # isort: split
 # deepspeed is imported after ampguard: the patch reaches it through the post-import hook
@@ -116,13 +118,16 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     generator = torch.Generator().manual_seed(1)
     died, died_at = None, None
+    reads = HostReadCounter()  # the host reads of the steps after the first two (when "count_reads")
     for step in range(1, run["steps"] + 1):
         x = torch.randn(8, 8, generator=generator).half()
         target = torch.randn(8, 1, generator=generator)
+        counting = run.get("count_reads", False) and step > 2
         try:
-            loss = torch.nn.functional.mse_loss(engine(x).float(), target)
-            engine.backward(loss)
-            engine.step()
+            with reads if counting else contextlib.nullcontext():
+                loss = torch.nn.functional.mse_loss(engine(x).float(), target)
+                engine.backward(loss)
+                engine.step()
         except Exception as error:
             died, died_at = f"{type(error).__name__}: {error}", step
             break
@@ -142,6 +147,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         "finite": all(bool(torch.isfinite(v).all()) for v in values),
         "parameters": [v.flatten().tolist() for v in values],
         "log": records.lines,
+        "host_reads": dict(reads.by_source),
         "stats_file": _stats_since(stats_before),
     }
     logging.getLogger("ampguard").removeHandler(records)

@@ -8,7 +8,8 @@ subprocess for all: DeepSpeed's distributed state is per process):
   the stall named in the log;
 - the block overflowing on every 5th call: every overflow costs one step, counted as the engine counts it, and the
   stats file carries the counts;
-- a healthy run from the same scale (``initial_scale_power`` in both): identical weights to plain DeepSpeed;
+- a healthy run from the same scale (``initial_scale_power`` in both): identical weights to plain DeepSpeed, and
+  as many host reads per step;
 - ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked.
 
 Skipped where DeepSpeed is not installed (the CI's newest leg installs it; docs/deepspeed.md).
@@ -47,9 +48,8 @@ def _runs() -> list[dict[str, Any]]:
             ("never", False, 12),
             ("never", True, 12),
         ):
-            runs.append(
-                {"stage": stage, "overflow": overflow, "steps": STEPS, "ampguard": amp, "initial_scale_power": power}
-            )
+            run = {"stage": stage, "overflow": overflow, "steps": STEPS, "ampguard": amp, "initial_scale_power": power}
+            runs.append({**run, "count_reads": overflow == "never"})
     runs.append(
         {"stage": 2, "overflow": "always", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
     )
@@ -132,6 +132,14 @@ def test_a_healthy_run_from_the_same_scale_gives_plain_deepspeeds_weights(result
     assert plain["scale"] == guarded["scale"] == 4096  # the config's initial_scale_power=12 wins over 1024
     assert plain["parameters"] == guarded["parameters"]
     assert plain["parameters"] != results[stage, "always", False, "warn"]["parameters"]  # (they trained)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_healthy_steps_read_the_host_as_often_as_plain_deepspeed(results, stage):
+    """ampguard adds no host read (aten::_local_scalar_dense, counted on the CPU as on a GPU) to DeepSpeed's own."""
+    plain, guarded = results[stage, "never", False, "warn"], results[stage, "never", True, "warn"]
+    assert plain["host_reads"]["aten::_local_scalar_dense"] >= STEPS - 2  # DeepSpeed's overflow check, at least
+    assert guarded["host_reads"] == plain["host_reads"]
 
 
 def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
