@@ -297,18 +297,54 @@ def test_unscale_every_micro_step_with_float16_master_weights():
     assert torch.equal(run(True), once)
 
 
-def test_a_non_finite_loss_keeps_the_scale_with_growth_interval_one():
-    """docs/torch-parity.md: a non-finite loss skips the step and keeps the scale (torch halves it).
+def _non_finite_loss_run(scaler_class: type, mode: str, loss: str, gradients: str, interval: int) -> list:
+    """Three iterations, the second with an inf/NaN loss; (scale, growth tracker, parameters) after each update.
 
-    Found by tests/test_differential.py (the seeded CI count): with growth_interval=1 the
-    skipped step grew the scale instead (8 -> 16; torch 8 -> 4, the documented difference says 8).
-    The growth tracker stays too (non-fused optimizers; a fused one's counts, docs/islands.md).
+    ``mode``: "host" (SGD, the host reads the verdict), "fused" (AdamW(fused=True): device mode) or
+    "new_scale" (SGD after ``update(new_scale)``: device mode, the ledger's path).
     """
     param = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.SGD([param], lr=0.1)
-    scaler = torch.amp.GradScaler("cpu", init_scale=8.0, growth_interval=1)
-    scaler.scale((param * float("inf")).sum()).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    assert scaler.last_step_skipped
-    assert scaler.get_scale() == 8.0 and scaler._growth_tracker.item() == 0
+    if mode == "fused":
+        optimizer: torch.optim.Optimizer = torch.optim.AdamW([param], lr=0.1, fused=True)
+    else:
+        optimizer = torch.optim.SGD([param], lr=0.1)
+    scaler = scaler_class("cpu", init_scale=8.0, growth_interval=interval)
+    history = []
+    for iteration in range(3):
+        optimizer.zero_grad()
+        if iteration != 1:
+            scaled = (param * 2.0).sum()
+        elif gradients == "finite":  # a non-finite constant in the loss: its gradients stay finite
+            scaled = param.sum() + torch.tensor(float(loss))
+        else:
+            scaled = (param * float(loss)).sum()
+        scaler.scale(scaled).backward()
+        scaler.step(optimizer)
+        forward_overflow = iteration == 1 and gradients == "nonfinite"
+        kept = (scaler._scale.clone(), scaler._growth_tracker.clone())
+        scaler.update(16.0 if mode == "new_scale" and iteration == 0 else None)
+        if forward_overflow and scaler_class is ampguard.scaler.TorchGradScaler:
+            scaler._scale.copy_(kept[0])  # the documented difference, applied to torch's run
+            scaler._growth_tracker.copy_(kept[1])
+        history.append((scaler.get_scale(), scaler._get_growth_tracker(), param.detach().tolist()))
+    return history
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+@pytest.mark.parametrize("gradients", ["finite", "nonfinite"])
+@pytest.mark.parametrize("loss", ["inf", "nan"])
+@pytest.mark.parametrize("mode", ["host", "new_scale", pytest.param("fused", marks=needs_fused_adam)])
+def test_a_non_finite_loss_keeps_the_scale_with_growth_interval_one(mode, loss, gradients, interval):
+    """docs/torch-parity.md: an iteration whose gradients overflowed because the loss itself was inf/NaN is
+    skipped and keeps the scale and the growth tracker (torch halves the scale); a non-finite loss with finite
+    gradients steps and counts as in torch. Host mode and device mode (fused, update(new_scale)) alike.
+
+    Found by tests/test_differential.py: with growth_interval=1 the skipped step grew the scale (8 -> 16; torch
+    8 -> 4, the documented difference says 8); in device mode a non-finite loss with finite gradients held the
+    growth tracker where torch counts the step.
+    """
+    reference = _non_finite_loss_run(ampguard.scaler.TorchGradScaler, mode, loss, gradients, interval)
+    result = _non_finite_loss_run(torch.amp.GradScaler, mode, loss, gradients, interval)
+    assert result == reference
+    if gradients == "nonfinite":  # the skipped iteration left the scale where it was
+        assert result[1][0] == result[0][0] and result[1][2] == result[0][2]

@@ -104,7 +104,8 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     found = any(scaler._iteration.host_found.values())
     forward_overflow, fields = False, scaler._iteration.fields
     if found:  # was a loss itself inf/NaN, on any rank? (an exchange under torch.distributed, else free)
-        forward_overflow, agreed = distributed.agree_on_skip(scaler._iteration.loss_nonfinite, list(fields.values()))
+        loss_nonfinite, agreed = distributed.agree_on_skip(scaler._iteration.loss_nonfinite, list(fields.values()))
+        forward_overflow = policy.forward_overflow(found, loss_nonfinite)
         fields = dict(zip(fields, agreed))
     skipped_steps = sum(scaler._iteration.host_found.values())
     scale_before = scaler._counters.mirror_scale
@@ -112,17 +113,15 @@ def update_in_host_mode(scaler: SafeGradScaler) -> None:
     scaler._torch_update()
     # A forward overflow (the loss itself inf/NaN) was not the scale's doing, and its step taught nothing about
     # the gradients: the scale and the growth tracker stay as they were, written over torch's back-off.
-    if forward_overflow:
-        scale, tracker = scale_before, scaler._counters.mirror_tracker
-    else:
-        scale, tracker = policy.next_scale(
-            scale_before,
-            scaler._counters.mirror_tracker,
-            found,
-            scaler._growth_factor,
-            scaler._backoff_factor,
-            scaler._growth_interval,
-        )
+    scale, tracker = policy.counted(
+        scale_before,
+        scaler._counters.mirror_tracker,
+        found,
+        forward_overflow,
+        scaler._growth_factor,
+        scaler._backoff_factor,
+        scaler._growth_interval,
+    )
     if forward_overflow:  # the host's scale and growth tracker over the back-off torch just made (no read)
         assert scaler._scale is not None and scaler._growth_tracker is not None
         scaler._scale.fill_(scale)

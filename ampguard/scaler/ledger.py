@@ -16,9 +16,12 @@ Per iteration that is 3 kernels: the row, the forward-overflow hold (a
 ``heaviside`` that zeroes the found_inf torch's ``update()`` reads where the
 loss itself was non-finite: no back-off) and the floor/cap (``clamp_``). With
 the hold, torch counts such an iteration toward the growth interval; where its
-row is known at its own update (the CPU, :mod:`ampguard.scaler.row_copies`)
-the scale and tracker are put back as host mode keeps them (:func:`_keep_scale`,
-a few ops after a failure only); on a GPU the row arrives later and the count stays.
+row is known at its own update (the CPU, :mod:`ampguard.scaler.row_copies`) and
+it was a forward overflow (:func:`ampguard.scaler.policy.forward_overflow`, the
+rule host mode counts by: the gradients overflowed too; a non-finite loss with
+finite gradients counts as in torch), the scale and tracker are put back as
+host mode keeps them (:func:`_keep_scale`, a few ops after a failure only); on
+a GPU the row arrives later and the count stays.
 """
 
 from __future__ import annotations
@@ -121,9 +124,10 @@ class DeviceLedger:
         replay = Replay(consecutive=self.consecutive, max_consecutive=self.consecutive, low=scale, high=scale)
         for (skipped, found, check, before), held in zip(rows, self._held):
             nonfinite = math.isnan(check)
+            held = held and policy.forward_overflow(bool(found), nonfinite)
             replay.skipped += int(skipped)
             replay.nonfinite_loss += nonfinite
-            replay.forward_overflows += nonfinite and held
+            replay.forward_overflows += held
             replay.low, replay.high = min(replay.low, before), max(replay.high, before)
             if not found:
                 replay.consecutive = 0
@@ -131,7 +135,7 @@ class DeviceLedger:
             replay.consecutive += 1
             replay.max_consecutive = max(replay.max_consecutive, replay.consecutive)
             replay.stalls += replay.consecutive == limit
-            if not (held and nonfinite) and policy.in_collapse_zone(scaler, before):
+            if not held and policy.in_collapse_zone(scaler, before):
                 replay.collapse_scale = min(replay.collapse_scale or before, before)
         return replay
 

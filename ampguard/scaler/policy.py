@@ -43,6 +43,34 @@ def next_scale(
     return scale, tracker
 
 
+def forward_overflow(found_inf: bool, loss_nonfinite: bool) -> bool:
+    """The one rule both modes count by: an overflow the scale did not cause.
+
+    An iteration whose gradients overflowed while a loss itself was inf/NaN: no
+    scale makes that loss finite, so the scale and the growth tracker stay
+    (:func:`counted`). A non-finite loss with finite gradients is no overflow:
+    the optimizers step and the iteration counts toward the growth interval, as
+    in torch. Host mode (ampguard.scaler.accounting) and device mode's rows
+    (ampguard.scaler.ledger, ampguard.scaler.row_copies) both ask this.
+    """
+    return found_inf and loss_nonfinite
+
+
+def counted(
+    scale: float,
+    tracker: int,
+    found_inf: bool,
+    forward: bool,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+) -> tuple[float, int]:
+    """The scale and growth tracker after an iteration: kept after a forward overflow, else torch's rule."""
+    if forward:
+        return scale, tracker
+    return next_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
+
+
 def bounded(scaler: SafeGradScaler, scale: float) -> float:
     """``scale`` within the scaler's floor and cap."""
     return min(max(scale, scaler._min_scale), scaler._max_scale)

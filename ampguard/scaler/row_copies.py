@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+import ampguard.scaler.policy as policy
 from ampguard.syncs import HostCopy
 
 
@@ -40,7 +41,7 @@ class KnownRow:
     skipped: int  # optimizer steps skipped
     found: bool  # an optimizer found inf/NaN gradients
     nonfinite_loss: bool
-    held: bool  # a non-finite loss kept the scale: a forward overflow
+    held: bool  # a forward overflow (policy.forward_overflow) kept the scale and the growth tracker
     scale: float  # the scale the iteration ran at
     unread: list[torch.optim.Optimizer]  # the optimizers stepped that no host read told of (fused; those alive)
     read_skips: int  # skips among the others, which the host read (so the rest of ``skipped`` is the unread ones')
@@ -81,7 +82,8 @@ class RowCopies:
                 self._free.append(copy.host)
             nonfinite = check != check
             unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
-            rows.append(KnownRow(int(skipped), bool(found), nonfinite, nonfinite and held, scale, unread, read_skips))
+            overflow = held and policy.forward_overflow(bool(found), nonfinite)
+            rows.append(KnownRow(int(skipped), bool(found), nonfinite, overflow, scale, unread, read_skips))
         return rows
 
     def _host_row(self) -> torch.Tensor:
