@@ -12,15 +12,19 @@ play, with the same rules and no host read (docs/clipping.md):
 * ``clip_grad_value_(params, clip_value)`` clamps still-scaled gradients at
   ``clip_value * scale`` (a device tensor, no host read) and the others at
   ``clip_value``: after ``unscale_`` the gradients are torch's clamp of the
-  unscaled ones, bit for bit (the scale is a power of two).
+  unscaled ones, bit for bit (the scale is a power of two). A still-scaled
+  gradient holding inf/NaN becomes NaN instead of the bound, so that
+  ``unscale_`` finds the overflow and the step is skipped, as in the recipe.
 * ``get_total_norm(tensors)`` receives gradient *tensors*, not parameters.
   A tensor is taken as unscaled when it is the ``.grad`` (or the master's
   ``.grad``) of a parameter of an optimizer a scaler already unscaled (matched
   by identity; ``p.grad`` of a half-precision parameter with a master is
   replaced by the master's gradient, which holds the unscaled value); every
-  other tensor is taken as a still-scaled gradient and its norm divided by the
-  scale. The returned norm is the unscaled one, float32 for float16/bfloat16
-  tensors (also when no scaler is in play and the no-scaler guard is on).
+  other tensor is taken as a still-scaled gradient and measured unscaled (as
+  ``clip_grad_norm_`` measures it). The returned norm is the unscaled one, float32 for float16/bfloat16
+  tensors (also when no scaler is in play and the no-scaler guard is on);
+  torch's scaled norm when every tensor is still scaled and ``get_scale()`` was
+  read after ``scale()`` (the scaled-threshold idiom, as ``clip_grad_norm_`` reads it).
 * ``clip_grads_with_norm_(params, max_norm, total_norm)`` takes ``total_norm``
   as the unscaled norm (what ``get_total_norm`` returns): the coefficient is
   torch's, and multiplying still-scaled gradients by it gives, after
@@ -35,6 +39,7 @@ still takes float32 norms while the no-scaler guard is on).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, NamedTuple
 
@@ -43,7 +48,7 @@ from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
 import ampguard.master_weights as master_weights
-from ampguard.clip_grad.norm import scaled_total_norm
+from ampguard.clip_grad.norm import scaled_threshold, scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, state
 from ampguard.clip_grad.state import idle as clip_grad_norm_idle
@@ -95,9 +100,36 @@ def clip_grad_value_wrapper(
             scaled = [g for g in group.grads if id(g) in still_scaled]
             if scaled:
                 assert scale is not None
+                overflowed = _nan_if_nonfinite(group, scaled)
                 # In the gradients' dtype, as torch compares: scale * round(clip_value) = round(scale * clip_value).
                 _clamp_(group, scaled, (scale.to(group.device) * clip_value).to(group.dtype))
+                _multiply_(group, scaled, overflowed)
     return None
+
+
+def _nan_if_nonfinite(group: kernels.Group, grads: list[Tensor]) -> list[Tensor]:
+    """Per gradient: 1, or NaN where it holds inf/NaN (its inf-norm minus itself, plus 1). No host read.
+
+    The clamp would turn a still-scaled inf into the finite bound, and the
+    scaler's later ``unscale_`` would never see the overflow: multiplied in
+    after the clamp, the NaN makes that gradient's optimizer skip its step, as
+    in the recipe, where ``unscale_`` found the inf before the clamp. (A
+    multiplication by 1, not an addition of 0: -0.0 stays -0.0, as torch's clamp left it.)
+    """
+    peaks = kernels.norms(group, grads, math.inf)
+    if group.foreach:
+        flags = torch._foreach_sub(peaks, peaks)
+        torch._foreach_add_(flags, 1.0)
+        return list(flags)
+    return [peak - peak + 1.0 for peak in peaks]
+
+
+def _multiply_(group: kernels.Group, grads: list[Tensor], flags: list[Tensor]) -> None:
+    if group.foreach:
+        torch._foreach_mul_(grads, flags)
+        return
+    for grad, flag in zip(grads, flags):
+        grad.mul_(flag)
 
 
 def _clamp_(group: kernels.Group, grads: list[Tensor], bound: float | Tensor) -> None:
@@ -144,8 +176,13 @@ def get_total_norm_wrapper(
     with torch.no_grad():
         held = _gradients_held(given, scalers)
         scale = single_scale(scalers) if held.still_scaled is None or held.still_scaled else None
+        every_one_scaled = held.still_scaled is None or all(id(g) in held.still_scaled for g in held.grads)
+        if every_one_scaled and scale is not None and scaled_threshold(scalers[0]):
+            # get_scale() read after scale(): the norm for clip_grads_with_norm_(params, max_norm * scale, norm) on
+            # still-scaled gradients, torch's idiom, as clip_grad_norm_ reads it (norm.scaled_threshold): torch's.
+            scale = None
         groups = kernels.groups(held.grads, foreach)
-        total, _ = scaled_total_norm(groups, held.still_scaled, scale, norm_type)
+        total = scaled_total_norm(groups, held.still_scaled, scale, norm_type)
         if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
     return total

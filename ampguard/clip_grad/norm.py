@@ -9,8 +9,10 @@ Under ampguard the clip is right whatever the caller did:
   parameters are not owned by an optimizer it already unscaled, the norm is
   that of the unscaled gradients: float32 gradients under a power-of-two scale
   are unscaled in place for it and scaled back (both exact: the recipe's bits);
-  for others (float16/bfloat16, another scale, a scale only the device knows)
-  the per-tensor norms of the scaled gradients are divided by the scale. The
+  for other float32 ones (another scale, a scale only the device knows) the
+  norms are taken of temporary copies times the inverse ``unscale_`` uses (the
+  recipe's norm; never an overflow of the scaled one); the float32 per-tensor
+  norms of float16/bfloat16 gradients are divided by the scale. The
   clip coefficient is multiplied into the still-scaled gradients, and the
   scaler's later ``unscale_`` divides them by the scale: the optimizer sees what
   the recipe gives, the returned norm is the unscaled one, and nothing is ever
@@ -182,7 +184,7 @@ def _clip_with_scaler(
     scale = single_scale(scalers) if still_scaled is None or still_scaled else None
     groups = kernels.groups(grads, foreach)
     scale_known = scale is not None and norm_type != 0.0  # the "0-norm" counts non-zeros: scale-free
-    threshold_is_scaled = scale_known and _scaled_threshold(scalers[0])
+    threshold_is_scaled = scale_known and scaled_threshold(scalers[0])
     if threshold_is_scaled and still_scaled is None:
         # clip_grad_norm_(params, max_norm * scaler.get_scale()) on still-scaled gradients: torch's own numbers.
         total = _total_norm(groups, norm_type)
@@ -206,7 +208,7 @@ def _clip_with_scaler(
             id(g) for g in grads if id(g) not in in_place and (still_scaled is None or id(g) in still_scaled)
         }
     try:
-        total, _ = scaled_total_norm(groups, still_scaled, scale, norm_type)
+        total = scaled_total_norm(groups, still_scaled, scale, norm_type)
         if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
         clipped = {id(p) for p, _ in pairs}
@@ -274,42 +276,70 @@ def _checked_by_one_optimizer(unscaled_by: list[tuple[SafeGradScaler, Any, set[i
 
 def scaled_total_norm(
     groups: list[kernels.Group], still_scaled: set[int] | None, scale: Tensor | None, norm_type: float
-) -> tuple[Tensor, Tensor | None]:
-    """The total norm of the unscaled gradients, and the vector of the still-scaled ones' norms (None if none).
+) -> Tensor:
+    """The total norm of the unscaled gradients.
 
     ``still_scaled``: ids of the gradients that still carry ``scale`` (None: all
     of them); ``scale`` None: unknown, their norms are taken as they are.
+    Still-scaled float32/float64 gradients are measured as the recipe measures
+    them, multiplied by the inverse ``unscale_`` uses (:func:`_recipe_norms`);
+    float16/bfloat16 ones by their float32 norms divided by the scale.
     """
-    unscaled_norms: list[Tensor] = []
-    scaled_norms: list[Tensor] = []
-    for group in groups:
-        if still_scaled is None:
-            scaled_norms.extend(kernels.norms(group, group.grads, norm_type))
-            continue
-        scaled = [g for g in group.grads if id(g) in still_scaled]
-        unscaled = [g for g in group.grads if id(g) not in still_scaled]
-        if unscaled:
-            unscaled_norms.extend(kernels.norms(group, unscaled, norm_type))
-        if scaled:
-            scaled_norms.extend(kernels.norms(group, scaled, norm_type))
-    first_device = groups[0].grads[0].device
-    vectors = []
-    if unscaled_norms:
-        vectors.append(torch.stack([norm.to(first_device) for norm in unscaled_norms]))
     # The "0-norm" counts non-zeros: scale-free.
     scale_known = scale is not None and norm_type != 0.0
-    scaled_vector: Tensor | None = None
-    if scaled_norms:
-        vector = scaled_vector = torch.stack([norm.to(first_device) for norm in scaled_norms])
-        if scale_known:
-            assert scale is not None
-            vector = vector / scale.to(first_device)
-        vectors.append(vector)
-    total = torch.linalg.vector_norm(vectors[0] if len(vectors) == 1 else torch.cat(vectors), norm_type)
-    return total, scaled_vector
+    first_device = groups[0].grads[0].device
+    norms: list[Tensor] = []
+    for group in groups:
+        # Each tensor's norm at its place in the group, as torch stacks them (the sum's order is the recipe's).
+        scaled_at = [i for i, g in enumerate(group.grads) if still_scaled is None or id(g) in still_scaled]
+        plain_at = [i for i, g in enumerate(group.grads) if still_scaled is not None and id(g) not in still_scaled]
+        placed: dict[int, Tensor] = {}
+        if plain_at:
+            placed.update(zip(plain_at, kernels.norms(group, [group.grads[i] for i in plain_at], norm_type)))
+        if scaled_at:
+            scaled = [group.grads[i] for i in scaled_at]
+            if not scale_known:
+                values = kernels.norms(group, scaled, norm_type)
+            elif group.dtype not in kernels.LOW_PRECISION:
+                assert scale is not None
+                values = _recipe_norms(group, scaled, scale, norm_type)
+            else:
+                assert scale is not None
+                stacked = torch.stack(kernels.norms(group, scaled, norm_type))
+                values = list((stacked / scale.to(stacked.device)).unbind())
+            placed.update(zip(scaled_at, values))
+        norms.extend(placed[i] for i in range(len(group.grads)))
+    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    return total
 
 
-def _scaled_threshold(scaler: SafeGradScaler) -> bool:
+RECIPE_COPY_ELEMENTS = 1 << 24  # the unscaled copies' size at a time (64 MiB of float32)
+
+
+def _recipe_norms(group: kernels.Group, grads: list[Tensor], scale: Tensor, norm_type: float) -> list[Tensor]:
+    """Per-tensor norms of still-scaled gradients, taken as the recipe takes them: of the gradients times the
+    inverse ``unscale_`` uses, in temporary copies (a chunk at a time), never in place.
+
+    Dividing the scaled norm by the scale instead overflows where the recipe's
+    does not (a still-scaled 1e20 gradient: its 2-norm squares to 1e40, past
+    float32's 3.4e38, where the recipe's unscaled 1e17 gives 1e17), and a
+    scaled inf would be all the scaler sees of a finite unscaled gradient.
+    """
+    inverse = scale.double().reciprocal().float().to(group.device)
+    norms: list[Tensor] = []
+    chunk: list[Tensor] = []
+    elements = 0
+    for position, grad in enumerate(grads):
+        chunk.append(grad)
+        elements += grad.numel()
+        if elements >= RECIPE_COPY_ELEMENTS or position == len(grads) - 1:
+            copies = list(torch._foreach_mul(chunk, inverse)) if group.foreach else [g * inverse for g in chunk]
+            norms.extend(kernels.norms(group, copies, norm_type))
+            chunk, elements = [], 0
+    return norms
+
+
+def scaled_threshold(scaler: SafeGradScaler) -> bool:
     """Whether ``max_norm`` is a threshold for the still-scaled gradients (see the module docstring).
 
     It is when the caller read ``scaler.get_scale()`` after ``scale()`` in this
