@@ -2,7 +2,8 @@
 
 ``python deepspeed_run.py '<json>'`` where the JSON is a list of runs, each
 ``{"stage": 0..3, "overflow": "never"|"always"|"every5", "steps": N, "ampguard": bool,
-"initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional)}``. Each run trains a fresh engine (same
+"initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional), "config": {more DeepSpeed config}
+(optional), "count_reads": bool (optional)}``. Each run trains a fresh engine (same
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
 engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
 ampguard's log records and the stats-file records written during the run.
@@ -113,6 +114,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         "fp16": fp16,
         "zero_optimization": {"stage": run["stage"]},
         "steps_per_print": 10**9,
+        **run.get("config", {}),
     }
     net = model(run["overflow"])
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)

@@ -8,8 +8,8 @@ subprocess for all: DeepSpeed's distributed state is per process):
   the stall named in the log;
 - the block overflowing on every 5th call: every overflow costs one step, counted as the engine counts it, and the
   stats file carries the counts;
-- a healthy run from the same scale (``initial_scale_power`` in both): identical weights to plain DeepSpeed, and
-  as many host reads per step;
+- a healthy run from the same scale (``initial_scale_power`` in both), gradients clipped by DeepSpeed: identical
+  weights to plain DeepSpeed, and as many host reads per step;
 - ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked.
 
 Skipped where DeepSpeed is not installed (the CI's newest leg installs it; docs/deepspeed.md).
@@ -49,7 +49,9 @@ def _runs() -> list[dict[str, Any]]:
             ("never", True, 12),
         ):
             run = {"stage": stage, "overflow": overflow, "steps": STEPS, "ampguard": amp, "initial_scale_power": power}
-            runs.append({**run, "count_reads": overflow == "never"})
+            if overflow == "never":  # clipped (DeepSpeed's gradient_clipping), host reads counted
+                run.update(config={"gradient_clipping": 0.05}, count_reads=True)
+            runs.append(run)
     runs.append(
         {"stage": 2, "overflow": "always", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
     )
