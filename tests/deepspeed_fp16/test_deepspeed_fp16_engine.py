@@ -55,6 +55,15 @@ def _runs() -> list[dict[str, Any]]:
     runs.append(
         {"stage": 2, "overflow": "always", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
     )
+    runs.append(
+        {
+            "stage": 2,
+            "overflow": "every5",
+            "steps": STEPS,
+            "ampguard": True,
+            "config": {"gradient_accumulation_steps": 2},
+        }
+    )
     return runs
 
 
@@ -86,8 +95,9 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
     assert len(lines) == len(runs), done.stderr[-4000:]
     results = {
         (run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"): line
-        for run, line in zip(runs, lines)
+        for run, line in zip(runs[:-1], lines)
     }
+    results["accumulating"] = lines[-1]
     results["stderr"] = done.stderr
     return results
 
@@ -150,8 +160,16 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     tallies = summary[0].split("run summary: ", 1)[1].rstrip(".").split("; ")
     assert all(tally.startswith("DeepSpeedLossScale#") for tally in tallies), tallies
     counts = sorted(tally.split(": ", 1)[1].split(" steps skipped")[0] for tally in tallies)
-    # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20; healthy runs: none
-    assert counts == sorted([f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + ["20 of 20"])
+    # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20, the accumulating
+    # run's 4 of its 12 optimizer steps; healthy runs: none
+    assert counts == sorted([f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"])
+
+
+def test_with_gradient_accumulation_each_optimizer_step_is_counted_once(results):
+    accumulating = results["accumulating"]  # ZeRO 2, 2 micro-batches per optimizer step, every 5th overflowing
+    assert accumulating["died"] is None and accumulating["finite"]
+    assert accumulating["ampguard"]["steps"] == STEPS // 2
+    assert accumulating["ampguard"]["skipped"] == accumulating["engine_skipped"] == STEPS // 5
 
 
 def test_on_stall_raise_stops_the_run_where_asked(results):
