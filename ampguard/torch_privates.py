@@ -130,3 +130,28 @@ def is_compiling() -> bool:
     guards = sys.modules.get("torch._guards")  # (imported by torch._dynamo: not there, nothing compiles)
     context = getattr(getattr(guards, "CompileContext", None), "try_get", None)
     return context is not None and context() is not None
+
+
+def in_functorch_transform() -> bool:
+    """Whether a ``torch.func`` transform (vmap, grad, jacrev, jvp, functionalize) is running the caller's ops:
+    the tensors there are functorch's wrappers, and their gradients belong to the transform, not to the step's
+    backward pass (per-sample gradients, as Opacus-style DP training computes them). A torch without the check
+    (``torch._C._functorch.maybe_current_level``: torch 2.3.1 and 2.14 have it): never."""
+    import torch
+
+    level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+    return level is not None and level() is not None
+
+
+def functorch_unwrapped(tensor: Any) -> Any:
+    """The plain tensor inside functorch's wrappers: a tensor made inside ``torch.func.vmap`` / ``grad`` and kept past
+    the transform (a model's inputs under per-sample gradients) holds the whole batch's values there, and raises
+    when used itself. ``tensor`` when it wraps none."""
+    import torch
+
+    functorch = getattr(torch._C, "_functorch", None)
+    wrapped = getattr(functorch, "is_functorch_wrapped_tensor", None)
+    unwrap = getattr(functorch, "get_unwrapped", None)
+    while wrapped is not None and unwrap is not None and wrapped(tensor):
+        tensor = unwrap(tensor)
+    return tensor

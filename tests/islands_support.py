@@ -13,7 +13,7 @@ from __future__ import annotations
 import gc
 import math
 from collections import namedtuple
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,11 +107,11 @@ class HiddenState:
 
 
 def unpack(box: Any) -> torch.Tensor:
-    """The hidden states inside ``box``: a tensor, Hidden, HiddenState, a ModelOutput or a dict of them."""
+    """The hidden states inside ``box``: a tensor, Hidden, HiddenState, a ModelOutput or a dict or UserDict of them."""
     while not isinstance(box, torch.Tensor):
         if hasattr(box, "last_hidden_state"):
             box = box.last_hidden_state
-        elif isinstance(box, dict):
+        elif isinstance(box, Mapping):  # a dict, a UserDict (a tokenizer's BatchEncoding)
             box = box["state"]
         else:
             box = box.hidden

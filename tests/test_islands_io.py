@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from collections import UserDict
 from typing import Any
 
 import pytest
@@ -56,6 +57,9 @@ PACKS = {
     "dataclass": lambda hidden: HiddenState(hidden, POSITIONS),
     "ModelOutput": _model_output,
     "nested": lambda hidden: {"state": HiddenState(Hidden(hidden, POSITIONS), POSITIONS)},
+    # a Mapping pytree does not walk (a tokenizer's BatchEncoding): before, the island's forward raised (mat1 and
+    # mat2 must have the same dtype)
+    "UserDict": lambda hidden: UserDict(state=HiddenState(hidden, POSITIONS)),
 }
 
 

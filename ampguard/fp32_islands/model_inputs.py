@@ -37,10 +37,10 @@ import ampguard.messages as messages
 from ampguard.distributed import agree_on_skip, distributed
 from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
 from ampguard.fp32_islands.probe import is_compiled
-from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.fp32_islands.tensor_tree import tensors, values_in
 from ampguard.log import event_logger
 from ampguard.syncs import read_to_host
-from ampguard.torch_privates import is_compiling
+from ampguard.torch_privates import functorch_unwrapped, is_compiling
 
 logger = event_logger("island")
 
@@ -135,8 +135,10 @@ class ModelInputs:
             passes.append(Pass(weakref.ref(module), args, kwargs, autocast))
 
     def last_passes(self) -> list[Pass]:
-        """The forward passes of the last update (its micro-batches, in order)."""
-        return list(self._cycles[-2]) if len(self._cycles) > 1 else []
+        """The forward passes of the last update (its micro-batches, in order), less those a ``torch.func``
+        transform ran (per-sample gradients: their inputs are functorch's wrappers, run again only inside it)."""
+        passes = list(self._cycles[-2]) if len(self._cycles) > 1 else []
+        return [p for p in passes if not any(functorch_unwrapped(t) is not t for t in tensors((p.args, p.kwargs)))]
 
     def end_update(self) -> None:
         """An optimizer update begins its bookkeeping: the passes so far are its own, the next ones the next's."""
@@ -152,7 +154,8 @@ class ModelInputs:
         # The data as it came: the inputs of the first model called in each update (a second one, a head or a GAN's
         # discriminator, is fed what the first computed, inf where that overflowed).
         first = [[p for p in cycle if p.module() is cycle[0].module()] for cycle in cycles if cycle]
-        leaves = [t for t in tensors([(p.args, p.kwargs) for passes in first for p in passes]) if _data(t)]
+        # (inside containers of any kind, the attributes of a batch object, nested tensors, a torch.func pass's)
+        leaves = [t for t in values_in([(p.args, p.kwargs) for passes in first for p in passes]) if _data(t)]
         marks = [(t.isnan() | t.isposinf()).any() for t in leaves]  # NaN or +inf: -inf is a mask's, by design
         return bool(read_to_host(torch.stack([m.to(marks[0].device) for m in marks]).any())) if marks else None
 

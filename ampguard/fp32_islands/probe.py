@@ -30,7 +30,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ampguard.fp32_islands.island_io import output_kinds
-from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.fp32_islands.tensor_tree import tensors, values_in
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import is_compiling
 
@@ -149,7 +149,7 @@ class Probe:
         if is_compiling():
             return
         try:
-            self._stack().append((module, nonfinite_mark(tensors(args))))
+            self._stack().append((module, nonfinite_mark(values_in(args, depth=0))))  # (nested tensors' values too)
         except Exception:  # a diagnostic must never break the forward pass
             self._stack().append((module, None))
 

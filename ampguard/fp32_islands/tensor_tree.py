@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, MutableMapping
 from typing import Any
 
 import torch
+
+from ampguard.torch_privates import functorch_unwrapped
 
 try:
     from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -92,7 +94,24 @@ def _map_unknown(value: Any, change: Callable[[torch.Tensor], torch.Tensor], dep
         items = [_map(item, change, depth + 1) for item in value]
         kind: Any = type(value)
         return kind._make(items) if any(n is not o for n, o in zip(items, value)) else value
+    if isinstance(value, Mapping):
+        entries = {key: _map(item, change, depth + 1) for key, item in value.items()}
+        changed = {key: new for key, new in entries.items() if new is not value[key]}
+        return _with_items(value, changed) if changed else value
     return value
+
+
+def _with_items(value: Mapping[Any, Any], changed: dict[Any, Any]) -> Any:
+    """A shallow copy of the mapping ``value`` with ``changed`` items; ``value`` if it cannot be copied and written."""
+    try:
+        new = copy.copy(value)
+        if new is value or not isinstance(new, MutableMapping):
+            return value
+        for key, item in changed.items():
+            new[key] = item
+        return new
+    except Exception:  # a mapping that cannot be copied or written: left as it is
+        return value
 
 
 def _with_fields(value: Any, changed: dict[str, Any]) -> Any:
@@ -107,3 +126,44 @@ def _with_fields(value: Any, changed: dict[str, Any]) -> Any:
         return new
     except Exception:  # a dataclass that cannot be copied: left as it is
         return value
+
+
+def values_in(tree: Any, depth: int = 4) -> list[torch.Tensor]:
+    """The dense tensors holding the values of every tensor in ``tree``, looking also ``depth`` levels into the
+    instance attributes of objects :func:`tensors` leaves as they are (a batch object of the user's own class), for
+    checks that only read. A nested tensor gives its values (jagged: one buffer; strided: its pieces), a tensor made
+    inside ``torch.func.vmap`` and kept past it the whole batch's. Modules are not looked into."""
+    found: list[torch.Tensor] = []
+    seen: set[int] = set()
+
+    def visit(value: Any, depth: int) -> None:
+        if isinstance(value, torch.Tensor):
+            found.extend(_dense_parts(value))
+            return
+        leaves = tree_flatten(value)[0]
+        if not (len(leaves) == 1 and leaves[0] is value):
+            for leaf in leaves:
+                visit(leaf, depth)
+            return
+        inner = tensors(value)
+        if inner or not depth or id(value) in seen or isinstance(value, (torch.nn.Module, type)):
+            for tensor in inner:
+                found.extend(_dense_parts(tensor))
+            return
+        seen.add(id(value))
+        attributes = getattr(value, "__dict__", None)
+        if isinstance(attributes, dict):
+            for item in list(attributes.values()):
+                visit(item, depth - 1)
+
+    visit(tree, depth)
+    return found
+
+
+def _dense_parts(tensor: torch.Tensor) -> list[torch.Tensor]:
+    tensor = functorch_unwrapped(tensor)
+    if not tensor.is_nested:
+        return [tensor]
+    if tensor.layout == torch.strided:
+        return list(tensor.unbind())
+    return [tensor.values()]  # (jagged)

@@ -31,9 +31,28 @@ import torch
 from torch import nn
 
 import ampguard.containment as containment
+from ampguard.log import event_logger
 from ampguard.module_hooks import GlobalModuleHooks
-from ampguard.torch_privates import is_compiling
+from ampguard.torch_privates import in_functorch_transform, is_compiling
 from ampguard.underflow.counts import Tally, on, passed_on
+
+logger = event_logger("underflow")
+
+# Said once per process at INFO when the sample first meets a torch.func transform.
+TRANSFORMED = (
+    "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
+    "are not counted; they are the transform's, and their tensors are functorch's wrappers. The step's own backward "
+    "pass is sampled as usual."
+)
+_said_transformed = False
+
+
+def _step_aside_transformed() -> None:
+    global _said_transformed
+    if not _said_transformed:
+        _said_transformed = True
+        logger.info(TRANSFORMED)
+
 
 # Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
 # split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
@@ -198,6 +217,9 @@ class Sampler:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         if is_compiling():
             return
+        if in_functorch_transform():  # (the forward hook returns here too: the call depth stays as it is)
+            _step_aside_transformed()
+            return
         try:
             self._enter(module, args)
         except Exception as error:
@@ -237,7 +259,7 @@ class Sampler:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         # is_compiling() first: dynamo must not trace ampguard's state (a RemovableHandle: fullgraph=True raised)
-        if is_compiling() or not self.armed:
+        if is_compiling() or not self.armed or in_functorch_transform():
             return
         try:
             self._leave(module, output)
@@ -314,6 +336,9 @@ class Sampler:
         counted, the node's other floating gradients (float32 under autocast: a float32 op's input, the residual
         stream the float16 branches are cast from) pass it on too."""
         if session != self._session:
+            return
+        if in_functorch_transform():  # a hooked graph differentiated again inside vmap (is_grads_batched, jacrev)
+            _step_aside_transformed()
             return
         self._calls = 0  # a backward pass through the sample: training goes on
         try:
