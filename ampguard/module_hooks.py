@@ -20,7 +20,9 @@ of ampguard's is read, so nothing of it is traced or guarded on.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.nn.modules import module as nn_module
@@ -35,6 +37,52 @@ def eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
         if is_compiling():
             return None
         return hook(*args)
+
+    return call
+
+
+def ours(hook: Any) -> bool:
+    """Whether a global module hook is ampguard's (the watch's, the sampler's, the probe's, the buffer guard's)."""
+    return str(getattr(hook, "__module__", None) or "").startswith("ampguard.")
+
+
+@contextlib.contextmanager
+def global_hooks_lifted() -> Iterator[None]:
+    """ampguard's global module hooks out of torch's tables while inside, put back after in their places.
+
+    For a call that traces the model for torch alone (``torch.export.export``: torch 2.14's strict export refuses
+    any global module hook, dynamo skipping the wrapper it traces through): nothing of ampguard runs or is traced
+    there."""
+    hooks: tuple[dict[int, Any], ...] = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+    lifted = [{key: hook for key, hook in table.items() if ours(hook)} for table in hooks]
+    flags: dict[int, Any] = nn_module._global_forward_hooks_always_called
+    lifted.append({key: flags[key] for key in lifted[1] if key in flags})
+    tables = (*hooks, flags)
+    orders = [list(table) for table in tables]
+    for table, taken in zip(tables, lifted):
+        for key in taken:
+            table.pop(key, None)
+    try:
+        yield
+    finally:
+        for table, taken, order in zip(tables, lifted, orders):
+            if not taken:
+                continue
+            current = dict(table)
+            table.clear()
+            for key in order:
+                if key in current or key in taken:
+                    table[key] = current.pop(key) if key in current else taken[key]
+            table.update(current)
+
+
+def without_global_hooks(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` run with ampguard's global module hooks lifted (:func:`global_hooks_lifted`)."""
+
+    @functools.wraps(function)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with global_hooks_lifted():
+            return function(*args, **kwargs)
 
     return call
 

@@ -102,9 +102,12 @@ class Fp32IslandsPatch(Patch):
     def apply(self, config: Config) -> None:
         healing.activate(config)
         listeners.add(LISTENER)
-        # A model saved or scripted comes out without ampguard's hooks (portable.py).
+        # A model saved, scripted or exported comes out without ampguard's hooks (portable.py).
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
         self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
+        export = getattr(torch, "export", None)  # (torch.export.export: torch >= 2.1)
+        if export is not None and hasattr(export, "export"):
+            self.bindings.set_attribute(export, "export", without_our_hooks(export.export))
 
     def revert(self) -> None:
         listeners.remove(LISTENER)

@@ -1,13 +1,17 @@
-"""A model saved or scripted while it holds ampguard's hooks comes out as torch would make it.
+"""A model saved, scripted or exported while it holds ampguard's hooks comes out as torch would make it.
 
 An island's hooks (:mod:`ampguard.fp32_islands.island_hooks`) and the input keeper
 (:mod:`ampguard.fp32_islands.model_inputs`) are objects of ampguard in the model's
 hook dictionaries: ``torch.save(model)`` pickled them (the file then needed
-ampguard to load) and ``torch.jit.script`` refused them (it compiles hooks). While either runs,
-ampguard's hooks are taken off every module it is given (a module, or modules in
-dicts, lists and tuples) and put back after, in their order: what is written is
-the model as torch trains it (its islands are in the scaler's state, re-applied
-at the next forward after a resume).
+ampguard to load) and ``torch.jit.script`` refused them (it compiles hooks). While
+``torch.save``, ``torch.jit.script`` or ``torch.export.export`` runs, ampguard's hooks
+are taken off every module it is given (a module, or modules in dicts, lists and
+tuples), and ampguard's global module hooks (the headroom watch's and the underflow
+sample's, armed from one update to the next forward) out of torch's tables, and put
+back after, in their order: what is written or traced is the model as torch trains
+it (its islands are in the scaler's state, re-applied at the next forward after a
+resume). torch 2.14's ``torch.export.export(..., strict=True)`` refused a model
+while any global module hook was registered (``torch.onnx.export`` calls it too).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import torch
 
 from ampguard.fp32_islands.island_hooks import EnterFloat32, LeaveFloat32
 from ampguard.fp32_islands.model_inputs import KeepInputs
+from ampguard.module_hooks import global_hooks_lifted
 
 OURS = (EnterFloat32, LeaveFloat32, KeepInputs)
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
@@ -37,7 +42,8 @@ def without_our_hooks(function: Callable[..., Any]) -> Callable[..., Any]:
         except Exception:  # never the reason a save fails: torch's call as it is
             taken = []
         try:
-            return function(obj, *args, **kwargs)
+            with global_hooks_lifted():
+                return function(obj, *args, **kwargs)
         finally:
             for module, saved in taken:
                 for name, entries in saved.items():
