@@ -324,3 +324,13 @@ def test_compiled_with_a_new_sequence_length_each_step(reinstall, ampguard_log, 
     assert theirs[-1] == 2  # the test's premise: a static graph, then a dynamic one
     assert mine[-1] <= theirs[-1] + 1
     assert mine[3:] == [mine[-1]] * (STEPS - 3)  # nothing compiled after the third step
+
+
+def test_torch_export_with_the_sample_alone(reinstall, ampguard_log):
+    """fp32_islands off (``AMPGUARD_DISABLE=fp32_islands``): the underflow patch lifts the sample's hooks itself."""
+    if not hasattr(torch, "export") or not hasattr(torch.export, "export"):
+        pytest.skip("torch.export.export: torch >= 2.1")
+    reinstall(**WATCHED, AMPGUARD_DISABLE="fp32_islands")
+    ours, mine = train_exporting(strict=True)
+    assert ours.scaler.stats.underflow_samples > 0  # the sample's hooks were armed between the steps
+    assert [(step, where, out) for step, where, out in mine if not isinstance(out, torch.Tensor)] == []
