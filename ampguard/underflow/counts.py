@@ -82,37 +82,76 @@ class Tally:
     of every all-zero gradient (the difference: exact zeros not flushed, true zeros or lost where the step held
     no normal value at all: :meth:`Transfer.result`, :func:`totals`).
 
+    :meth:`add` keeps each gradient's raw counts (a few reductions, no read); :func:`settle` turns the pending
+    ones of every tally into ``counts`` at once, at the end of the sample, so a sampled step's cost per gradient
+    stays a handful of device operations.
+
     ``fed``: whether one of the gradients the next one added was computed from was flushed, set by the sampler
     before each :meth:`add`.
     """
 
     def __init__(self, name: str, device: torch.device) -> None:
         self.name = name
+        self.device = device
         self.values = 0  # known on the host: the sizes of the gradients counted
         self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.peak = torch.zeros((), dtype=torch.float32, device=device)
         self.fed: torch.Tensor | bool = False
+        # per gradient added since the last settle: [zeros, at 2**-24, at 2**-23, below normal], peak, fed, size
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool, int]] = []
 
     def add(self, gradient: torch.Tensor) -> torch.Tensor:
         """Count ``gradient``, fed :attr:`fed`; returns whether it was flushed (:func:`passed_on`). No read."""
         magnitude = gradient.detach().abs()
         peak = magnitude.amax()
-        below = peak < SMALLEST_NORMAL  # (False for NaN: counted as a gradient with a normal value)
-        flushed = passed_on(peak, self.fed, below)
-        whole = peak == 0
-        zeros = (magnitude == 0).sum()
-        lowest, next_lowest = (magnitude == SMALLEST_SUBNORMAL).sum(), (magnitude == 2 * SMALLEST_SUBNORMAL).sum()
-        # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at 2**-23
-        # where the density still rises toward zero; at most all zeros
-        estimate = lowest * torch.maximum(lowest, next_lowest) // (2 * next_lowest.clamp(min=1))
-        low = zeros + torch.minimum(zeros, estimate)
-        kept = torch.where(whole, 0, torch.stack([zeros, low, (magnitude < SMALLEST_NORMAL).sum()]))
-        self.counts.add_(
-            on(torch.cat([kept, torch.stack([flushed & whole, whole]) * gradient.numel()]), self.counts.device)
+        flushed = passed_on(peak, self.fed)
+        raw = torch.stack(
+            [
+                torch.count_nonzero(magnitude == 0),
+                torch.count_nonzero(magnitude == SMALLEST_SUBNORMAL),
+                torch.count_nonzero(magnitude == 2 * SMALLEST_SUBNORMAL),
+                torch.count_nonzero(magnitude < SMALLEST_NORMAL),
+            ]
         )
-        torch.maximum(self.peak, on(peak, self.peak.device), out=self.peak)
+        self.pending.append((on(raw, self.device), on(peak, self.device), self.fed, gradient.numel()))
         self.values += gradient.numel()
         return flushed
+
+
+def settle(tallies: list[Tally]) -> None:
+    """Fold every tally's pending gradients into its ``counts`` and ``peak``: a few operations per device for all
+    of them (the rule of the module's docstring), no read."""
+    by_device: dict[torch.device, list[Tally]] = {}
+    for tally in tallies:
+        if tally.pending:
+            by_device.setdefault(tally.device, []).append(tally)
+    for device, group in by_device.items():
+        rows = [row for tally in group for row in tally.pending]
+        slots = torch.tensor([i for i, tally in enumerate(group) for _ in tally.pending], device=device)
+        raw = torch.stack([row[0] for row in rows])
+        peaks = torch.stack([row[1] for row in rows]).float()  # (float16: the tallies count float16 gradients)
+        fed = torch.zeros(len(rows), dtype=torch.bool, device=device)
+        fed_at = [i for i, row in enumerate(rows) if row[2] is not False]
+        if fed_at:
+            values = [row[2] if isinstance(row[2], torch.Tensor) else torch.tensor(True) for row in rows]
+            fed[torch.tensor(fed_at, device=device)] = torch.stack([on(values[i], device) for i in fed_at])
+        sizes = torch.tensor([row[3] for row in rows], dtype=torch.int64, device=device)
+        zeros, lowest, next_lowest, below_normal = raw.unbind(1)
+        # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at
+        # 2**-23 where the density still rises toward zero; at most all zeros
+        estimate = lowest * torch.maximum(lowest, next_lowest) // (2 * next_lowest.clamp(min=1))
+        whole = peaks == 0
+        kept = torch.stack([zeros, zeros + torch.minimum(zeros, estimate), below_normal], dim=1)
+        per_gradient = torch.cat(
+            [kept.masked_fill(whole.unsqueeze(1), 0), torch.stack([whole & fed, whole], dim=1) * sizes.unsqueeze(1)],
+            dim=1,
+        )
+        counts = torch.zeros(len(group), 5, dtype=torch.int64, device=device).index_add_(0, slots, per_gradient)
+        maxima = torch.zeros(len(group), device=device).scatter_reduce_(0, slots, peaks, "amax")
+        for index, tally in enumerate(group):
+            tally.counts = tally.counts + counts[index]
+            tally.peak = torch.maximum(tally.peak, maxima[index])
+            tally.pending = []
 
 
 def finite_peak(peak: float) -> float:
@@ -234,6 +273,7 @@ def totals(tallies: list[Tally]) -> torch.Tensor:
     gradient of this rank held a normal value, as :meth:`Transfer.result`
     counts them. No read.
     """
+    settle(tallies)
     device = tallies[0].counts.device if tallies else torch.device("cpu")
     total = torch.zeros(6, dtype=torch.float64, device=device)
     zeros = torch.zeros((), dtype=torch.float64, device=device)
@@ -269,6 +309,7 @@ class Transfer:
         extra: torch.Tensor | None = None,
         total: torch.Tensor | None = None,
     ) -> None:
+        settle(tallies)
         self.step, self.scale = step, scale
         self.tallies = [(t.name, t.values) for t in tallies]
         self.agreed = total is not None
