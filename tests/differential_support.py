@@ -123,8 +123,9 @@ def _scaler(program: dict[str, Any]) -> Any:
 
 def _loss(trainees: list[Trainee], seed: int, step: int, micro: int) -> torch.Tensor:
     """Bounded, so finite however far a huge gradient moved the weights; NaN only once the weights are (a huge
-    gradient clipped with max_norm=inf: torch's own coefficient is inf/inf). Then :func:`_keep_scale` applies
-    ampguard's intended difference to torch's run."""
+    gradient clipped with max_norm=inf: torch's own coefficient is inf/inf), or where the program makes it
+    non-finite (:func:`_nonfinite_loss`). Then :func:`_keep_scale` applies ampguard's intended difference to
+    torch's run."""
     generator = torch.Generator().manual_seed(seed * 1000 + step * 10 + micro)
     total = torch.zeros(())
     for trainee in trainees:
@@ -132,6 +133,15 @@ def _loss(trainees: list[Trainee], seed: int, step: int, micro: int) -> torch.Te
             x = torch.randn(param.shape, generator=generator)
             total = total + torch.tanh(param.float() * x).sum() + 0.1 * (torch.tanh(param.float()) ** 2).sum()
     return total
+
+
+def _nonfinite_loss(loss: torch.Tensor, what: str) -> torch.Tensor:
+    """A non-finite loss: with non-finite gradients ("inf", "nan": the loss times it, a forward overflow, where
+    :func:`_keep_scale` applies ampguard's documented difference), or with finite ones ("inf_constant": a step
+    both sides take and count)."""
+    if what == "inf_constant":
+        return loss + math.inf
+    return loss * {"inf": math.inf, "nan": math.nan}[what]
 
 
 def _inject(trainee: Trainee, what: str) -> None:
@@ -155,18 +165,22 @@ def _unscale(scaler: Any, trainee: Trainee) -> None:
     scaler.unscale_(trainee.optimizer)
 
 
-def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: set[int]) -> str:
-    """``clip_grad_norm_`` as the program says; on the torch side, where ampguard differs on purpose, its substitute.
+def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: set[int]) -> str | None:
+    """The clip the program says; on the torch side, where ampguard differs on purpose, its substitute.
+
+    ``api``: ``clip_grad_norm_`` ("norm"), ``clip_grad_value_`` ("value"), or ``get_total_norm`` then
+    ``clip_grads_with_norm_`` ("split", torch >= 2.6); the returned norm is compared ("value": none).
 
     * ``forgotten``: still-scaled gradients, an unscaled threshold, no ``get_scale()`` read. ampguard gives the
       recipe's result (docs/clipping.md): the torch side runs the recipe, ``unscale_`` then clip.
     * ``scaled_threshold``: ``max_norm * scaler.get_scale()`` on still-scaled gradients: torch's own idiom, the
       same call on both sides.
     * ``unscaled``: the recipe, the same call on both sides.
-    A non-finite norm with a scaler in play (clipping.md, "Non-finite norms"), outside the recipe's case of one
-    optimizer already unscaled: ampguard's coefficient is NaN, not torch's 0, so every optimizer in the call skips
-    its step. The torch side does what ampguard does: NaN gradients, and the found-inf flags already recorded
-    raised.
+    A non-finite norm with a scaler in play (clipping.md, "Non-finite norms"), outside ``clip_grad_norm_``'s
+    recipe case of one optimizer already unscaled: ampguard's coefficient is NaN, not torch's 0, so every optimizer
+    in the call skips its step. The torch side does what ampguard does: NaN gradients, and the found-inf flags
+    already recorded raised. (``clip_grad_value_`` never makes a gradient non-finite; a forgotten ``unscale_``'s
+    inf is kept for the scaler to find, as the recipe's ``unscale_`` finds it: the same skips on both sides.)
     """
     members = [trainees[i] for i in clip["optimizers"]]
     mode = clip["mode"]
@@ -181,9 +195,19 @@ def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: 
         params = [p for trainee in members for p in trainee.params]
     else:
         params = [p for trainee in members for p in trainee.stepped]
-    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=clip["norm_type"], foreach=clip["foreach"])
-    recipe_case = mode != "scaled_threshold" and clip["optimizers"] == [i for i in clip["optimizers"] if i in unscaled]
-    recipe_case = recipe_case and len(members) == 1
+    foreach = clip["foreach"]
+    if clip["api"] == "value":
+        torch.nn.utils.clip_grad_value_(params, clip["clip_value"], foreach=foreach)
+        return None
+    if clip["api"] == "split":
+        grads = [p.grad for p in params if p.grad is not None]
+        norm = torch.nn.utils.get_total_norm(grads, clip["norm_type"], foreach=foreach)
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=foreach)
+        recipe_case = False  # the split API has no recipe case: a non-finite total always skips
+    else:
+        norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type=clip["norm_type"], foreach=foreach)
+        recipe_case = mode != "scaled_threshold" and all(i in unscaled for i in clip["optimizers"])
+        recipe_case = recipe_case and len(members) == 1
     if not UNDER_AMPGUARD and not recipe_case and not bool(torch.isfinite(norm)):
         for trainee in members:
             flag = _found_inf(scaler, trainee)
@@ -192,7 +216,7 @@ def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: 
         for param in params:
             if param.grad is not None:
                 param.grad.fill_(math.nan)  # ampguard's NaN coefficient: the scaler's unscale_ finds it
-    return norm.double().item().hex()
+    return str(norm.double().item().hex())
 
 
 def _step_schedulers(trainees: list[Trainee], skipped: list[bool]) -> None:
@@ -275,6 +299,8 @@ def run_program(program: dict[str, Any]) -> list[dict[str, Any]]:
             nonfinite_loss = False
             for micro in range(step["micro"]):
                 loss = _loss(trainees, seed, number, micro)
+                if micro == 0 and step.get("loss") is not None:
+                    loss = _nonfinite_loss(loss, step["loss"])
                 nonfinite_loss |= not bool(torch.isfinite(loss))
                 scaler.scale(loss).backward()
                 for inject in step["inject"]:
@@ -285,7 +311,9 @@ def run_program(program: dict[str, Any]) -> list[dict[str, Any]]:
                 _unscale(scaler, trainees[index])
                 unscaled.add(index)
             if step["clip"] is not None:
-                outcome["norm"] = _clip(scaler, trainees, step["clip"], unscaled)
+                norm = _clip(scaler, trainees, step["clip"], unscaled)
+                if norm is not None:
+                    outcome["norm"] = norm
             skipped = []
             for trainee in trainees:
                 trainee.copy_grads_to_masters()

@@ -7,7 +7,7 @@ growth_interval), and every step's outcome is compared: returned norms, skip fla
 parameters, master weights and optimizer state. ampguard's deliberate differences are encoded on the torch
 side as the substitutes the docs name.
 
-CI runs a fixed, seeded number of programs (``derandomize=True``); ``AMPGUARD_DIFFERENTIAL_EXAMPLES=5000``
+CI runs a fixed, seeded number of programs (``derandomize=True``, 40); ``AMPGUARD_DIFFERENTIAL_EXAMPLES=10000``
 runs more (the count and result of a long run are in docs/torch-parity.md).
 """
 
@@ -30,7 +30,7 @@ from hypothesis import strategies as st  # noqa: E402
 
 import tests.differential_support as support  # noqa: E402
 
-EXAMPLES = int(os.environ.get("AMPGUARD_DIFFERENTIAL_EXAMPLES", "120"))
+EXAMPLES = int(os.environ.get("AMPGUARD_DIFFERENTIAL_EXAMPLES", "40"))
 TORCH_COMPATIBLE = {
     "AMPGUARD_QUIET": "1",
     "AMPGUARD_MIN_SCALE": "0",
@@ -79,6 +79,8 @@ def _fused_adam_on_cpu() -> bool:
 
 
 FUSED_ON_CPU = _fused_adam_on_cpu()  # torch 2.3 has no fused optimizers on the CPU
+# clip_grad_norm_, clip_grad_value_, and (torch >= 2.6) the split API: get_total_norm + clip_grads_with_norm_.
+CLIP_APIS = ("norm", "value", "split") if hasattr(torch.nn.utils, "get_total_norm") else ("norm", "value")
 
 
 @pytest.fixture(scope="module")
@@ -125,12 +127,15 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
     clip = None
     if draw(st.booleans()):
         members = sorted(draw(st.lists(st.sampled_from(indices), min_size=1, unique=True)))
+        api = draw(st.sampled_from(CLIP_APIS))
         modes = ["unscaled"]
         if not any(optimizers[i]["half"] for i in members):
-            modes += ["scaled_threshold"]
-            # A forgotten unscale_ gives the recipe's norm bit for bit where the scale is known on the host; with
-            # a fused optimizer in the loop (device mode) it is not, and the last bits may differ (docs/clipping.md).
-            if not any(optimizer["implementation"] == "fused" for optimizer in optimizers):
+            if api != "value":  # (no scaled-threshold idiom for clip_grad_value_)
+                modes += ["scaled_threshold"]
+            # A forgotten unscale_ gives the recipe's norm bit for bit, and the recipe's clipped gradients where the
+            # scale is known on the host; with a fused optimizer in the loop (device mode) it is not, and their last
+            # bits may differ (docs/clipping.md). The clamp of clip_grad_value_ is the recipe's at any power of two.
+            if api == "value" or not any(optimizer["implementation"] == "fused" for optimizer in optimizers):
                 modes += ["forgotten"]
         mode = draw(st.sampled_from(modes))
         if mode == "unscaled":
@@ -138,9 +143,11 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
         elif mode == "scaled_threshold":
             unscale = [i for i in unscale if i not in members]
         clip = {
+            "api": api,
             "optimizers": members,
             "mode": mode,
             "max_norm": draw(st.sampled_from((1e-3, 0.5, 1.0, 100.0, float("inf")))),
+            "clip_value": draw(st.sampled_from((0.0, 2.0**-10, 0.5, 100.0))),
             "norm_type": draw(st.sampled_from((1.0, 2.0, 3.0, 0.5, float("inf"), float("-inf")))),
             "foreach": draw(st.sampled_from((None, False, True))),
         }
@@ -149,6 +156,7 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
         "inject": inject,
         "unscale": unscale,
         "clip": clip,
+        "loss": draw(st.sampled_from((None,) * 12 + ("inf", "nan", "inf_constant"))),
         "new_scale": draw(st.sampled_from((None,) * 6 + (8.0, 2.0**20))),
         "round_trip": draw(st.sampled_from((None, None, "state_dict", "pickle", "deepcopy"))),
     }
@@ -173,7 +181,8 @@ def _host_known_scale_for_forgotten_unscale(drawn: list[dict[str, Any]]) -> list
     (docs/clipping.md): such a clip is drawn as the scaled-threshold idiom instead."""
     device_mode = False
     for step in drawn:
-        if device_mode and step["clip"] is not None and step["clip"]["mode"] == "forgotten":
+        clip = step["clip"]
+        if device_mode and clip is not None and clip["mode"] == "forgotten" and clip["api"] != "value":
             step["clip"]["mode"] = "scaled_threshold"
             step["unscale"] = [i for i in step["unscale"] if i not in step["clip"]["optimizers"]]
         device_mode = device_mode or step["new_scale"] is not None
