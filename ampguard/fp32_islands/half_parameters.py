@@ -79,6 +79,14 @@ def _swap(entries: dict[str, Any], copies: dict[int, torch.Tensor], swapped: Swa
             swapped.append((entries, key, tensor))
 
 
+def low_precision_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """The dtype of ``module``'s first float16/bfloat16 parameter (its submodules' included), or None."""
+    for parameter in module.parameters():
+        if parameter.dtype in LOW_PRECISION:
+            return parameter.dtype
+    return None
+
+
 def restore(swapped: Upcast | None) -> None:
     """Put the originals back, each buffer with what its float32 copy holds now (in the buffer's own dtype)."""
     if swapped is None:

@@ -61,7 +61,13 @@ _fallback_warned = False
 
 
 class EnterFloat32:
-    """Forward pre-hook (with kwargs): float32 inputs, parameters and buffers, autocast off, for an island."""
+    """Forward pre-hook (with kwargs): float32 inputs, parameters and buffers, autocast off, for an island.
+
+    Under autocast: autocast off inside, the floating inputs cast as ``custom_fwd(cast_inputs=torch.float32)``
+    casts them. Without autocast, in a model stored in float16/bfloat16 (``model.half()``, DeepSpeed's fp16 mode):
+    the half-precision inputs cast to float32 (:func:`~ampguard.fp32_islands.island_io.half_inputs_to_float32`).
+    Either way the half-precision parameters and buffers are read as float32 copies for the call.
+    """
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
         if island_of(module) is None:
@@ -70,8 +76,7 @@ class EnterFloat32:
         try:
             device_type = device_type_of(module, args)
             if not island_io.autocast_enabled(device_type):
-                stack.append((module, None, None, None))
-                return None
+                return self._without_autocast(module, args, kwargs, stack)
             outside = island_io.autocast_dtype(device_type)
             cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
             region = torch.autocast(device_type, enabled=False)
@@ -87,6 +92,30 @@ class EnterFloat32:
             stack.append((module, None, None, None))
             _warn_fallback(error)
             return None
+
+    @staticmethod
+    def _without_autocast(module: torch.nn.Module, args: Any, kwargs: Any, stack: list[Any]) -> Any:
+        """A half-precision module or half-precision inputs without autocast: float32 inside, nothing to leave.
+
+        A call with nothing in half precision (a float32 model without autocast) runs as it is.
+        """
+        own = half_parameters.low_precision_dtype(module) or island_io.low_precision_dtype((args, kwargs))
+        if own is None:
+            stack.append((module, None, None, None))
+            return None
+        cast = island_io.half_inputs_to_float32(args), island_io.half_inputs_to_float32(kwargs)
+        stack.append((module, _NO_REGION, own, half_parameters.upcast(module)))
+        return cast
+
+
+class _NoRegion:
+    """The "region" of an island call without autocast: nothing to enter or leave."""
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_REGION = _NoRegion()
 
 
 class LeaveFloat32:
@@ -105,7 +134,11 @@ class LeaveFloat32:
             finally:
                 half_parameters.restore(upcast)
             island = island_of(module)
-            if island is not None and island.outputs is not None and output is not None:
+            if output is None or island is None:
+                return None
+            if region is _NO_REGION:  # ``outside``: the half-precision dtype the call came in with
+                return island_io.outputs_without_autocast(output, island.outputs, outside)
+            if island.outputs is not None:
                 return island_io.outputs_as_recorded(output, island.outputs, outside)
         except Exception as error:
             _warn_fallback(error)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ampguard.fp32_islands.half_parameters import LOW_PRECISION
 from ampguard.fp32_islands.tensor_tree import map_tensors, tensors
 
 AUTOCAST = "autocast"  # an output that had autocast's dtype
@@ -56,19 +57,42 @@ def inputs_to_float32(value: Any, device_type: str) -> Any:
     return map_tensors(value, cast)
 
 
+def low_precision_dtype(value: Any) -> torch.dtype | None:
+    """The dtype of the first float16/bfloat16 tensor in ``value`` (any nesting), or None."""
+    for tensor in tensors(value):
+        if tensor.dtype in LOW_PRECISION:
+            return tensor.dtype
+    return None
+
+
+def half_inputs_to_float32(value: Any) -> Any:
+    """Without autocast: every float16/bfloat16 tensor in ``value`` (any nesting) to float32, the rest as it is."""
+    return map_tensors(value, lambda tensor: tensor.float() if tensor.dtype in LOW_PRECISION else tensor)
+
+
 def output_kinds(leaves: list[torch.Tensor]) -> tuple[str, ...] | None:
     """The dtype of each floating tensor of a module's output (``leaves``: its tensors) under autocast.
 
-    None when autocast is off.
+    Without autocast, each dtype's own name (a model stored in float16: ``"float16"``), which
+    :func:`outputs_without_autocast` gives back.
     """
     floating = [t for t in leaves if t.is_floating_point()]
     if not floating:
         return ()
     device_type = floating[0].device.type
-    if not autocast_enabled(device_type):
-        return None
-    own = autocast_dtype(device_type)
+    own = autocast_dtype(device_type) if autocast_enabled(device_type) else None
     return tuple(AUTOCAST if t.dtype == own else str(t.dtype).replace("torch.", "") for t in floating)
+
+
+def stored_without_autocast(kinds: tuple[str, ...] | None) -> str | None:
+    """The half-precision dtype a module's outputs were recorded in without autocast (a model stored in it), or None.
+
+    Under autocast a float16 output is recorded as autocast's own; a float16/bfloat16 output recorded by its name
+    and no output recorded as autocast's is a model stored in half precision, run without autocast.
+    """
+    if not kinds or AUTOCAST in kinds:
+        return None
+    return next((kind for kind in kinds if kind in ("float16", "bfloat16")), None)
 
 
 def outputs_as_recorded(output: Any, kinds: tuple[str, ...], own: torch.dtype) -> Any:
@@ -91,3 +115,15 @@ def outputs_as_recorded(output: Any, kinds: tuple[str, ...], own: torch.dtype) -
         return tensor.to(target) if isinstance(target, torch.dtype) and target != tensor.dtype else tensor
 
     return map_tensors(output, cast)
+
+
+def outputs_without_autocast(output: Any, kinds: tuple[str, ...] | None, own: torch.dtype) -> Any:
+    """An island called without autocast: ``output`` in the dtypes recorded, or else its float32 tensors in ``own``.
+
+    ``own``: the half-precision dtype the call came in with (its parameters', or else its inputs'). A kind
+    recorded as autocast's (the island was made under autocast) is taken for ``own``. Without a record (an
+    island made by name) every float32 output goes back to ``own``: the rest of a float16 model expects it.
+    """
+    if kinds is not None:
+        return outputs_as_recorded(output, kinds, own)
+    return map_tensors(output, lambda tensor: tensor.to(own) if tensor.dtype == torch.float32 else tensor)

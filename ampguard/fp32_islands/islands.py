@@ -38,6 +38,7 @@ import torch
 from torch.nn.modules import module as nn_module
 
 import ampguard.fp32_islands.island_hooks as island_hooks
+import ampguard.fp32_islands.island_io as island_io
 import ampguard.fp32_islands.model_tree as model_tree
 import ampguard.messages as messages
 from ampguard.fp32_islands.half_parameters import LOW_PRECISION
@@ -48,6 +49,17 @@ from ampguard.log import event_logger
 logger = event_logger("island")
 
 islands = island_hooks.islands
+MADE_WITHOUT_AUTOCAST = (
+    "fp32 island: {name} ({cls}) overflowed float16 in the forward pass (inf/NaN output from finite inputs, "
+    "step {step}). From now on it runs in float32: the model runs without autocast, so its floating-point inputs "
+    "are cast to float32 and its outputs given back in the dtypes they had; {parameters}. To make this permanent "
+    "without ampguard (model: your {owner}): {line}"
+)
+PARTITIONED = (
+    "forward overflow located: {name} ({cls}) turned finite inputs into inf/NaN (step {step}), but its parameters "
+    "are partitioned by DeepSpeed ZeRO-3, whose islands ampguard does not make yet: nothing changed, the overflows "
+    "stay skipped steps (docs/deepspeed.md). ZeRO stages 0-2, or bf16 where the GPU has it, avoid this."
+)
 reported: set[str] = set()
 _pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
@@ -107,13 +119,23 @@ def clear() -> None:
     _stop_restoring()
 
 
-def permanent_line(name: str, device_type: str, half: bool = False) -> str:
+def permanent_line(name: str, device_type: str, half: bool = False, stored_in: str | None = None) -> str:
     """The one line that makes an island permanent without ampguard (``model`` is the user's model).
 
     ``half``: the module has float16/bfloat16 parameters. Without ampguard nothing
     upcasts them at each call, so the line keeps that module's weights in float32.
+    ``stored_in``: the model runs without autocast, stored in this dtype (``"float16"``): the line casts the
+    inputs to float32 and the (tensor) output back itself, as no autocast does.
     """
     get = f'model.get_submodule("{name}")' + ("; m.float()" if half else "")
+    if stored_in is not None:
+        cast_in = (
+            "lambda m, args: tuple(a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)"
+        )
+        return (
+            f"m = {get}; m.register_forward_pre_hook({cast_in}); "
+            f"m.register_forward_hook(lambda m, args, out: out.to(torch.{stored_in}))"
+        )
     # custom_fwd sets attributes on args[0]: wrapping the class's forward and binding it makes that the module,
     # so that a call with keyword arguments only (or a first argument that is not a tensor) works too.
     if hasattr(torch.amp, "custom_fwd"):  # torch >= 2.4
@@ -157,7 +179,10 @@ def decide(
     device_type = device_type_of(module, ())
     cls = str(getattr(module, "original_name", "")) or type(module).__name__  # a ScriptModule's own class
     low = sorted({str(p.dtype).replace("torch.", "") for p in module.parameters() if p.dtype in LOW_PRECISION})
-    line = permanent_line(name or "", device_type, half=bool(low))
+    stored_in = island_io.stored_without_autocast(outputs)
+    line = permanent_line(name or "", device_type, half=bool(low), stored_in=stored_in)
+    if stored_in is not None and made is messages.ISLAND_MADE:
+        made = MADE_WITHOUT_AUTOCAST
     what = {"name": label, "cls": cls, "step": step, "line": line, "owner": type(unwrap(top)).__name__, **details}
     what["parameters"] = (
         f"its {'/'.join(low)} parameters stay {'/'.join(low)} (upcast to float32 for each of its forward calls only)"
@@ -174,6 +199,9 @@ def decide(
         return False
     if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
+        return False
+    if any(hasattr(p, "ds_id") for p in module.parameters()):  # DeepSpeed ZeRO-3 gathers them in its own hooks
+        _report_once(name, PARTITIONED.format(**what))
         return False
     if mode == "report":
         _report_once(name, reported.format(**what))
