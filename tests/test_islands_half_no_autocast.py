@@ -8,11 +8,12 @@ running the same float32-master loop (every loud batch lost) and against a float
 from __future__ import annotations
 
 import copy
+import logging
 
 import pytest
 import torch
 from islands_support import DIM, Net, batch, fresh_islands, overflows, probe_only  # noqa: F401
-from scaler_support import one_thread  # noqa: F401  (fixture)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from test_islands_half import SharedAndNormed
 from torch import nn
 
@@ -72,7 +73,9 @@ def ampguard_loop(model: nn.Module) -> tuple[list[int], torch.amp.GradScaler]:
 
 
 @pytest.mark.usefixtures("probe_only")
-def test_a_float16_model_without_autocast_loses_at_most_two_steps_where_plain_torch_loses_every_loud_batch():
+def test_a_float16_model_without_autocast_loses_at_most_two_steps_where_plain_torch_loses_every_loud_batch(
+    ampguard_log,
+):
     """With the probe alone (the headroom watch's case: tests/test_headroom_watch_half.py, one step lost)."""
     with torch.no_grad():
         assert torch.isfinite(half_net()(batch(9)[0])).all()  # in float32 the loud batch is harmless
@@ -97,6 +100,14 @@ def test_a_float16_model_without_autocast_loses_at_most_two_steps_where_plain_to
     islands.clear()
     with torch.no_grad():
         assert not torch.isfinite(attn(hidden)).all()  # (without the island it overflows)
+    # The printed line, on a fresh float16 model (no island): that block in float32, float16 around it, finite.
+    made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention)")[0].getMessage()
+    assert "the model runs without autocast" in made and "its float16 parameters stay float16" in made
+    fresh = half_net().half()
+    exec(made.split("(model: your Net): ")[1], {"model": fresh, "torch": torch})
+    with torch.no_grad():
+        assert fresh(batch(9)[0].half()).dtype == torch.float16
+        assert torch.isfinite(fresh(batch(9)[0].half())).all() and not torch.isfinite(plain(batch(9)[0].half())).all()
 
 
 def test_without_autocast_the_gradients_and_buffer_updates_reach_the_float16_tensors():
