@@ -14,7 +14,10 @@ class by the patch (undone at uninstall):
 - ``FP16_Optimizer._update_scale`` / ``FP16_UnfusedOptimizer._update_scale`` (ZeRO 0, the ``LossScaleConfig``
   path): DeepSpeed's update, then the floor and cap.
 
-Each counts the step it is told of. ampguard's own work in them is contained
+- ``DeepSpeedEngine.backward``: the loss kept, to tell a forward overflow from a gradient one
+  (:mod:`ampguard.deepspeed_fp16.losses`).
+
+Each counts the step it is told of and tells the step listeners (fp32 islands) whether it was a forward overflow. ampguard's own work in them is contained
 (:mod:`ampguard.containment`): where it fails, DeepSpeed's behaviour is used for that call.
 """
 
@@ -24,7 +27,9 @@ from collections.abc import Callable
 from typing import Any
 
 import ampguard.containment as containment
+import ampguard.deepspeed_fp16.losses as losses
 import ampguard.deepspeed_fp16.tracking as tracking
+import ampguard.scaler.listeners as listeners
 from ampguard.deepspeed_fp16.tracking import Policy
 from ampguard.errors import ScaleCollapseError
 
@@ -128,10 +133,12 @@ def _after(
             if bounded != scale:
                 scale_owner.cur_scale = bounded
                 scale = bounded
-        tracking.tracker(scale_owner if holder is None else holder, before).record(
-            policy, overflow, scale, at_floor, floor
-        )
+        forward = losses.forward_overflow(overflow)  # a loss inf/NaN: one read, at an overflow only
+        counts = tracking.tracker(scale_owner if holder is None else holder, before)
+        counts.record(policy, overflow, scale, at_floor, floor, forward=forward)
     except ScaleCollapseError:
         raise  # AMPGUARD_ON_STALL=raise: asked for
     except Exception as error:
         containment.report("deepspeed_fp16 counting", error)
+        return
+    listeners.notify_foreign_step(counts, forward)  # to the fp32 islands

@@ -19,6 +19,7 @@ from typing import Any
 
 import ampguard.containment as containment
 import ampguard.deepspeed_fp16.hooks as hooks
+import ampguard.deepspeed_fp16.losses as losses
 from ampguard.config import Config
 from ampguard.deepspeed_fp16.tracking import Policy
 from ampguard.errors import PatchUnavailable
@@ -46,6 +47,7 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
         hooks.optimizer_update_scale,
     ),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", "_update_scale", hooks.optimizer_update_scale),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward", losses.engine_backward),
 )
 
 _active: DeepSpeedFp16Patch | None = None  # the applied patch, which the (permanent) import hook serves

@@ -64,6 +64,7 @@ class DeepSpeedLossScale:
     def __init__(self, scale: float) -> None:
         self.steps = 0
         self.skipped = 0
+        self.nonfinite_loss = 0  # skipped steps whose loss was itself inf/NaN (a forward overflow)
         self.consecutive = 0
         self.scale = scale
         self.min_seen = scale
@@ -79,15 +80,19 @@ class DeepSpeedLossScale:
             steps=self.steps,
             skipped=self.skipped,
             no_grad_steps=0,
-            nonfinite_loss=0,
+            nonfinite_loss=self.nonfinite_loss,
             scale=self.scale,
             min_scale_seen=self.min_seen,
             max_scale_seen=self.max_seen,
             consecutive_skipped=self.consecutive,
         )
 
-    def record(self, policy: Policy, overflow: bool, scale: float, at_floor: bool, floor: float) -> None:
+    def record(
+        self, policy: Policy, overflow: bool, scale: float, at_floor: bool, floor: float, forward: bool = False
+    ) -> None:
         """One optimizer step of DeepSpeed's: skipped (``overflow``) or taken; ``scale`` is the scale after it.
+
+        ``forward``: the overflow was a forward one (a loss inf/NaN, ampguard.deepspeed_fp16.losses).
 
         Raises :class:`~ampguard.errors.ScaleCollapseError` at a stall with ``AMPGUARD_ON_STALL=raise``.
         """
@@ -96,6 +101,7 @@ class DeepSpeedLossScale:
         self.min_seen, self.max_seen = min(self.min_seen, scale), max(self.max_seen, scale)
         if overflow:
             self.skipped += 1
+            self.nonfinite_loss += forward
             self.consecutive += 1
         else:
             self.consecutive = 0

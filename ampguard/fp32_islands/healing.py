@@ -90,7 +90,8 @@ _active: _Healing | None = None
 
 def _steps_of(scaler: Any) -> int:
     counters = counters_of(scaler)
-    return counters.steps if counters is not None else 0
+    steps = counters.steps if counters is not None else getattr(scaler, "steps", 0)  # (DeepSpeed's counts)
+    return steps if isinstance(steps, int) else 0
 
 
 def activate(config: Config) -> None:
@@ -325,6 +326,25 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         active.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
     active.buffers_owner = weakref.ref(scaler)
     return True
+
+
+# -- another loss scale's steps (DeepSpeed fp16) ---------------------------------------------------
+
+
+def end_foreign_step(owner: Any, forward_overflow: bool) -> None:
+    """A step of a loss scale that is no SafeGradScaler (ampguard.deepspeed_fp16): a host-mode update whose
+    probe verdict is read at a forward overflow only (a skipped step). No watch, no forward run again there:
+    the probe arms at the first forward overflow and names the module at the next."""
+    active = _active
+    if active is None:
+        return
+    active.inputs.end_update()
+    try:
+        if forward_overflow and active.probe.armed and active.probe.verdict is not None:
+            active.verdict = max(active.verdict, int(read_to_host(active.probe.verdict.reshape(1))[0]))
+    except Exception as error:  # never the reason a run dies
+        return _stop(active, "foreign", error)
+    _end_iteration(active, owner, _follow(active, owner), forward_overflow, blamed=False)
 
 
 # -- device mode (fused optimizers) ------------------------------------------------------------

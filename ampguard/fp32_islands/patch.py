@@ -58,6 +58,9 @@ class IslandsListener(listeners.StepListener):
     ) -> None:
         healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
 
+    def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
+        healing.end_foreign_step(owner, forward_overflow)
+
     def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
         state = healing.state()
         last = state.watch.last if state is not None else None

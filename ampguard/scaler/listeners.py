@@ -12,6 +12,7 @@ The scaler calls every registered listener at fixed points of an iteration:
 ``on_device_update``     ``update()`` in device mode (fused optimizers): nothing is known on the host
 ``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
 ``on_step_known``        a fused optimizer's step, stepped or skipped on the device, became known (at once on the CPU)
+``on_foreign_step``      a step of a loss scale that is no SafeGradScaler (DeepSpeed's fp16 scale) ended
 ``stats_fields``         ``scaler.stats``: the fields of ScalerStats the listener fills
 ``save`` / ``load``      entries of ``scaler.state_dict()["ampguard"]``, also carried by pickles and deep copies
 ======================  ======================================================================
@@ -95,6 +96,14 @@ class StepListener:
 
         In step order; at the step's own ``update()`` on the CPU, an iteration or
         two later on CUDA (:mod:`ampguard.scaler.row_copies`).
+        """
+
+    def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
+        """An optimizer step of a loss scale that is no SafeGradScaler ended (:mod:`ampguard.deepspeed_fp16`).
+
+        ``owner``: that scale's counts (``owner.steps``: the steps so far, this one included).
+        ``forward_overflow``: the step was skipped because a loss itself was inf/NaN (agreed between ranks).
+        No listener field rides on a read there: a listener reads what it needs, at a forward overflow only.
         """
 
     def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
@@ -200,6 +209,11 @@ def notify_counters_read(
 def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
     for listener in _listeners:
         _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
+
+
+def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:
+    for listener in _listeners:
+        _guarded(listener, "foreign step", "on_foreign_step", owner, forward_overflow)
 
 
 def stats_fields(scaler: SafeGradScaler) -> dict[str, Any]:

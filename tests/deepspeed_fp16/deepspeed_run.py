@@ -1,7 +1,7 @@
 """One process, the real DeepSpeed engine on the CPU (gloo, one rank): runs the trainings it is given, prints JSON.
 
 ``python deepspeed_run.py '<json>'`` where the JSON is a list of runs, each
-``{"stage": 0..3, "overflow": "never"|"always"|"every5", "steps": N, "ampguard": bool,
+``{"stage": 0..3, "overflow": "never"|"always"|"every5"|"inside", "steps": N, "ampguard": bool,
 "initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional), "config": {more DeepSpeed config}
 (optional), "count_reads": bool (optional)}``. Each run trains a fresh engine (same
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
@@ -34,6 +34,7 @@ import torch
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
+import ampguard.fp32_islands.islands as fp32_islands
 from ampguard.syncs import HostReadCounter
 
 # isort: split
@@ -61,6 +62,8 @@ class Loud(torch.nn.Module):
         y = self.linear(x)
         if self.overflow == "always" or (self.overflow == "every5" and self.calls % 5 == 0):
             y = y * 1e5
+        elif self.overflow == "inside":  # logits too sharp for float16, a finite output in float32 (an fp32 island)
+            y = (y * 1e5).softmax(-1) * 4.0
         return y
 
 
@@ -140,6 +143,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     else:
         values = [p.detach().float().clone() for p in parameters]
     counts = tracking.of(engine.optimizer)
+    island_names = list(fp32_islands.names())
     result = {
         "died": died,
         "died_at": died_at,
@@ -151,6 +155,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         "log": records.lines,
         "host_reads": dict(reads.by_source),
         "stats_file": _stats_since(stats_before),
+        "islands": island_names,
     }
     logging.getLogger("ampguard").removeHandler(records)
     engine.destroy()

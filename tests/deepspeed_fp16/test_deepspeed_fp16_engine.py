@@ -10,7 +10,9 @@ subprocess for all: DeepSpeed's distributed state is per process):
   stats file carries the counts;
 - a healthy run from the same scale (``initial_scale_power`` in both), gradients clipped by DeepSpeed: identical
   weights to plain DeepSpeed, and as many host reads per step;
-- ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked.
+- ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked;
+- a block whose float16 logits overflow inside it: plain DeepSpeed skips most steps, under ampguard it becomes an
+  fp32 island after 2 (ZeRO 0-2).
 
 Skipped where DeepSpeed is not installed (the CI's newest leg installs it; docs/deepspeed.md).
 """
@@ -47,6 +49,8 @@ def _runs() -> list[dict[str, Any]]:
             ("every5", True, None),
             ("never", False, 12),
             ("never", True, 12),
+            ("inside", False, None),
+            ("inside", True, None),
         ):
             run = {"stage": stage, "overflow": overflow, "steps": STEPS, "ampguard": amp, "initial_scale_power": power}
             if overflow == "never":  # clipped (DeepSpeed's gradient_clipping), host reads counted
@@ -161,8 +165,32 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     assert all(tally.startswith("DeepSpeedLossScale#") for tally in tallies), tallies
     counts = sorted(tally.split(": ", 1)[1].split(" steps skipped")[0] for tally in tallies)
     # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20, the accumulating
-    # run's 4 of its 12 optimizer steps; healthy runs: none
-    assert counts == sorted([f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"])
+    # run's 4 of its 12 optimizer steps, the islanded runs' 2 (ZeRO 3: as plain DeepSpeed's); healthy runs: none
+    inside = [f"{results[stage, 'inside', True, 'warn']['engine_skipped']} of {STEPS}" for stage in STAGES]
+    expected = [f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"] + inside
+    assert counts == sorted(expected)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_block_overflowing_float16_inside_becomes_an_fp32_island_after_two_steps(results, stage):
+    """The block's logits pass 65504 in float16 (finite in float32) on most batches: plain DeepSpeed skips most
+    steps; under ampguard the probe arms at the first forward overflow and names the block at the second, which
+    then computes in float32 from its float16 parameters (ZeRO 0-2). ZeRO 3 partitions the parameters: named, not
+    made an island (docs/deepspeed.md), the steps skipped as plain DeepSpeed skips them."""
+    plain, guarded = results[stage, "inside", False, "warn"], results[stage, "inside", True, "warn"]
+    assert plain["engine_skipped"] >= STEPS // 2 and guarded["died"] is None and guarded["finite"]
+    counts = guarded["ampguard"]
+    assert counts["skipped"] == counts["nonfinite_loss"] == guarded["engine_skipped"]  # each a forward overflow
+    if stage == 3:
+        assert guarded["islands"] == [] and guarded["engine_skipped"] == plain["engine_skipped"]
+        assert any("partitioned by DeepSpeed ZeRO-3" in line for line in guarded["log"]), guarded["log"]
+        return
+    assert guarded["islands"] == ["2"]
+    assert guarded["engine_skipped"] == 2
+    made = [line for line in guarded["log"] if line.startswith("WARNING: fp32 island: 2 (Loud)")]
+    assert len(made) == 1 and "step 2" in made[0] and "the model runs without autocast" in made[0]
+    assert "its float16 parameters stay float16" in made[0]
+    assert guarded["parameters"] != results[stage, "never", True, "warn"]["parameters"]  # (it trained)
 
 
 def test_with_gradient_accumulation_each_optimizer_step_is_counted_once(results):

@@ -1,0 +1,83 @@
+"""Forward overflows under DeepSpeed fp16: the losses since the last step, and the verdict handed to fp32 islands.
+
+DeepSpeed decides one thing per optimizer step, overflow, from the gradients;
+a loss that was itself inf/NaN (a *forward* overflow: a block whose float16
+activations passed 65504) is not told apart. ampguard's fp32 islands need
+exactly that distinction, so ``DeepSpeedEngine.backward`` keeps a reference to
+each loss it is given (no device work, no copy: :func:`engine_backward`), and
+at a step DeepSpeed found an overflow in, one host read says whether a loss was
+inf/NaN (:func:`forward_overflow`; agreed between ranks with one all-reduce
+under torch.distributed). A healthy step reads nothing: the references are
+dropped.
+
+The verdict is counted (``nonfinite_loss``) and reaches whoever listens to
+loss-scale steps (the fp32_islands patch's listener) through
+:func:`ampguard.scaler.listeners.notify_foreign_step` (ampguard.deepspeed_fp16.hooks),
+as a SafeGradScaler's forward overflows reach it through ``notify_update``.
+A loss passed to ``loss.backward()`` directly (DeepSpeed's torch-style backward)
+is not seen: such a step counts as a gradient overflow, as in plain DeepSpeed.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import ampguard.containment as containment
+from ampguard.deepspeed_fp16.tracking import Policy
+from ampguard.syncs import read_to_host
+
+# Losses of more micro-batches than this between two steps (a loop that never steps): the oldest are dropped.
+MAX_KEPT = 256
+
+_lock = threading.Lock()
+_kept: list[torch.Tensor] = []
+
+
+def engine_backward(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
+    """``DeepSpeedEngine.backward``: the loss is kept (a detached reference) before DeepSpeed's backward runs."""
+
+    def backward(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            if isinstance(loss, torch.Tensor) and loss.is_floating_point():
+                with _lock:
+                    _kept.append(loss.detach())
+                    del _kept[:-MAX_KEPT]
+        except Exception as error:  # never the reason a run dies
+            containment.report("deepspeed_fp16 backward", error)
+        return original(self, loss, *args, **kwargs)
+
+    return backward
+
+
+def forward_overflow(overflow: bool) -> bool:
+    """Whether this step's overflow was a forward one (a kept loss inf/NaN); forgets the kept losses.
+
+    ``overflow``: DeepSpeed's verdict for the step, agreed between ranks. Reads the host only when it is True.
+    """
+    with _lock:
+        kept = list(_kept)
+        _kept.clear()
+    if not overflow:
+        return False
+    flag = torch.zeros((), dtype=torch.float32)
+    if kept:  # (DeepSpeed takes scalar losses only)
+        flag = (~torch.stack([loss.float().sum().to(kept[-1].device) for loss in kept]).isfinite()).any().float()
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = _on_collective_device(flag)  # every rank is here: DeepSpeed's overflow verdict is agreed
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(read_to_host(flag.reshape(1))[0] > 0)
+
+
+def _on_collective_device(flag: torch.Tensor) -> torch.Tensor:
+    backend = str(torch.distributed.get_backend())
+    if backend == "nccl" and flag.device.type != "cuda":
+        return flag.cuda()
+    if backend == "gloo" and flag.device.type != "cpu":
+        return flag.cpu()
+    return flag
+
