@@ -71,7 +71,8 @@ def upcast(module: torch.nn.Module) -> Upcast | None:
 
 def _swap(entries: dict[str, Any], copies: dict[int, torch.Tensor], swapped: Swapped) -> None:
     for key, tensor in entries.items():
-        if tensor is not None and tensor.dtype in LOW_PRECISION:
+        # (a DeepSpeed ZeRO-3 parameter, ``ds_id``, is empty here: copied after its gather, ampguard.fp32_islands.zero3)
+        if tensor is not None and tensor.dtype in LOW_PRECISION and not hasattr(tensor, "ds_id"):
             copy = copies.get(id(tensor))
             if copy is None:
                 copy = copies[id(tensor)] = tensor.float()

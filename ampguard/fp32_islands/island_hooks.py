@@ -20,6 +20,7 @@ import torch
 
 import ampguard.fp32_islands.half_parameters as half_parameters
 import ampguard.fp32_islands.island_io as island_io
+import ampguard.fp32_islands.zero3 as zero3
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 
@@ -154,6 +155,7 @@ def attach(module: torch.nn.Module, island: Island) -> None:
     island.handles.append(module.register_forward_pre_hook(EnterFloat32(), prepend=True, with_kwargs=True))
     # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
     island.handles.append(module.register_forward_hook(LeaveFloat32(), prepend=True, always_call=True))
+    island.handles.extend(zero3.attach(module))  # DeepSpeed ZeRO-3: copies made after each gather
 
 
 def _exclude_from_tracing() -> None:
@@ -182,7 +184,7 @@ def strip(module: torch.nn.Module) -> bool:
             del module._forward_hooks[key]
             module._forward_hooks_with_kwargs.pop(key, None)
             module._forward_hooks_always_called.pop(key, None)
-    return found
+    return zero3.strip(module) or found
 
 
 def _warn_fallback(error: Exception) -> None:

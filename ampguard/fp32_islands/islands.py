@@ -55,11 +55,6 @@ MADE_WITHOUT_AUTOCAST = (
     "are cast to float32 and its outputs given back in the dtypes they had; {parameters}. To make this permanent "
     "without ampguard (model: your {owner}): {line}"
 )
-PARTITIONED = (
-    "forward overflow located: {name} ({cls}) turned finite inputs into inf/NaN (step {step}), but its parameters "
-    "are partitioned by DeepSpeed ZeRO-3, whose islands ampguard does not make yet: nothing changed, the overflows "
-    "stay skipped steps (docs/deepspeed.md). ZeRO stages 0-2, or bf16 where the GPU has it, avoid this."
-)
 reported: set[str] = set()
 _pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
@@ -199,9 +194,6 @@ def decide(
         return False
     if isinstance(module, torch.jit.ScriptModule):  # takes no hooks: making it an island would raise
         _report_once(name, messages.ISLAND_SCRIPTED.format(**what))
-        return False
-    if any(hasattr(p, "ds_id") for p in module.parameters()):  # DeepSpeed ZeRO-3 gathers them in its own hooks
-        _report_once(name, PARTITIONED.format(**what))
         return False
     if mode == "report":
         _report_once(name, reported.format(**what))

@@ -24,9 +24,10 @@ import torch
 
 from ampguard.fp32_islands.island_hooks import EnterFloat32, LeaveFloat32
 from ampguard.fp32_islands.model_inputs import KeepInputs
+from ampguard.fp32_islands.zero3 import GatheredToFloat32, ReleaseFloat32
 from ampguard.module_hooks import global_hooks_lifted
 
-OURS = (EnterFloat32, LeaveFloat32, KeepInputs)
+OURS = (EnterFloat32, LeaveFloat32, KeepInputs, GatheredToFloat32, ReleaseFloat32)
 HOOK_DICTS = ("_forward_pre_hooks", "_forward_hooks")
 FLAG_DICTS = ("_forward_pre_hooks_with_kwargs", "_forward_hooks_with_kwargs", "_forward_hooks_always_called")
 DEPTH = 3  # containers looked into: a checkpoint dict holding the model and an EMA

@@ -6,7 +6,7 @@
 (optional), "count_reads": bool (optional)}``. Each run trains a fresh engine (same
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
 engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
-ampguard's log records and the stats-file records written during the run.
+ampguard's log records and the stats-file records written during the run, the fp32 islands, the initial parameters.
 
 ampguard is installed again before each run with the run's environment, or uninstalled for a plain run: one process
 trains both, so both see the same DeepSpeed, and uninstall is exercised each time. DeepSpeed's CPU accelerator
@@ -62,8 +62,8 @@ class Loud(torch.nn.Module):
         y = self.linear(x)
         if self.overflow == "always" or (self.overflow == "every5" and self.calls % 5 == 0):
             y = y * 1e5
-        elif self.overflow == "inside":  # logits too sharp for float16, a finite output in float32 (an fp32 island)
-            y = (y * 1e5).softmax(-1) * 4.0
+        elif self.overflow == "inside":  # past 65504 inside the block only: its output is finite in float32
+            y = (y * 1e5) / 1e5
         return y
 
 
@@ -120,6 +120,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         **run.get("config", {}),
     }
     net = model(run["overflow"])
+    initial = [p.detach().float().flatten().tolist() for p in net.parameters()]
     engine, *_ = deepspeed.initialize(model=net, model_parameters=net.parameters(), config=config)
     generator = torch.Generator().manual_seed(1)
     died, died_at = None, None
@@ -156,6 +157,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         "host_reads": dict(reads.by_source),
         "stats_file": _stats_since(stats_before),
         "islands": island_names,
+        "initial": initial,
     }
     logging.getLogger("ampguard").removeHandler(records)
     engine.destroy()
