@@ -17,8 +17,15 @@ from __future__ import annotations
 import pytest
 import torch
 from integration_support import require
-from test_accelerate_hf import _fresh_accelerate_state, hand_cpu_scaler  # noqa: F401
-from test_master_weights_hf import _load, _saved_tiny_llama, _sequences
+from test_accelerate_hf import _fresh_accelerate_state  # noqa: F401
+from test_master_weights_hf import (
+    _load,
+    _saved_tiny_llama,
+    _sequences,
+    cpu_fp16_trainer,
+    fp16_arguments,
+    fused_adamw_on_cpu,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -34,11 +41,6 @@ def transformers():
 
 
 def _train(transformers, path: str, output_dir) -> object:
-    class CpuFp16Trainer(transformers.Trainer):
-        def create_accelerator_and_postprocess(self) -> None:
-            super().create_accelerator_and_postprocess()
-            hand_cpu_scaler(self.accelerator)
-
     model = _load(transformers, path, torch.float16)
     layer = model.model.layers[1]
     with torch.no_grad():
@@ -55,37 +57,16 @@ def _train(transformers, path: str, output_dir) -> object:
         return output * LOUDER if calls[0] % LOUD_EVERY == 0 else None
 
     layer.post_attention_layernorm.register_forward_hook(louder_now_and_then)
-    args = transformers.TrainingArguments(
-        output_dir=str(output_dir),
-        fp16=True,
-        use_cpu=True,
-        max_steps=STEPS,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        optim="adamw_torch_fused",
-        logging_steps=10,
-        save_strategy="no",
-        report_to="none",
-        dataloader_num_workers=0,
-        disable_tqdm=True,
-        seed=0,
-    )
-    trainer = CpuFp16Trainer(model=model, args=args, train_dataset=_sequences(STEPS * 4, seed=0))
+    args = fp16_arguments(transformers, output_dir, steps=STEPS, optim="adamw_torch_fused", logging_steps=10)
+    trainer = cpu_fp16_trainer(transformers)(model=model, args=args, train_dataset=_sequences(STEPS * 4, seed=0))
     trainer.train()
     return trainer
-
-
-def _fused_adamw_on_cpu() -> None:
-    try:
-        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
-    except (RuntimeError, ValueError):
-        pytest.skip("AdamW(fused=True) has no CPU kernel in this torch")
 
 
 def test_the_float16_mlp_becomes_an_island_and_the_loud_batches_train(transformers, tmp_path, reinstall):
     """The big MLP weights also overflow some scaled gradients (the scale backs off, as torch's would): only the
     non-finite losses are the loud batches'."""
-    _fused_adamw_on_cpu()
+    fused_adamw_on_cpu()
     path = _saved_tiny_llama(transformers, tmp_path / "llama")
     trainer = _train(transformers, path, tmp_path / "ampguard")
     stats = trainer.accelerator.scaler.stats

@@ -55,6 +55,14 @@ def _saved_tiny_llama(transformers, directory) -> str:
     return str(directory)
 
 
+def fused_adamw_on_cpu() -> None:
+    """Skips the calling test where torch's AdamW(fused=True) has no CPU kernel."""
+    try:
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
+    except (RuntimeError, ValueError):
+        pytest.skip("AdamW(fused=True) has no CPU kernel in this torch")
+
+
 def _load(transformers, path: str, dtype: torch.dtype):
     try:
         return transformers.LlamaForCausalLM.from_pretrained(path, dtype=dtype)
@@ -62,31 +70,44 @@ def _load(transformers, path: str, dtype: torch.dtype):
         return transformers.LlamaForCausalLM.from_pretrained(path, torch_dtype=dtype)
 
 
-def _train(transformers, path: str, output_dir, dtype: torch.dtype, optim: str) -> tuple[float, float, object]:
+def cpu_fp16_trainer(transformers) -> type:
+    """The HF Trainer with, on CPU, the scaler accelerate makes on a GPU (``hand_cpu_scaler``)."""
+
     class CpuFp16Trainer(transformers.Trainer):
         def create_accelerator_and_postprocess(self) -> None:
             super().create_accelerator_and_postprocess()
             hand_cpu_scaler(self.accelerator)
 
-    model = _load(transformers, path, dtype)
-    assert {p.dtype for p in model.parameters()} == {dtype}
-    args = transformers.TrainingArguments(
+    return CpuFp16Trainer
+
+
+def fp16_arguments(transformers, output_dir, *, steps: int, optim: str, **more: object):
+    """The TrainingArguments of these tests: fp16 on CPU, batches of 4, lr 1e-3, no saving, reporting or workers."""
+    return transformers.TrainingArguments(
         output_dir=str(output_dir),
         fp16=True,
         use_cpu=True,
-        max_steps=STEPS,
+        max_steps=steps,
         per_device_train_batch_size=4,
         learning_rate=1e-3,
         optim=optim,
-        logging_steps=10,
         save_strategy="no",
         report_to="none",
         dataloader_num_workers=0,
         disable_tqdm=True,
         seed=0,
+        **more,
     )
+
+
+def _train(transformers, path: str, output_dir, dtype: torch.dtype, optim: str) -> tuple[float, float, object]:
+    model = _load(transformers, path, dtype)
+    assert {p.dtype for p in model.parameters()} == {dtype}
+    args = fp16_arguments(transformers, output_dir, steps=STEPS, optim=optim, logging_steps=10)
     held_out = _sequences(16, seed=1)
-    trainer = CpuFp16Trainer(model=model, args=args, train_dataset=_sequences(STEPS * 4, seed=0), eval_dataset=held_out)
+    trainer = cpu_fp16_trainer(transformers)(
+        model=model, args=args, train_dataset=_sequences(STEPS * 4, seed=0), eval_dataset=held_out
+    )
     start = trainer.evaluate()["eval_loss"]
     trainer.train()
     return start, trainer.evaluate()["eval_loss"], trainer
@@ -95,10 +116,7 @@ def _train(transformers, path: str, output_dir, dtype: torch.dtype, optim: str) 
 @pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
 def test_float16_loaded_llama_trains_like_float32_under_the_hf_trainer(transformers, tmp_path, optim):
     if optim == "adamw_torch_fused":
-        try:
-            torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], fused=True)
-        except (RuntimeError, ValueError):
-            pytest.skip("AdamW(fused=True) has no CPU kernel in this torch")
+        fused_adamw_on_cpu()
     path = _saved_tiny_llama(transformers, tmp_path / "llama")
     start32, end32, _ = _train(transformers, path, tmp_path / "fp32", torch.float32, optim)
     start16, end16, trainer = _train(transformers, path, tmp_path / "fp16", torch.float16, optim)
