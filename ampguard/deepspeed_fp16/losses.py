@@ -80,4 +80,3 @@ def _on_collective_device(flag: torch.Tensor) -> torch.Tensor:
     if backend == "gloo" and flag.device.type != "cpu":
         return flag.cpu()
     return flag
-
