@@ -4,7 +4,10 @@
   pass, the end of the pass, and which module a sudden overflow is blamed on.
 - ``observer``: the dispatch mode of a watched pass: which op outputs are measured (not memory no op wrote), and
   where the watch steps aside (compiled code, higher-order operators).
-- ``sighting``: one watched iteration's peaks and verdict, on the device (sentinels are not peaks).
+- ``sighting``: one watched iteration's peaks and verdict, on the device (sentinels are not peaks); a module's
+  samples folded every 32 op outputs.
+- ``calls``: which module calls of a watched pass still run (a forward ended by Ctrl-C is found at the next call),
+  and the line said for calls in other threads, which are not watched.
 
 :mod:`ampguard.fp32_islands` consumes the verdicts (``watch_verdicts``: an island before an overflow, or the module
 blamed at the first one); docs/islands.md describes the behaviour.

@@ -25,6 +25,9 @@ FLOAT16_MAX = 65504.0
 SENTINEL_BAND = FLOAT16_MAX * 15 / 16
 # How many of the tightest modules scaler.stats shows.
 SHOWN = 3
+# A module's (min, max) pairs are folded into two every FOLD op outputs (:func:`fold`): a cell called thousands of
+# times in one pass (a recurrent loop, a decoding loop) keeps a few 0-dim tensors, not two per op output per call.
+FOLD = 32
 
 Candidate = tuple[torch.nn.Module, torch.nn.Module, "tuple[str, ...] | None"]  # (module, its root, output dtypes)
 
@@ -79,6 +82,29 @@ class Sighting:
         return int(read[0])
 
 
+def _per_output(lows: torch.Tensor, highs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output's peak (finite values, sentinels not counted) and whether it held NaN or +inf."""
+    nonfinite = lows.isnan() | highs.isnan() | (highs == float("inf"))
+    below = (-lows).masked_fill(-lows >= SENTINEL_BAND, 0.0)
+    above = highs.masked_fill(highs >= SENTINEL_BAND, 0.0)
+    return torch.nan_to_num(torch.maximum(above, below), nan=0.0, posinf=0.0, neginf=0.0), nonfinite
+
+
+def fold(samples: list[tuple[torch.Tensor, torch.Tensor]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """One module's (min, max) pairs as two that :func:`summarise` reads alike, on the device (no read).
+
+    ``(0, peak)`` carries the peak (below the sentinel band, so exact in float16) and ``(NaN or 0, 0)`` whether
+    any output held NaN or +inf; folded again with later pairs, they give the same peak and flag.
+    """
+    device = samples[0][0].device
+    lows = torch.stack([low.to(device) for low, _ in samples]).float()
+    highs = torch.stack([high.to(device) for _, high in samples]).float()
+    peaks, nonfinite = _per_output(lows, highs)
+    zero = torch.zeros((), dtype=torch.float16, device=device)
+    flag = torch.where(nonfinite.any(), float("nan"), 0.0).to(torch.float16)
+    return [(zero, peaks.amax().to(torch.float16)), (flag, zero)]
+
+
 def summarise(
     samples: list[list[tuple[torch.Tensor, torch.Tensor]]],
     modules: list[tuple[weakref.ref[torch.nn.Module], weakref.ref[torch.nn.Module]]],
@@ -90,10 +116,8 @@ def summarise(
     device = samples[0][0][0].device
     lows = torch.stack([low.to(device) for per_module in samples for low, _ in per_module]).float()
     highs = torch.stack([high.to(device) for per_module in samples for _, high in per_module]).float()
-    nonfinite = (lows.isnan() | highs.isnan() | (highs == float("inf"))).any().float()
-    below = (-lows).masked_fill(-lows >= SENTINEL_BAND, 0.0)
-    above = highs.masked_fill(highs >= SENTINEL_BAND, 0.0)
-    per_output = torch.nan_to_num(torch.maximum(above, below), nan=0.0, posinf=0.0, neginf=0.0)
+    per_output, nonfinite_outputs = _per_output(lows, highs)
+    nonfinite = nonfinite_outputs.any().float()
     peaks = torch.stack([part.amax() for part in per_output.split([len(per_module) for per_module in samples])])
     values, order = peaks.topk(min(SHOWN, len(samples)))
     fits = values[0] >= limit

@@ -18,7 +18,11 @@ read, as the probe's does (the two never run in the same iteration);
 
 Where it cannot look, the watch steps aside and says so once (INFO): compiled
 code (a compiled model is not watched; a compiled submodule is not watched
-inside), higher-order operators, memory no op wrote (the observer's docstring).
+inside), higher-order operators, memory no op wrote (the observer's docstring),
+module calls in other threads than the one that trains. A watched forward
+that a ``KeyboardInterrupt`` ends (no hook of torch's runs then) is found at
+the next module call (:mod:`ampguard.headroom_watch.calls`): the watch ends
+there, and what runs next runs as under torch.
 
 The mode is entered with the model (the root, or the module inside a DDP /
 FSDP / ... wrapper: :func:`~ampguard.fp32_islands.probe.unwrap`) and left with
@@ -43,6 +47,7 @@ import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
 from ampguard.fp32_islands.tensor_tree import tensors
+from ampguard.headroom_watch.calls import INTERRUPTED, OTHER_THREAD, live_depth
 from ampguard.headroom_watch.observer import (
     COMPILE_AWARE,
     Observer,
@@ -50,7 +55,7 @@ from ampguard.headroom_watch.observer import (
     forget_higher_order_operators,
     measurable,
 )
-from ampguard.headroom_watch.sighting import FLOAT16_MAX, Candidate, Sighting, summarise
+from ampguard.headroom_watch.sighting import FLOAT16_MAX, FOLD, Candidate, Sighting, fold, summarise
 from ampguard.log import event_logger
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import is_compiling
@@ -87,6 +92,7 @@ class _Slot:
     candidate: bool  # not a root, not an island
     samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (min, max) per output
     outputs: tuple[str, ...] | None = None
+    call: Any = None  # the frame running this module's current call, while it is on the stack
 
 
 class HeadroomWatch:
@@ -193,11 +199,18 @@ class HeadroomWatch:
 
     def _before(self, module: torch.nn.Module, args: Any) -> None:
         # is_compiling() first: dynamo cannot trace threading.get_ident() (a graph break; with fullgraph=True an error)
-        if is_compiling() or threading.get_ident() != self._thread or self._opaque is not None:
+        if is_compiling():
+            return
+        if threading.get_ident() != self._thread:
+            self._other_thread(module)
             return
         if _in_backward():  # activation checkpointing recomputing a forward: not a new pass
             return
         try:
+            if self._stack and not self._drop_ended_calls(sys._getframe(1)):
+                return  # the watched pass ended in an exception its hooks never saw: this call runs as under torch
+            if self._opaque is not None:
+                return
             if is_compiled(module):  # compiled code is not watched inside (nor changed: see islands)
                 self._opaque = module
                 self._enter_compiled(module)
@@ -227,11 +240,42 @@ class HeadroomWatch:
                 slot = self._slots[id(module)] = _Slot(weakref.ref(module), root_ref, candidate)
             elif not self._stack:
                 slot.candidate = False  # called as the root too: its own code is never islanded
+            slot.call = sys._getframe(2)  # torch's frame calling the hooks: it runs until the module call ends
             self._stack.append(slot)
             if self._mode is None and (slot.candidate or module is unwrap(self._stack[0].module() or module)):
                 self._enter_mode()
         except Exception as error:  # an observation must never break the forward pass
             self.fail(error)
+
+    def _drop_ended_calls(self, frame: Any) -> bool:
+        """Drop the calls on the stack that no longer run below ``frame`` (:mod:`~ampguard.headroom_watch.calls`).
+
+        False: the outermost had ended too; the watch ends for this iteration (said once), so that what runs
+        next (an evaluation, a checkpoint) runs as under torch.
+        """
+        depth = live_depth(self._stack, frame)
+        if depth == len(self._stack):
+            return True
+        self._opaque = None  # (called inside an ended call: ended too)
+        for slot in self._stack[depth:]:
+            slot.call = None
+        del self._stack[depth:]
+        if self._mode is not None and depth < self._mode_depth:
+            self._leave_mode()
+        if depth:
+            return True
+        if "interrupted" not in self._stepped_aside:
+            self._stepped_aside.add("interrupted")
+            logger.info(INTERRUPTED)
+        self._remove()
+        self._slots = {}
+        return False
+
+    def _other_thread(self, module: torch.nn.Module) -> None:
+        """A module called in another thread while the watch is armed: not watched, said once (a coverage gap)."""
+        if "threads" not in self._stepped_aside:
+            self._stepped_aside.add("threads")
+            logger.info(OTHER_THREAD, type(module).__name__, threading.current_thread().name)
 
     def _enter_compiled(self, module: torch.nn.Module) -> None:
         if self._stack:
@@ -254,6 +298,7 @@ class HeadroomWatch:
         if not self._stack or self._stack[-1].module() is not module:
             return
         slot = self._stack.pop()
+        slot.call = None
         try:
             if slot.candidate and slot.outputs is None and output is not None:
                 slot.outputs = output_kinds(tensors(output))
@@ -273,6 +318,8 @@ class HeadroomWatch:
             if measurable(tensor):
                 low, high = torch.aminmax(tensor)
                 slot.samples.append((low, high))
+                if len(slot.samples) >= FOLD:
+                    slot.samples = fold(slot.samples)
 
     # -- the end of the watched iteration ---------------------------------------------------------
 
