@@ -27,10 +27,11 @@ The mechanism (apex O2's swap, but only for the length of each step):
   From that copy until the step, :func:`gradients` / :func:`gradient_pairs`
   answer "which tensor holds this parameter's gradient" for the scaler,
   ``clip_grad_norm_`` and the skipped-step report.
-* **The step** (:mod:`.step`). A global optimizer step pre-hook puts the
-  master lists into ``param_groups``; the optimizer steps the masters; the
-  post-hook puts the model's lists back and copies the rounded masters into
-  the parameters (one foreach copy). A step that raises puts them back too.
+* **The step** (:mod:`.step`). The optimizer's own last step pre-hook (after
+  the user's, which see their own parameters) puts the master lists into
+  ``param_groups``; the optimizer steps the masters; its own first post-hook
+  puts the model's lists back and copies the rounded masters into the
+  parameters (one foreach copy). A step that raises puts them back too.
 * **Checkpoints and copies** (:mod:`.checkpoints`). ``state_dict`` /
   ``load_state_dict`` save and load the state in float32 with the masters
   under :data:`STATE_KEY`; ``copy.deepcopy`` and pickle carry which master is

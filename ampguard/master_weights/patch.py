@@ -6,7 +6,9 @@ Wires :mod:`ampguard.master_weights` into torch:
   (``torch.optim.optimizer.register_optimizer_step_pre_hook`` / ``..._post_hook``),
   which fire for every ``torch.optim.Optimizer``; for an optimizer without
   trainable half-precision parameters they cost a dict lookup and a tuple of
-  its param-group list ids per step, and change nothing;
+  its param-group list ids per step, and change nothing; for one with masters
+  the global pre-hook keeps the optimizer's own swap pre-hook last (the
+  user's pre-hooks see their own parameters);
 * each optimizer class's hooked ``step`` (and ``Optimizer.profile_hook_step``,
   which hooks the classes torch meets later) wrapped so that a step that
   raises puts the model's parameters back into ``param_groups``;

@@ -28,6 +28,7 @@ logger = event_logger("masters")
 STATE_KEY = "ampguard_master_weights"
 ATTRIBUTE = "_ampguard_master_weights"
 _POST_HOOK = "_ampguard_master_weights_put_back"
+PRE_HOOK = "_ampguard_master_weights_swap_in"  # the handle of step.swap_in, the optimizer's last step pre-hook
 _PLAIN_TYPES = (Tensor, torch.nn.Parameter)
 
 KEEPS = "{optimizer} keeps float32 master copies of {counts} ({mib:.1f} MiB)."
@@ -406,9 +407,10 @@ def retire(optimizer: Any, record: Masters) -> None:
     record.free_grads()
     state.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)
-    handle = optimizer.__dict__.pop(_POST_HOOK, None)
-    if handle is not None:
-        handle.remove()
+    for key in (_POST_HOOK, PRE_HOOK):
+        handle = optimizer.__dict__.pop(key, None)
+        if handle is not None:
+            handle.remove()
 
 
 def fail(optimizer: Any, record: Masters | None, error: Exception) -> None:

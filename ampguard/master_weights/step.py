@@ -1,6 +1,7 @@
 """The step: the masters go into ``param_groups`` for the length of ``optimizer.step()``, and always come back.
 
-torch's step wrapper runs the step pre-hooks, the step, then the post-hooks;
+torch's step wrapper runs the step pre-hooks (global ones, then the
+optimizer's own: :func:`swap_in`, kept last), the step, then the post-hooks;
 an exception anywhere in between (Ctrl-C, an out-of-memory error while the
 optimizer allocates its state, an error in a step hook) skips the post-hooks.
 The optimizer must then be as torch's in-place step would leave it: the
@@ -25,6 +26,7 @@ import ampguard.master_weights.gradient_copies as gradient_copies
 from ampguard.log import event_logger
 from ampguard.master_weights.records import (
     ATTRIBUTE,
+    PRE_HOOK,
     Excluded,
     Masters,
     Plain,
@@ -46,9 +48,11 @@ _PUTS_BACK = "_ampguard_puts_masters_back"
 def before_step(
     optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """Global optimizer step pre-hook: gradients into the masters, the masters into param_groups.
+    """Global optimizer step pre-hook: the optimizer's record up to date, and :func:`swap_in` last of its pre-hooks.
 
-    A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`closure.MasterClosure` in it.
+    torch runs the global step pre-hooks first, then the optimizer's own: swapping here would show the masters to
+    every pre-hook of the user's (a gradient mask keyed by the model's parameters would find nothing). The swap is
+    the optimizer's own last pre-hook instead, so that the user's see their own parameters, as under torch.
     """
     if not state.active:
         return None
@@ -60,8 +64,37 @@ def before_step(
     record = None
     try:
         record = record_of(optimizer, create=True)
-        if record is None:
-            return None
+        if record is not None and not _last_pre_hook(optimizer):
+            return swap_in(optimizer, args, kwargs)  # no hook of its own: here, before the user's
+    except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+        _give_up(optimizer, record, error)
+    return None
+
+
+def _last_pre_hook(optimizer: Any) -> bool:
+    """Put :func:`swap_in` last among the optimizer's own step pre-hooks (False: it cannot have one)."""
+    hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
+    if not isinstance(hooks, dict):
+        return False
+    handle = optimizer.__dict__.get(PRE_HOOK)
+    if handle is None or handle.id not in hooks:
+        optimizer.__dict__[PRE_HOOK] = optimizer.register_step_pre_hook(swap_in)
+    elif next(reversed(hooks)) != handle.id:  # a hook the user registered since: after it
+        hooks[handle.id] = hooks.pop(handle.id)
+    return True
+
+
+def swap_in(
+    optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The optimizer's last step pre-hook: gradients into the masters, the masters into param_groups.
+
+    A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`closure.MasterClosure` in it.
+    """
+    record = optimizer.__dict__.get(ATTRIBUTE)
+    if not state.active or record.__class__ is not Masters or (record.swapped and inner_step(optimizer)):
+        return None
+    try:
         step_closure = closure.closure_of(args, kwargs)
         if step_closure is not None or not record.synced():
             record = gradient_copies.sync(optimizer, record, gradients=step_closure is None)
