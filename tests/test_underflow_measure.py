@@ -63,12 +63,14 @@ def test_sampler_counts_each_float16_gradient_once_per_module_and_leaves_no_hook
 
 
 def test_decide_grows_only_for_material_underflow_with_headroom_below_the_ceiling():
-    def measured(underflow: int, peak: float, scale: float = 1024.0) -> Measurement:
-        return Measurement(1, scale, Counts(values=10_000, zeros=0, low=0, below_normal=underflow, peak=peak))
+    def measured(lost: int, peak: float, scale: float = 1024.0) -> Measurement:
+        return Measurement(1, scale, Counts(values=10_000, zeros=0, low=0, below_normal=0, sunk=lost, peak=peak))
 
     material = int(10_000 * MATERIAL) + 1
     assert decide(1024.0, 2.0, measured(material, 1.0))
     assert not decide(1024.0, 2.0, measured(material - 1, 1.0))  # below the threshold: torch's schedule
+    subnormal = Measurement(1, 1024.0, Counts(values=10_000, zeros=0, low=0, below_normal=9_000, peak=1.0))
+    assert not decide(1024.0, 2.0, subnormal)  # subnormal values are kept (fewer bits): no growth for them
     room = 65504.0 / HEADROOM / 2.0
     assert decide(1024.0, 2.0, measured(material, room))
     assert not decide(1024.0, 2.0, measured(material, room * 1.01))  # no headroom

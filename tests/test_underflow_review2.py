@@ -261,7 +261,7 @@ def test_under_torch_distributed_a_rank_that_counted_nothing_decides_with_the_ot
     import ampguard.underflow.listener as listener_module
     from ampguard.underflow.counts import Transfer
 
-    agreed = torch.tensor([1000.0, 0, 0, 1000, 0, 1.0], dtype=torch.float64)  # every value subnormal: grow
+    agreed = torch.tensor([1000.0, 0, 0, 0, 1000, 1.0], dtype=torch.float64)  # every value lost: grow
 
     class CopiedFromCuda(Transfer):
         @property

@@ -51,17 +51,19 @@ from ampguard.underflow.policy import ScaleState, decide
 logger = event_logger("underflow")
 
 GROWN = (
-    "loss scale {before:g} -> {after:g} at step {step}: {share:.2%} of the float16 gradient values of the sampled "
-    "backward pass were subnormal or lost{worst} (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
+    "loss scale {before:g} -> {after:g} at step {step}: {lost:.2%} of the float16 gradient values of the sampled "
+    "backward pass were lost, zeros where float32 holds a value ({share:.2%} were subnormal or lost{worst}) "
+    "(ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
 )
 DISTRIBUTED = (
     " (the scale is not grown for it: the ranks of this torch.distributed job could not agree on the measurement, "
     "and every rank must keep the same scale)"
 )
-AGREED = " (the share of all ranks' values; the modules are this rank's)"
+AGREED = "; the shares are all ranks', the modules this rank's"
 REPORTED = (
-    "at loss scale {scale:g}, {share:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
-    "were subnormal or lost{worst}; AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
+    "at loss scale {scale:g}, {lost:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
+    "were lost, zeros where float32 holds a value ({share:.2%} were subnormal or lost{worst}); "
+    "AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
 )
 
 MALFORMED = (
@@ -77,7 +79,7 @@ def counts_come_through_a_copy(scaler: Any) -> bool:
 
 def _worst(measurement: Measurement) -> str:
     worst = measurement.worst_modules()
-    return " (most in " + ", ".join(f"{name} {share:.0%}" for name, share in worst) + ")" if worst else ""
+    return "; most in " + ", ".join(f"{name} {share:.0%}" for name, share in worst) if worst else ""
 
 
 class UnderflowListener(StepListener):
@@ -222,6 +224,7 @@ class UnderflowListener(StepListener):
                 message = REPORTED.format(
                     scale=measurement.scale,
                     share=measurement.underflow_share,
+                    lost=measurement.flushed_share,
                     step=measurement.step,
                     worst=_worst(measurement),
                 )
@@ -236,6 +239,7 @@ class UnderflowListener(StepListener):
             after=after if after is not None else scale * scaler._growth_factor,
             step=measurement.step,
             share=measurement.underflow_share,
+            lost=measurement.flushed_share,
             worst=_worst(measurement) + (AGREED if state.pending_shared else ""),
         )
         if not self.reported:
