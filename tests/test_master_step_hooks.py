@@ -116,11 +116,6 @@ def test_a_subclass_step_that_edits_gradients_before_its_parents_hooked_step_kee
     assert_like(*runs)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open (issue 31, docs/master-weights.md, Limits): the hooks torch runs for the inner hooked step of a "
-    "subclass's super().step() find the masters in param_groups",
-)
 def test_step_hooks_around_a_subclass_super_step_see_the_models_parameters_like_torch():
     """torch runs an optimizer's step hooks at each hooked step: for ``CentralizedSGD`` twice per step, the second
     time inside its ``super().step()``; under torch each time with the model's parameters in ``param_groups``."""
@@ -131,16 +126,21 @@ def test_step_hooks_around_a_subclass_super_step_see_the_models_parameters_like_
         optimizer = CentralizedSGD(model.parameters(), lr=0.05, momentum=0.9)
         own = list(model.parameters())
         found: list[tuple[str, bool]] = []
+        weights: list[torch.Tensor] = []
 
-        def hook(name: str, own=own, found=found):
+        def hook(name: str, own=own, found=found, weights=weights):
             def record(stepped, args, kwargs):
                 params = [p for group in stepped.param_groups for p in group["params"]]
                 found.append((name, all(p is q for p, q in zip(params, own, strict=True))))
+                weights.append(params[0].detach().float().clone())
 
             return record
 
         optimizer.register_step_pre_hook(hook("pre"))
         optimizer.register_step_post_hook(hook("post"))
         Run(model, [optimizer], dtype).steps(2)
-        seen[dtype] = found
-    assert seen[torch.float16] == seen[torch.float32]
+        seen[dtype] = found, weights
+    (half, half_weights), (full, full_weights) = seen[torch.float16], seen[torch.float32]
+    assert half == full and len(full) == 8 and all(same for _, same in full)
+    for mine, reference in zip(half_weights, full_weights, strict=True):  # the post-hooks' weights: updated
+        torch.testing.assert_close(mine, reference, atol=2e-3, rtol=0)

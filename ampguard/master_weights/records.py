@@ -322,7 +322,7 @@ def _put_back_before_its_own_post_hooks(optimizer: Any) -> None:
 
 def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
     record = optimizer.__dict__.get(ATTRIBUTE)
-    if record.__class__ is Masters and record.swapped and not inner_step(optimizer):
+    if record.__class__ is Masters and record.swapped:  # (inside a super().step() too: the outer swaps back in)
         try:
             record.put_back(optimizer)
         except Exception as error:  # never the reason a run dies: torch's behaviour from here on

@@ -59,7 +59,9 @@ def before_step(
     entry = optimizer.__dict__.get(ATTRIBUTE)
     if entry.__class__ is Plain and entry.signature == quick(optimizer):
         return None  # the float32 optimizer's path
-    if entry.__class__ is Masters and entry.swapped and inner_step(optimizer):
+    if entry.__class__ is Masters and inner_step(optimizer):  # a subclass's super().step(): its hooks see the model's
+        if entry.swapped:
+            entry.swap(optimizer, to_masters=False)
         return None
     record = None
     try:
@@ -92,7 +94,11 @@ def swap_in(
     A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`closure.MasterClosure` in it.
     """
     record = optimizer.__dict__.get(ATTRIBUTE)
-    if not state.active or record.__class__ is not Masters or (record.swapped and inner_step(optimizer)):
+    if not state.active or record.__class__ is not Masters:
+        return None
+    if inner_step(optimizer):  # the outer step copied the gradients; the inner steps the masters as they are
+        if not record.swapped:
+            record.swap(optimizer, to_masters=True)
         return None
     try:
         step_closure = closure.closure_of(args, kwargs)
@@ -132,7 +138,7 @@ def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> N
             for other in record.shares:
                 other.refresh = other.refresh or "check"
         return
-    if record.swapped and inner_step(optimizer):
+    if inner_step(optimizer):  # (the optimizer's own post-hook put the parameters back; the outer step goes on)
         return
     try:
         if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)
@@ -151,6 +157,12 @@ def _after_error(optimizer: Any) -> None:
             logger.debug("ampguard could not put %s back after its step raised: %r", label(optimizer), error)
 
 
+def _swap_back_in(optimizer: Any) -> None:
+    record = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    if record.__class__ is Masters and not record.swapped:
+        record.swap(optimizer, to_masters=True)
+
+
 def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
     """``step`` (torch's hooked wrapper of an optimizer class's step) that puts the masters back if it raises."""
     if getattr(step, _PUTS_BACK, False):
@@ -162,7 +174,10 @@ def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
         depth = state.step_depth
         depth[key] = depth.get(key, 0) + 1
         try:
-            return step(*args, **kwargs)
+            result = step(*args, **kwargs)
+            if args and depth[key] > 1:  # a super().step() inside a hooked step: the outer one steps the masters
+                _swap_back_in(args[0])
+            return result
         except BaseException:
             if args and depth[key] == 1:  # an inner step's error goes on through the outer step, which puts back
                 _after_error(args[0])
