@@ -75,6 +75,64 @@ def test_a_keyboard_interrupt_in_a_watched_forward_leaves_no_dispatch_mode(reins
         ampguard.install()
 
 
+class Interruptible(nn.Linear):
+    """A cell whose forward raises KeyboardInterrupt once when told to, after computing its output."""
+
+    interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if self.interrupt:
+            self.interrupt = False
+            raise KeyboardInterrupt
+        return y
+
+
+class Guarded(nn.Module):
+    """A forward that catches a KeyboardInterrupt from its cell and goes on with a louder module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cell = Interruptible(8, 8)
+        self.loud = nn.Linear(8, 8)
+        with torch.no_grad():
+            self.loud.weight.mul_(100.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        try:
+            self.cell(x)
+        except KeyboardInterrupt:
+            pass
+        return self.loud(x).float().mean()
+
+
+def test_a_keyboard_interrupt_caught_inside_a_watched_forward_leaves_the_rest_of_the_pass_watched(reinstall):
+    """Only the calls the interrupt ended are dropped: the forward that caught it goes on being watched (the module
+    called after it is measured), and no mode is left pushed after the forward; the weights are torch's."""
+
+    def trained() -> tuple[list[torch.Tensor], list[str]]:
+        torch.manual_seed(0)
+        model = Guarded()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        one_step(model, optimizer, scaler)
+        model.cell.interrupt = True
+        one_step(model, optimizer, scaler)  # watched (when ampguard is installed)
+        assert _get_current_dispatch_mode() is None
+        names = [name for name, _ in scaler.stats.headroom] if hasattr(scaler, "stats") else []  # (torch: none)
+        return [p.detach().clone() for p in model.parameters()], names
+
+    reinstall(AMPGUARD_WATCH_EVERY="1")
+    under_ampguard, names = trained()
+    assert names[:1] == ["loud"]
+    ampguard.uninstall()
+    try:
+        plain, _ = trained()
+    finally:
+        ampguard.install()
+    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, plain))
+
+
 def live_tensors() -> int:
     gc.collect()
     return sum(1 for obj in gc.get_objects() if isinstance(obj, torch.Tensor))
