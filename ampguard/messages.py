@@ -188,3 +188,17 @@ ISLAND_LIMIT = (
     "in float32 ({names}) and AMPGUARD_MAX_ISLANDS={limit}: this model does not suit float16. "
     "Train in bf16 (on a GPU with native bf16) or float32."
 )
+
+# fp32_islands.healing: the probe armed at a forward overflow (step, AMPGUARD_PROBE_STEPS), and disarmed (steps)
+PROBE_ARMED = (
+    "forward overflow at step %d: watching the next forward passes to find the module (AMPGUARD_PROBE_STEPS=%d)."
+)
+PROBE_DISARMED = "forward-overflow probe disarmed after %d steps without a forward overflow."
+PROBE_ARMED_LEARNED = (
+    "forward overflow %s learned at step %d (a fused optimizer: learned from the steps' verdicts copied to the host, "
+    "without a sync): watching the next forward passes to find the module (AMPGUARD_PROBE_STEPS=%d)."
+)
+PROBE_STOPPED = (
+    "ampguard's forward-overflow probe stopped after an error (%r) and does not arm again; training goes on "
+    "without it (forward overflows are still skipped and counted, without lowering the loss scale)."
+)

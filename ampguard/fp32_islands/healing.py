@@ -1,33 +1,24 @@
 """After a forward overflow: what SafeGradScaler hands over when a loss was itself inf/NaN.
 
-A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by
-the loss scale, so the scaler skips and counts the step but does not back off:
-for the scale it is an iteration without overflow (ampguard.scaler.accounting in host
-mode; in device mode, ampguard.scaler.ledger zeroes the found_inf torch's
-``update()`` reads). A run without non-finite losses is untouched and stays
-bit-identical to torch's.
+A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by the loss scale, so the
+scaler skips and counts the step but does not back off (ampguard.scaler.accounting in host mode,
+ampguard.scaler.ledger in device mode). A run without non-finite losses is untouched, bit-identical to torch's.
 
-With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow
-also
+With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow also
 
+* tells bad data from a module's overflow by the kept inputs (:mod:`~ampguard.fp32_islands.model_inputs`),
+  and runs the forward again under the probe (:mod:`~ampguard.fp32_islands.rerun`);
 * restores the small buffers the forward pass updated (:mod:`ampguard.fp32_islands.buffers`);
-* arms the probe (:mod:`ampguard.fp32_islands.probe`) for the following forward passes; its
-  verdict rides on the scaler's one host read (:func:`add_verdict`,
-  :func:`note_verdict`) and, at the next forward overflow, names the module;
+* else arms the probe (:mod:`ampguard.fp32_islands.probe`) for the following forward passes; its verdict rides
+  on the scaler's one host read (:func:`add_verdict`, :func:`note_verdict`) and names the module at the next
+  forward overflow; it disarms after ``AMPGUARD_PROBE_STEPS`` steps without one;
 * makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
-Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.headroom_watch`)
-sees one iteration's float16 peaks; its verdict rides on the same read (never
-while the probe is armed) and makes an island before an overflow, or names the
-module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`).
-
-The probe disarms after naming a module, or after ``AMPGUARD_PROBE_STEPS``
-optimizer steps without another forward overflow.
-
-At a forward overflow the kept inputs (:mod:`~ampguard.fp32_islands.model_inputs`) tell bad data from a
-module's overflow, and its forward runs again under the probe (:mod:`~ampguard.fp32_islands.rerun`).
-Device mode (fused optimizers) reads nothing on a healthy step; under torch.distributed the ranks'
-verdicts are all-reduced on skipped steps only (docs/islands.md).
+Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.headroom_watch`) sees one iteration's
+float16 peaks; its verdict rides on the same read (never while the probe is armed) and makes an island before
+an overflow, or names the module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`). Device mode
+(fused optimizers) reads nothing on a healthy step; under torch.distributed the ranks' verdicts are
+all-reduced on skipped steps only (docs/islands.md).
 """
 
 from __future__ import annotations
@@ -200,13 +191,8 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
             if not probe.armed:
                 if not blamed and _may_arm(active):
                     _arm(active)
-                    logger.log(
-                        logging.DEBUG if active.back_off.fruitless else logging.INFO,
-                        "forward overflow at step %d: watching the next forward passes to find the module "
-                        "(AMPGUARD_PROBE_STEPS=%d).",
-                        step,
-                        active.probe_steps,
-                    )
+                    level = logging.DEBUG if active.back_off.fruitless else logging.INFO
+                    logger.log(level, messages.PROBE_ARMED, step, active.probe_steps)
                 return
             if fresh and not probe.calls:  # armed after this iteration's forward pass: it saw nothing to judge
                 probe.reset()
@@ -226,9 +212,7 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
             if active.quiet_steps >= active.probe_steps:
                 probe.disarm()
                 active.back_off.reset()  # the overflows stopped: the next one is news
-                logger.info(
-                    "forward-overflow probe disarmed after %d steps without a forward overflow.", active.quiet_steps
-                )
+                logger.info(messages.PROBE_DISARMED, active.quiet_steps)
                 return
         if probe.armed:
             probe.reset()
@@ -332,9 +316,8 @@ def _follow(active: _Healing, scaler: Any) -> bool:
 
 
 def end_foreign_step(owner: Any, forward_overflow: bool) -> None:
-    """A step of a loss scale that is no SafeGradScaler (ampguard.deepspeed_fp16): a host-mode update whose
-    probe verdict is read at a forward overflow only (a skipped step). No watch, no forward run again there:
-    the probe arms at the first forward overflow and names the module at the next."""
+    """A step of a loss scale that is no SafeGradScaler (ampguard.deepspeed_fp16): the probe's verdict read at
+    a forward overflow only; no watch, no forward run again (the probe names the module at the second)."""
     active = _active
     if active is None:
         return
@@ -438,15 +421,8 @@ def after_stats_read(
         if unseen and not blamed and not active.probe.armed and _may_arm(active):
             _arm(active)
             within = f"in {unseen} of the last {iterations} steps" if iterations > 1 else "in the step"
-            logger.log(
-                logging.DEBUG if active.back_off.fruitless else logging.INFO,
-                "forward overflow %s learned at step %d (a fused optimizer: learned from the steps' verdicts "
-                "copied to the host, without a sync): watching the next forward passes to find the module "
-                "(AMPGUARD_PROBE_STEPS=%d).",
-                within,
-                step,
-                active.probe_steps,
-            )
+            level = logging.DEBUG if active.back_off.fruitless else logging.INFO
+            logger.log(level, messages.PROBE_ARMED_LEARNED, within, step, active.probe_steps)
     except Exception as error:  # never the reason a run dies
         _stop(active, "read", error)
 
@@ -455,12 +431,7 @@ def _stop(active: _Healing, where: str, error: Exception) -> None:
     """After an error inside ampguard: the probe disarms for good (arming it again would fail again, unseen)."""
     active.probe.disarm()
     active.stopped = True
-    _warn_once(
-        where,
-        "ampguard's forward-overflow probe stopped after an error (%r) and does not arm again; training goes on "
-        "without it (forward overflows are still skipped and counted, without lowering the loss scale).",
-        error,
-    )
+    _warn_once(where, messages.PROBE_STOPPED, error)
 
 
 def _warn_once(key: str, message: str, *args: Any, level: int = logging.WARNING) -> None:
