@@ -8,6 +8,7 @@ break a run or be skipped for good.
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -21,6 +22,7 @@ from underflow_support import SlicesOfLinear, Tagged, TaggedNet, transfers_known
 import ampguard
 import ampguard.containment as containment
 import ampguard.scaler.listeners as listeners
+import ampguard.underflow.nodes as node_kinds
 from ampguard.underflow.counts import read
 from ampguard.underflow.listener import UnderflowListener
 from ampguard.underflow.measure import Sampler
@@ -300,15 +302,10 @@ def test_an_overflow_on_a_step_not_sampled_sets_the_ceiling(reinstall, monkeypat
     assert ceilings == [float("inf"), 1024.0]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: an armed sample counts every float16 backward pass in the process, another scaler's included "
-    "(docs/underflow.md, Limits)",
-)
 def test_a_scalers_sample_counts_only_the_backward_passes_of_its_own_losses():
     """Two models with a scaler each, stepped in turn (a GAN's generator and discriminator): the loud model's
-    gradients, scaled by its own scaler, are not the quiet scaler's underflow, and do not grow its scale. Today
-    each sample counts the other model's backward pass too: the quiet scaler measures 50% and grows to 2048."""
+    gradients, scaled by its own scaler, are not the quiet scaler's underflow, and do not grow its scale. Before,
+    each sample counted the other model's backward pass too: the quiet scaler measured 50% and grew to 2048."""
     quiet_model, loud_model = tiny_model(0), tiny_model(1)
     quiet_optimizer = torch.optim.SGD(quiet_model.parameters(), lr=0.1)
     loud_optimizer = torch.optim.SGD(loud_model.parameters(), lr=0.1)
@@ -317,6 +314,44 @@ def test_a_scalers_sample_counts_only_the_backward_passes_of_its_own_losses():
         train_step(quiet_model, quiet, quiet_optimizer, loss_factor=1.0)
         train_step(loud_model, loud, loud_optimizer, loss_factor=1e-8)
     assert quiet.stats.underflow_share < 0.01 and quiet.get_scale() == 1024.0
+    assert quiet.stats.underflow_values == loud.stats.underflow_values == 356  # each its own model's, as alone
+    assert loud.stats.underflow_share > 0.5 and loud.get_scale() == 2048.0
+
+
+class ReentrantNet(nn.Module):
+    """Two blocks under reentrant activation checkpointing (each recomputed, and differentiated, inside the
+    backward pass)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed, self.head = nn.Linear(8, 16), nn.Linear(16, 4)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.ReLU()) for _ in range(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for block in self.blocks:
+            h = torch.utils.checkpoint.checkpoint(block, h, use_reentrant=True)
+        return self.head(h)
+
+
+def test_a_backward_pass_nested_in_the_scalers_is_counted():
+    """Reentrant checkpointing runs a backward pass of its own inside the scaler's, through the nodes of the
+    blocks recomputed there: a sample that counts only its scaler's backward passes counts it too, as many values
+    as a sampler counting every backward pass (no scaler) on the same model."""
+    model = ReentrantNet()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = ampguard.SafeGradScaler("cpu")
+    for _ in range(2):
+        train_step(model, scaler, optimizer)
+    sampler = Sampler()
+    sampler.arm()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = ReentrantNet()(torch.randn(4, 8))
+    (out.float().pow(2).mean() * 1e-8 * 1024).backward()
+    measurement, _ = read(sampler.finish(), step=2, scale=1024.0)
+    assert scaler.stats.underflow_values == measurement.total.values > 0
+    assert {name for name, _ in scaler.stats.underflow_modules} & {"blocks.0.0", "blocks.1.0", "blocks.0.1"}
 
 
 def test_a_parameters_accumulator_kept_alive_across_samples_is_hooked_once(reinstall, monkeypatch):
@@ -361,25 +396,88 @@ def test_a_slices_gradient_is_counted_once_as_its_bases():
     assert measurement.total.values == 40 + 64 + 8 + 45
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open: a torch.compile'd module's backward is one node: only its outputs' gradients are counted "
-    "(docs/underflow.md, Limits)",
-)
-def test_a_compiled_model_is_measured_as_the_same_model_in_eager_mode():
-    """``torch.compile(model)`` (aot_eager: the backward is compiled too) counts the float16 gradients the eager
-    model has. Today: the compiled region's output gradient only (16 values of 356; 6% lost where eager mode
-    measures 100%)."""
-    values = []
+@pytest.mark.parametrize("how", ["torch.compile(model)", "model.compile()"])
+def test_a_compiled_model_is_stepped_aside_and_trains_as_torch(how, ampguard_log, monkeypatch):
+    """A model compiled whole (aot_eager: the backward is compiled too) has one backward node, whose incoming
+    gradient is the model's output's only: the sample counts none of it and says so once, naming the region, and
+    the scale follows torch's schedule. Before: ``torch.compile(model)``'s 16 output values of 356 were counted
+    (6% lost where eager mode measures 100%) and the scale grew for them; ``model.compile()`` counted nothing,
+    silently."""
+    monkeypatch.setattr(node_kinds, "_said", set())
+    values, scales = [], []
     for compiled in (False, True):
         model = tiny_model()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = ampguard.SafeGradScaler("cpu")
-        forward = torch.compile(model, backend="aot_eager") if compiled else model
+        forward: Callable[[torch.Tensor], torch.Tensor] = model
+        if compiled and how == "model.compile()":
+            model.compile(backend="aot_eager")
+        elif compiled:
+            forward = torch.compile(model, backend="aot_eager")
         for _ in range(2):
             train_step(forward, scaler, optimizer)
         values.append(scaler.stats.underflow_values)
-    assert values[0] == 356 and values[1] == values[0]
+        scales.append(scaler.get_scale())
+    assert values == [356, 0] and scales == [2048.0, 1024.0]  # eager: all lost, grown; compiled: torch's 1024
+    said = [r.getMessage() for r in records(ampguard_log, logging.INFO, "underflow sample")]
+    if how == "torch.compile(model)":
+        assert said == [node_kinds.COMPILED.format(region="OptimizedModule (torch.compile of Sequential)")]
+    else:  # its module calls run compiled, where the sample cannot see them
+        assert said == [node_kinds.UNSEEN]
+
+
+def _fused_gelu(x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.gelu(x) * x
+
+
+class CallsACompiledFunction(nn.Module):
+    """A layer whose forward calls a helper function (a fused activation), compiled or not."""
+
+    def __init__(self, layer: nn.Module, helper: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.layer, self.helper = layer, helper
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.helper(self.layer(x))
+
+
+def half_compiled(how: str, compiled: bool) -> nn.Module:
+    """Three layers; the middle one is a compiled submodule, or calls a compiled function, when ``compiled``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4))
+    if how == "submodule" and compiled:
+        model[1] = torch.compile(model[1], backend="aot_eager")
+    elif how == "function":
+        helper = torch.compile(_fused_gelu, backend="aot_eager") if compiled else _fused_gelu
+        model[1] = CallsACompiledFunction(model[1], helper)
+    return model
+
+
+@pytest.mark.parametrize("how", ["submodule", "function"])
+def test_a_compiled_region_inside_an_eager_model_is_stepped_aside_and_the_rest_measured(how, ampguard_log, monkeypatch):
+    """A submodule compiled on its own, or a helper function compiled inside an eager module: the region's
+    gradients are not counted (one INFO line naming where it is), and every eager module is measured exactly as
+    in the same model run eagerly (the reference: its counts per module, without the region's)."""
+    monkeypatch.setattr(node_kinds, "_said", set())
+    measured = []
+    for compiled in (False, True):
+        model = half_compiled(how, compiled)
+        sampler = Sampler()
+        sampler.arm()
+        torch.manual_seed(1)
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8))
+        (out.float().pow(2).mean() * 1e-5).backward()
+        measurement, _ = read(sampler.finish(), step=1, scale=1.0)
+        measured.append(measurement.modules)
+    eager, compiled_run = measured
+    region = "1" if how == "submodule" else "called in 1 (a compiled function)"
+    assert "1" in eager and "0" in eager and "2" in eager  # the region is measured when eager
+    assert compiled_run == {name: counts for name, counts in eager.items() if name != "1"}
+    said = [r.getMessage() for r in records(ampguard_log, logging.INFO, "compiled region")]
+    if how == "submodule":
+        region += " (torch.compile of Linear)"
+    assert said == [node_kinds.COMPILED.format(region=region)]
 
 
 def test_a_host_mode_sample_known_at_an_update_with_a_new_scale_is_read_mocked_cuda_event(monkeypatch, ampguard_log):

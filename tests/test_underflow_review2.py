@@ -224,12 +224,11 @@ def test_a_malformed_ampguard_entry_loads_torchs_keys_and_keeps_the_counters(che
     assert len(messages) == 1 and "is not ampguard's" in messages[0], messages
 
 
-@pytest.mark.xfail(strict=True, reason="open: an armed sampler counts every module call in the process (measure.py)")
 def test_two_scalers_training_in_turn_each_measure_their_own_model(reinstall, one_thread):
     """Two models, each with its own scaler, trained in turn in one loop (a GAN's generator and discriminator;
     or two scalers loaded from one checkpoint): both samplers are armed at the same step, and each counts its
-    own model's gradients only. Today each counts both models' (the sampler's hooks are global): the quiet
-    model (loss x 1) shows the loud one's underflow (loss x 1e-8), and under adapt would be grown for it."""
+    own model's gradients only. Before, each counted both models' (the sampler's hooks are global): the quiet
+    model (loss x 1) showed the loud one's underflow (loss x 1e-8), and under adapt would be grown for it."""
     reinstall(AMPGUARD_UNDERFLOW="report", AMPGUARD_UNDERFLOW_EVERY="5")
     alone = train(ampguard.SafeGradScaler("cpu"), steps=3).scaler.stats
     torch.manual_seed(0)

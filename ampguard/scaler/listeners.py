@@ -6,6 +6,7 @@ instance with :func:`add` in ``apply()`` and :func:`remove` in ``revert()``.
 The scaler calls every registered listener at fixed points of an iteration:
 
 ======================  ======================================================================
+``on_scale``             ``scale()``: the scaled loss (only listeners that override it are called)
 ``add_to_read``          ``step()``, before torch's one host read: the listener's field of the packed value
 ``on_read``              ``step()``, after that read: the optimizer was stepped, or skipped
 ``on_update``            ``update()`` in host mode: the iteration's verdict is known on the host
@@ -49,6 +50,10 @@ class StepListener:
 
     name = "listener"  # in reports of its failures
     read_bits = 0  # the bits of the packed host read this listener owns
+
+    def on_scale(self, scaler: SafeGradScaler, scaled: Any) -> None:
+        """``scale()`` returns ``scaled`` (a tensor, or torch's container of them): the loss whose backward pass the
+        scale is for. Called on every ``scale()``: keep it to a few comparisons on a step it does not concern."""
 
     def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
         """``code`` plus this listener's field ``<< shift`` (on the device, below ``2**read_bits``)."""
@@ -125,6 +130,7 @@ _listeners: list[StepListener] = []
 # (listener, shift) for each listener owning bits of the read, in registration order.
 Layout = tuple[tuple[StepListener, int], ...]
 _layout: Layout = ()
+_on_scale: tuple[StepListener, ...] = ()  # the listeners that override on_scale
 
 
 def add(listener: StepListener) -> None:
@@ -150,7 +156,8 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global _layout
+    global _layout, _on_scale
+    _on_scale = tuple(known for known in _listeners if type(known).on_scale is not StepListener.on_scale)
     layout, shift = [], FIRST_FIELD_BIT
     for listener in _listeners:
         if listener.read_bits:
@@ -174,6 +181,11 @@ def encode(scaler: SafeGradScaler, code: torch.Tensor) -> tuple[torch.Tensor, La
 def decode(layout: Layout, value: int) -> dict[StepListener, int]:
     """Each listener's field of the value read (bits 2 and up), by listener."""
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
+
+
+def notify_scale(scaler: SafeGradScaler, scaled: Any) -> None:
+    for listener in _on_scale:
+        _guarded(listener, "scale()", "on_scale", scaler, scaled)
 
 
 def notify_read(

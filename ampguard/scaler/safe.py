@@ -41,6 +41,7 @@ import ampguard.scaler.accounting as accounting
 import ampguard.scaler.checkpoint as checkpoint
 import ampguard.scaler.crashes as crashes
 import ampguard.scaler.ledger as ledger
+import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 import ampguard.stats.summary as summary
 from ampguard.scaler.accumulation import rescale_unscaled_gradients
@@ -152,6 +153,7 @@ class SafeGradScaler(TorchGradScaler):
                 self._iteration.note_loss(outputs)
             except Exception as error:
                 containment.report("loss check (scale())", error)
+            listeners.notify_scale(self, scaled)
         return scaled
 
     def get_scale(self) -> float:

@@ -6,7 +6,9 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
 * at the end of an ``update()``, when a sample is due, the sampler is armed for
   the next iteration (the first update arms the second step; then every
   ``AMPGUARD_UNDERFLOW_EVERY`` steps, and the very next step while the policy
-  grows the scale);
+  grows the scale), to count the backward passes of the losses this scaler
+  scales and no other (``scale()`` tells the listener of each:
+  :meth:`UnderflowListener.on_scale`);
 * at the end of the sampled iteration's ``update()``, the sample's counts start
   for the host (:class:`~ampguard.underflow.counts.Transfer`: no synchronisation);
   at that update on the CPU, at a later one on CUDA when the copy is done, the
@@ -105,6 +107,13 @@ class UnderflowListener(StepListener):
         """The patch is reverted: no more hooks."""
         for state in list(self.states.values()):
             state.sampler.disarm()
+
+    def on_scale(self, scaler: Any, scaled: Any) -> None:
+        """On a sampled step, the sample counts the backward passes of the losses ``scaler`` scales, and no other
+        (another scaler's model trained in turn: a GAN's other half)."""
+        state = self.states.get(scaler)
+        if state is not None and state.sampler.armed:
+            state.sampler.own_loss(scaled)
 
     # -- host mode -------------------------------------------------------------------------------
 
@@ -261,7 +270,7 @@ class UnderflowListener(StepListener):
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
             state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
             state.next_sample = step + 1 + self.every
-            state.sampler.arm()
+            state.sampler.arm(own_losses=True)
             state.armed_for_step = True
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------

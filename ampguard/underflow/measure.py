@@ -25,12 +25,13 @@ import itertools
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any, TypeGuard
+from typing import Any
 
 import torch
 from torch import nn
 
 import ampguard.containment as containment
+import ampguard.underflow.nodes as node_kinds
 from ampguard.log import event_logger
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import in_functorch_transform, is_compiling
@@ -52,36 +53,6 @@ def _step_aside_transformed() -> None:
     if not _said_transformed:
         _said_transformed = True
         logger.info(TRANSFORMED)
-
-
-# Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
-# split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
-# counted twice.
-SAME_VALUES = frozenset(
-    {
-        "AliasBackward0",
-        "AsStridedBackward0",
-        "CloneBackward0",
-        "CopySlices",
-        "ExpandBackward0",
-        "PermuteBackward0",
-        "ReshapeAliasBackward0",
-        "SelectBackward0",
-        "SliceBackward0",
-        "SplitBackward0",
-        "SplitWithSizesBackward0",
-        "SqueezeBackward0",
-        "SqueezeBackward1",
-        "SqueezeBackward2",
-        "TBackward0",
-        "TransposeBackward0",
-        "UnbindBackward0",
-        "UnsafeSplitBackward0",
-        "UnsafeViewBackward0",
-        "UnsqueezeBackward0",
-        "ViewBackward0",
-    }
-)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -124,34 +95,13 @@ class _Call:
         self.jumps: dict[Any, list[Any]] = {}
 
 
-def _counted(node: Any) -> bool:
-    """Whether ``node``'s incoming gradient is counted: not a view's (counted as its base's), and a leaf's
-    accumulator only for a float16 leaf (a float32 master's gradient is never float16)."""
-    kind = type(node).__name__
-    if kind == "AccumulateGrad":
-        return bool(node.variable.dtype == torch.float16)
-    return kind not in SAME_VALUES
-
-
-def _countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
-    """A dense float16 gradient with values (sparse and nested ones are not counted)."""
-    return _dense(gradient) and gradient.dtype == torch.float16
-
-
-def _dense(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
-    """A dense floating gradient with values."""
-    return (
-        gradient is not None
-        and gradient.is_floating_point()
-        and gradient.layout == torch.strided
-        and not gradient.is_nested
-        and gradient.numel() > 0
-    )
-
-
 # The node whose pre-hook runs (torch 2.3 to 2.14; without it nothing is passed down the graph, and every exact-zero
 # gradient is judged by the step alone: ampguard.underflow.counts).
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
+
+# The backward pass (graph task) this thread runs, -1 outside one (torch 2.3 to 2.14; without it every backward
+# pass is one, -1: a sample counts every backward pass through the nodes it hooked, as before).
+_current_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
 class Sampler:
@@ -162,6 +112,11 @@ class Sampler:
     calls without a backward pass through the sample between them: it never
     keeps walking graphs. A validation that long drops the sample (the listener
     tries again at the next scheduled step).
+
+    Armed for a scaler (``own_losses``), it counts only the backward passes of
+    the losses that scaler scaled (:meth:`own_loss`): another model's backward
+    pass, scaled by another scaler (a GAN's other half), reaches the nodes its
+    walks hooked but is not counted.
     """
 
     MAX_CALLS = 1024  # a forward pass that is no module call itself may make a few hundred (a loop over layers)
@@ -179,6 +134,9 @@ class Sampler:
         self._calls_in_progress = threading.local()
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
+        self._own_losses = False  # count only the backward passes (graph tasks) in _tasks
+        self._tasks: set[int] = set()  # those of the losses given to own_loss, this sample
+        self._walked_now = False
         # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves its depth,
         # so later calls are known as outermost again
         self._hooks = GlobalModuleHooks(self._pre_forward, self._post_forward)
@@ -187,15 +145,39 @@ class Sampler:
     def armed(self) -> bool:
         return self._hooks.armed
 
-    def arm(self) -> None:
-        """Hooks on for the next forward and backward passes."""
+    def arm(self, own_losses: bool = False) -> None:
+        """Hooks on for the next forward and backward passes; ``own_losses``: count only the backward passes of the
+        losses given to :meth:`own_loss` (else every backward pass through the nodes hooked)."""
         if self.armed:
             return
         self._session += 1
         self._remove_node_hooks()  # (a sample dropped before its finish)
         self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
+        self._own_losses, self._tasks = own_losses, set()
+        self._walked_now = False  # a module call's graph was walked, this sample
         self._calls = 0
         self._hooks.arm()
+
+    def own_loss(self, scaled: Any) -> None:
+        """``scaled`` (a tensor or a container of them) is a loss of this sample's scaler: the backward passes
+        started from it are counted. Its node, the first its backward pass runs, records that pass (graph task)
+        when reached; backward passes nested in it (a reentrant checkpoint's) are counted through the walks made
+        inside it (:meth:`_count`). A loss of a model whose module calls the sample did not see
+        (``model.compile()``: they ran compiled) is said to be stepped aside here."""
+        session = self._session
+
+        def record(gradients: tuple[torch.Tensor | None, ...]) -> None:
+            if session == self._session:
+                self._tasks.add(_current_task())
+
+        try:
+            for tensor in _tensors(scaled):
+                if tensor.grad_fn is not None:
+                    self._node_hooks.append(tensor.grad_fn.register_prehook(record))
+                    if not self._walked_now:
+                        node_kinds.step_aside_unseen()
+        except Exception as error:
+            self._fail("scaled loss", error)
 
     def disarm(self) -> None:
         """No more hooks on module calls; node hooks already registered stay until their graph is freed."""
@@ -299,9 +281,11 @@ class Sampler:
         does (linear in depth)."""
         slot = id(module)
         session, mark, hooks = self._session, self._mark, self._node_hooks
+        self._walked_now = True
+        within = _current_task()  # (a forward run inside a backward pass: a reentrant checkpoint's recomputation)
 
         def count(gradients: tuple[torch.Tensor | None, ...]) -> None:  # (one per walk, for all its nodes)
-            self._count(slot, session, gradients)
+            self._count(slot, session, within, gradients)
 
         seen: set[Any] = set()
         ended: list[Any] = []
@@ -319,7 +303,9 @@ class Sampler:
             if child_ended is not None:
                 stack.extend(child_ended)
                 continue
-            if _counted(node):
+            if type(node).__name__ in node_kinds.COMPILED_NODE_KINDS:  # (its incoming gradient: its output's only)
+                node_kinds.step_aside_compiled(module, self._names.get(slot) or type(module).__name__)
+            elif node_kinds.counted(node):
                 metadata = node.metadata
                 if metadata.get(mark) != session:
                     metadata[mark] = session
@@ -329,13 +315,16 @@ class Sampler:
         self.walked += visited
         return ended
 
-    def _count(self, slot: int, session: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
+    def _count(self, slot: int, session: int, within: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         """Count the node's float16 gradients, fed whether a gradient they were computed from was flushed, and
         pass on to the nodes below whether they were (:func:`~ampguard.underflow.counts.passed_on`: an all-zero
         gradient computed from a flushed one is lost, another is a true zero). Once a float16 gradient was
         counted, the node's other floating gradients (float32 under autocast: a float32 op's input, the residual
-        stream the float16 branches are cast from) pass it on too."""
+        stream the float16 branches are cast from) pass it on too. Armed for a scaler, only in its losses'
+        backward passes, or in one nested in them (``within``: the backward pass the walk ran in, -1: none)."""
         if session != self._session:
+            return
+        if self._own_losses and within not in self._tasks and _current_task() not in self._tasks:
             return
         if in_functorch_transform():  # a hooked graph differentiated again inside vmap (is_grads_batched, jacrev)
             _step_aside_transformed()
@@ -347,7 +336,7 @@ class Sampler:
             passes: torch.Tensor | None = None
             for gradient in gradients:
                 passed: torch.Tensor | None = None
-                if _countable(gradient):
+                if node_kinds.countable(gradient):
                     tally = self.tallies.get(slot)
                     if tally is None:
                         module = self._modules.get(slot)
@@ -355,7 +344,7 @@ class Sampler:
                         tally = self.tallies[slot] = Tally(name, gradient.device)
                     tally.fed = fed
                     passed = tally.add(gradient)
-                elif self.tallies and _dense(gradient):
+                elif self.tallies and node_kinds.dense(gradient):
                     passed = passed_on(gradient.detach().abs().amax(), fed)
                 if passed is not None:
                     passes = passed if passes is None else passes | on(passed, passes.device)
@@ -389,9 +378,9 @@ class Sampler:
             if child is None or child in seen:
                 continue
             seen.add(child)
-            if type(child).__name__ in SAME_VALUES:
+            if type(child).__name__ in node_kinds.SAME_VALUES:
                 stack.extend(next_node for next_node, _ in child.next_functions)
-            elif _counted(child):  # (not a float32 leaf's accumulator: nothing is computed from its gradient)
+            elif node_kinds.counted(child):  # (not a float32 leaf's accumulator: nothing is computed from its gradient)
                 entry = child.metadata.get(key)
                 if entry is not None and entry[0] == session and entry[1]:
                     cell = entry[1]
