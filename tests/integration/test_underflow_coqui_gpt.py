@@ -1,11 +1,10 @@
-"""The underflow patch in the coqui ``trainer`` on the tiny XTTS GPT recipe (coqui_xtts_gpt.py): measured, and
-adapt trains no worse than report.
+"""The underflow patch in the coqui ``trainer`` on the tiny XTTS GPT recipe (coqui_xtts_gpt.py): measured, checked
+against float32, and adapt leaves a run alone whose values are subnormal, not lost.
 
 The recipe runs through the real coqui Trainer under float16 autocast on the CPU with the Trainer's own
 ``GradScaler()`` (a CPU SafeGradScaler; see coqui_tiny.py), 96 steps, a sample every 10. Its float16
-gradients underflow materially at ampguard's starting scale of 1024 (21% subnormal or lost at step 2, most
-in the MLPs' GELU), so adapt grows the scale; AdamW divides the scale out, and the held-out loss stays
-where report's is (docs/underflow.md has the 320-step numbers, float32 beside them).
+gradients are a fifth subnormal at ampguard's starting scale of 1024 (most in the MLPs' GELU), lost 0.2%; the
+held-out loss is float32's (docs/underflow.md has the 320-step numbers).
 """
 
 from __future__ import annotations
@@ -26,8 +25,6 @@ STEPS = 96
 # below what lost gradients cost where they matter (+23.6% for the 2-block net at loss x 1e-8, docs/underflow.md).
 # Rounding alone moves these runs apart as they train on: after 320 steps they spread over 0.5% (same page).
 LOSS_MARGIN = 2e-3
-# adapt may meet an overflow that report, at a lower scale, does not: it backs off and goes on.
-EXTRA_SKIPS = 1
 
 
 @pytest.fixture
@@ -44,27 +41,31 @@ def _run(tmp_path, reinstall, mode: str) -> Run:
     return train(tmp_path / mode, float16=True, epochs=1, train_samples=8 * STEPS)
 
 
-def test_the_xtts_gpt_recipe_underflow_is_measured_and_adapt_trains_no_worse(tmp_path, reinstall, one_thread):
+def test_the_xtts_gpt_recipe_underflow_is_measured_and_adapt_keeps_torchs_schedule_for_subnormal_values(
+    tmp_path, reinstall, one_thread
+):
+    """The recipe's float16 gradients are a fifth subnormal at 1024 but lose next to nothing (float32 agrees:
+    the next test), and the run trains as float32 does: adapt, which acts on the lost share only (issue 32),
+    keeps torch's schedule, the same run as report bit for bit. Before, it grew the scale for the subnormal
+    values, for no gain in the loss (docs/underflow.md)."""
     float32 = train(tmp_path / "float32", float16=False, epochs=1, train_samples=8 * STEPS)
     reported = _run(tmp_path, reinstall, "report")
     adapted = _run(tmp_path, reinstall, "adapt")
     report, adapt = reported.stats, adapted.stats
 
     assert reported.steps == adapted.steps == STEPS
-    # measured: steps 2, 12, ..., 92 in report; every sample counted float16 gradients
+    # measured: steps 2, 12, ..., 92; every sample counted float16 gradients
     assert report["underflow_samples"] == len(reported.samples) == 10
     assert report["underflow_values"] > 0 and all(s["underflow_share"] > 0 for s in reported.samples)
-    assert reported.samples[0]["underflow_share"] > 0.01  # material at 1024: adapt has a reason to grow
+    assert reported.samples[0]["underflow_share"] > 0.01  # material subnormal share at 1024
+    assert all(s["underflow_lost"] < 0.01 for s in reported.samples)  # ... but not lost
     assert report["underflow_growths"] == 0 and report["scale"] == 1024.0  # torch's schedule: no growth by step 96
 
-    assert adapt["underflow_samples"] > 0 and adapt["underflow_values"] > 0
-    assert adapted.samples[1]["underflow_step"] == 3 and adapted.samples[1]["scale"] == 2048.0  # grown at once
-    assert adapt["underflow_growths"] >= 1 and adapt["scale"] > report["scale"]
-    assert adapted.samples[-1]["underflow_share"] < reported.samples[-1]["underflow_share"]
-
-    assert adapted.eval_loss <= reported.eval_loss * (1 + LOSS_MARGIN)
+    assert adapt["underflow_growths"] == 0 and adapt["scale"] == report["scale"]
+    assert adapted.samples == reported.samples and adapted.eval_loss == reported.eval_loss
+    assert all(torch.equal(adapted.model_state[k], v) for k, v in reported.model_state.items())
     assert adapted.eval_loss == pytest.approx(float32.eval_loss, rel=LOSS_MARGIN)
-    assert adapt["skipped"] <= report["skipped"] + EXTRA_SKIPS
+    assert adapt["skipped"] == report["skipped"]
 
 
 def test_the_xtts_gpt_recipes_lost_share_agrees_with_the_same_backward_pass_in_float32(one_thread):
