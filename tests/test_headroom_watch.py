@@ -248,12 +248,12 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
 
 
 def test_an_error_inside_the_watch_stops_it_with_one_warning_and_training_goes_on(monkeypatch, ampguard_log):
-    from ampguard.headroom_watch import watch as headroom
+    from ampguard.headroom_watch.watched_pass import WatchedPass
 
     def broken(self, output):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(headroom.HeadroomWatch, "measure", broken)
+    monkeypatch.setattr(WatchedPass, "measure", broken)
     run = recipe(make_net(), (batch(step) for step in range(3 * EVERY)))
     stopped = records(ampguard_log, logging.WARNING, "headroom watch stopped after an error")
     assert len(stopped) == 1 and "(RuntimeError: broken)" in stopped[0].getMessage()

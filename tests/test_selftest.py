@@ -50,10 +50,10 @@ def every_check_forced(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(runner, "why_not_applicable", lambda check: None)
 
 
-def headroom_watch_class() -> type:
-    from ampguard.headroom_watch.watch import HeadroomWatch
+def watched_pass_class() -> type:
+    from ampguard.headroom_watch.watched_pass import WatchedPass
 
-    return HeadroomWatch
+    return WatchedPass
 
 
 @pytest.mark.parametrize("name", [check.name for check in checks.CHECKS])
@@ -234,7 +234,7 @@ def test_a_users_schedule_does_not_fail_the_checks_of_healthy_steps(variable, va
 
 
 def test_watch_check_fails_for_a_watch_that_sees_nothing(monkeypatch):
-    monkeypatch.setattr(headroom_watch_class(), "measure", lambda self, output: None)
+    monkeypatch.setattr(watched_pass_class(), "measure", lambda self, output: None)
     result = run("headroom_watch")
     assert result.status == "failed" and not result.ampguard_errors
     assert result.measured["ahead_of_overflow"]["nonfinite_loss_steps"]  # no island ahead: the loud batch overflowed
@@ -253,8 +253,8 @@ def injected(*args, **kwargs):
 
 
 FAULTS = [
-    ("forward_overflow_healed", lambda: (headroom_watch_class(), "measure"), "headroom watch stopped after an error"),
-    ("headroom_watch", lambda: (headroom_watch_class(), "measure"), "headroom watch stopped after an error"),
+    ("forward_overflow_healed", lambda: (watched_pass_class(), "measure"), "headroom watch stopped after an error"),
+    ("headroom_watch", lambda: (watched_pass_class(), "measure"), "headroom watch stopped after an error"),
     ("underflow_sampled", lambda: (ampguard.underflow.counts.Tally, "add"), "underflow sample (backward node hook)"),
 ]
 

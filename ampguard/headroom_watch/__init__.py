@@ -1,7 +1,9 @@
 """The headroom watch: every AMPGUARD_WATCH_EVERY steps, each module's float16 peak, seen before it overflows.
 
-- ``watch``: :class:`~ampguard.headroom_watch.watch.HeadroomWatch`: the schedule, the module hooks of a watched
-  pass, the end of the pass, and which module a sudden overflow is blamed on.
+- ``watch``: :class:`~ampguard.headroom_watch.watch.HeadroomWatch`: the schedule, the end of a watched pass (its
+  sighting), and which module a sudden overflow is blamed on.
+- ``watched_pass``: :class:`~ampguard.headroom_watch.watched_pass.WatchedPass`: the module hooks of a watched
+  iteration, its stack of module calls, the dispatch mode entered with the model, each module's samples.
 - ``observer``: the dispatch mode of a watched pass: which op outputs are measured (not memory no op wrote), and
   where the watch steps aside (compiled code, higher-order operators).
 - ``sighting``: one watched iteration's peaks and verdict, on the device (sentinels are not peaks); a module's

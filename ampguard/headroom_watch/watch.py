@@ -1,8 +1,9 @@
 """The headroom watch: how close each module's float16 tensors come to 65,504, seen before they overflow.
 
 Every ``AMPGUARD_WATCH_EVERY`` optimizer steps, one iteration's forward passes
-are observed (:class:`HeadroomWatch`): two global module hooks keep the stack
-of module calls, and while the model runs a ``TorchDispatchMode``
+are observed (:class:`HeadroomWatch` schedules them): two global module hooks
+(:class:`~ampguard.headroom_watch.watched_pass.WatchedPass`) keep the stack of
+module calls, and while the model runs a ``TorchDispatchMode``
 (:mod:`ampguard.headroom_watch.observer`) sees every aten op's output, so the
 intermediates no module returns are seen too (the attention logits
 ``q @ k.T`` inside an attention's ``forward``). Each float16 output's minimum
@@ -35,30 +36,16 @@ gloo worker thread freeing such a bucket at exit hung the job on torch < 2.8
 
 from __future__ import annotations
 
-import sys
-import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 import ampguard.fp32_islands.islands as islands
-from ampguard.fp32_islands.island_io import output_kinds
-from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
-from ampguard.fp32_islands.tensor_tree import tensors
-from ampguard.headroom_watch.calls import INTERRUPTED, OTHER_THREAD, live_depth
-from ampguard.headroom_watch.observer import (
-    COMPILE_AWARE,
-    Observer,
-    UnwrittenMemory,
-    forget_higher_order_operators,
-    measurable,
-)
-from ampguard.headroom_watch.sighting import FLOAT16_MAX, FOLD, Candidate, Sighting, fold, summarise
+from ampguard.headroom_watch.observer import Observer
+from ampguard.headroom_watch.sighting import FLOAT16_MAX, Candidate, Sighting, summarise
+from ampguard.headroom_watch.watched_pass import WatchedPass
 from ampguard.log import event_logger
-from ampguard.module_hooks import GlobalModuleHooks
-from ampguard.torch_privates import is_compiling
 
 logger = event_logger("island")
 
@@ -67,54 +54,21 @@ logger = event_logger("island")
 # logits (a product of two projections of it) by 64: a module that far from the limit can overflow on one batch;
 # healthy activations (normalised, a few units to a few hundred) stay below it.
 BLAME_BOUND = 64.0
-# Outermost module calls watched per iteration at most (micro-batches of gradient accumulation, a GAN's models): an
-# evaluation loop run under autocast before the next step() is watched no further, in time or memory.
-MAX_PASSES = 64
-
-
-def _dynamo_compiled() -> bool:
-    """Whether torch.compile has compiled a graph in this process (never imports dynamo)."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    counters = getattr(utils, "counters", None)
-    return bool(counters is not None and counters["stats"]["unique_graphs"])
-
-
-def _in_backward() -> bool:
-    """Whether the autograd engine is running a backward pass on this thread (checkpointing recomputes there)."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return current is not None and current() != -1
-
-
-@dataclass
-class _Slot:
-    module: weakref.ref[torch.nn.Module]
-    root: weakref.ref[torch.nn.Module]
-    candidate: bool  # not a root, not an island
-    samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (min, max) per output
-    outputs: tuple[str, ...] | None = None
-    call: Any = None  # the frame running this module's current call, while it is on the stack
 
 
 class HeadroomWatch:
     """Every ``every`` optimizer steps, the largest float16 magnitude inside each module, on the device.
 
-    ``headroom``: a module whose peak reaches ``65504 / headroom`` gets the verdict.
+    ``headroom``: a module whose peak reaches ``65504 / headroom`` gets the verdict. The schedule, the sightings
+    and the blame are here; the module calls of a watched iteration are :class:`WatchedPass`'s.
     """
 
     def __init__(self, every: int, headroom: float) -> None:
         self.every = every if Observer is not None else 0
         self.limit = FLOAT16_MAX / headroom
         self.headroom = headroom
-        self._thread = 0
-        self._stack: list[_Slot] = []
-        self._slots: dict[int, _Slot] = {}
-        self._mode: Any = None
-        self._mode_depth = 0  # the stack's length when the mode was entered: it is left with that module
-        self._opaque: torch.nn.Module | None = None  # compiled code being called: nothing inside is watched
-        self._unwritten = UnwrittenMemory()
-        self._stepped_aside: set[str] = set()  # what the watch said once it does not look inside
+        self._pass = WatchedPass(self.fail)
         self._watched_step = 0
-        self._passes = 0
         self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
         # Per scaler: the last ``(step - 1) // every`` seen at its update (each model is watched at its 2nd step).
@@ -122,15 +76,14 @@ class HeadroomWatch:
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
         self.last: Sighting | None = None  # the last sighting whose iteration did not overflow
-        self._hooks = GlobalModuleHooks(self._before, self._after)
 
     @property
     def watching(self) -> bool:
-        return self._hooks.armed
+        return self._pass.armed
 
     def busy(self) -> bool:
         """Whether the update must look at the watch (it watches, or a verdict waits, or a watch is due)."""
-        return self._due or self._hooks.armed or self.pending is not None
+        return self._due or self._pass.armed or self.pending is not None
 
     # -- the schedule ------------------------------------------------------------------------------
 
@@ -141,10 +94,10 @@ class HeadroomWatch:
         if self.every and scaler is not None and (step - 1) // self.every != self._periods.get(scaler, -1):
             self._periods[scaler] = (step - 1) // self.every
             self._due = True
-        if self._due and may_watch and not self._hooks.armed and self.pending is None:
+        if self._due and may_watch and not self._pass.armed and self.pending is None:
             self._due = False
             self._watched_step = step + 1
-            self._arm()
+            self._pass.begin()
 
     def restart(self) -> None:
         """Another model trains now (the scaler before was freed): forget the last sighting, watch its 2nd step."""
@@ -152,189 +105,30 @@ class HeadroomWatch:
 
     def watch_next(self, step: int) -> bool:
         """Watch the next iteration now, off the schedule (``ampguard bench`` times a watched step this way)."""
-        if self._hooks.armed or self.pending is not None:
+        if self._pass.armed or self.pending is not None:
             return False
         self._watched_step = step + 1
-        self._arm()
+        self._pass.begin()
         return True
-
-    def _arm(self) -> None:
-        self._passes = 0
-        self._slots = {}
-        self._stack = []
-        self._thread = threading.get_ident()
-        self._hooks.arm()
 
     def stop(self) -> None:
         """Remove the hooks and forget the pass (uninstall, an error, the probe arming)."""
-        self._remove()
-        self._slots = {}
+        self._pass.end()
         self.pending = None
         self.in_read = False
-
-    def _remove(self) -> None:
-        self._hooks.disarm()
-        self._leave_mode()
-        forget_higher_order_operators()
-        self._stack = []
-        self._opaque = None
-        self._unwritten.clear()
-
-    def _leave_mode(self) -> None:
-        if self._mode is not None:  # (also: a forward pass that never finished, an exception escaped the hooks)
-            mode, self._mode = self._mode, None
-            mode.__exit__(None, None, None)
-
-    def step_aside(self, what: str, why: str = "a higher-order operator") -> None:
-        """Say once that the watch does not look inside ``what``; training is as without it there."""
-        if what not in self._stepped_aside:
-            self._stepped_aside.add(what)
-            logger.info(
-                "headroom watch: %s is not watched inside (%s); its outputs are, by the module that uses them.",
-                what,
-                why,
-            )
-
-    # -- the pass ----------------------------------------------------------------------------------
-
-    def _before(self, module: torch.nn.Module, args: Any) -> None:
-        # is_compiling() first: dynamo cannot trace threading.get_ident() (a graph break; with fullgraph=True an error)
-        if is_compiling():
-            return
-        if threading.get_ident() != self._thread:
-            self._other_thread(module)
-            return
-        if _in_backward():  # activation checkpointing recomputing a forward: not a new pass
-            return
-        try:
-            if self._stack and not self._drop_ended_calls(sys._getframe(1)):
-                return  # the watched pass ended in an exception its hooks never saw: this call runs as under torch
-            if self._opaque is not None:
-                return
-            if is_compiled(module):  # compiled code is not watched inside (nor changed: see islands)
-                self._opaque = module
-                self._enter_compiled(module)
-                return
-            if not self._stack and self._passes >= MAX_PASSES:
-                self._opaque = module  # nor a 65th pass
-                return
-            if not self._stack and not COMPILE_AWARE and _dynamo_compiled():
-                # This torch checks a compiled function's guards under the mode, fails them, and compiles it again
-                # at every watched step, until its recompile limit raises (a helper compiled inside a module).
-                self._opaque = module
-                self.step_aside("this process's models", f"torch {torch.__version__} compiled code here")
-                return
-            if not self._stack and not COMPILE_AWARE and any(is_compiled(inner) for inner in module.modules()):
-                self._opaque = module  # this torch would trace the mode into the compiled submodule's graph
-                self.step_aside(
-                    f"`{type(module).__name__}`", f"it holds compiled submodules (torch {torch.__version__})"
-                )
-                return
-            if not self._stack:
-                self._passes += 1
-            slot = self._slots.get(id(module))
-            if slot is None or slot.module() is not module:
-                root = self._stack[0].module() if self._stack else module
-                candidate = bool(self._stack) and not islands.holds(module)
-                root_ref = weakref.ref(root if root is not None else module)
-                slot = self._slots[id(module)] = _Slot(weakref.ref(module), root_ref, candidate)
-            elif not self._stack:
-                slot.candidate = False  # called as the root too: its own code is never islanded
-            slot.call = sys._getframe(2)  # torch's frame calling the hooks: it runs until the module call ends
-            self._stack.append(slot)
-            if self._mode is None and (slot.candidate or module is unwrap(self._stack[0].module() or module)):
-                self._enter_mode()
-        except Exception as error:  # an observation must never break the forward pass
-            self.fail(error)
-
-    def _drop_ended_calls(self, frame: Any) -> bool:
-        """Drop the calls on the stack that no longer run below ``frame`` (:mod:`~ampguard.headroom_watch.calls`).
-
-        False: the outermost had ended too; the watch ends for this iteration (said once), so that what runs
-        next (an evaluation, a checkpoint) runs as under torch.
-        """
-        depth = live_depth(self._stack, frame)
-        if depth == len(self._stack):
-            return True
-        self._opaque = None  # (called inside an ended call: ended too)
-        for slot in self._stack[depth:]:
-            slot.call = None
-        del self._stack[depth:]
-        if self._mode is not None and depth < self._mode_depth:
-            self._leave_mode()
-        if depth:
-            return True
-        if "interrupted" not in self._stepped_aside:
-            self._stepped_aside.add("interrupted")
-            logger.info(INTERRUPTED)
-        self._remove()
-        self._slots = {}
-        return False
-
-    def _other_thread(self, module: torch.nn.Module) -> None:
-        """A module called in another thread while the watch is armed: not watched, said once (a coverage gap)."""
-        if "threads" not in self._stepped_aside:
-            self._stepped_aside.add("threads")
-            logger.info(OTHER_THREAD, type(module).__name__, threading.current_thread().name)
-
-    def _enter_compiled(self, module: torch.nn.Module) -> None:
-        if self._stack:
-            name = qualified_name(module, self._stack[0].module() or module) or type(module).__name__
-            self.step_aside(f"`{name}`", "it is compiled")
-
-    def _enter_mode(self) -> None:
-        mode = Observer(self.measure, self.fail, self.step_aside, self._unwritten)
-        mode.__enter__()  # type: ignore[no-untyped-call]
-        self._mode = mode
-        self._mode_depth = len(self._stack)
-
-    def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
-        if is_compiling() or threading.get_ident() != self._thread:  # (compiled: _before pushed nothing either)
-            return
-        if self._opaque is not None:
-            if self._opaque is module:
-                self._opaque = None
-            return
-        if not self._stack or self._stack[-1].module() is not module:
-            return
-        slot = self._stack.pop()
-        slot.call = None
-        try:
-            if slot.candidate and slot.outputs is None and output is not None:
-                slot.outputs = output_kinds(tensors(output))
-        except Exception:
-            slot.outputs = None
-        if self._mode is not None and len(self._stack) < self._mode_depth:
-            self._leave_mode()
-
-    def measure(self, output: Any) -> None:
-        """One op's output, inside the innermost module running: its float16 extremes, on the device."""
-        if not self._stack or self.broken or self._opaque is not None:
-            return
-        slot = self._stack[-1]
-        if not slot.candidate:
-            return
-        for tensor in output if isinstance(output, (tuple, list)) else (output,):
-            if measurable(tensor):
-                low, high = torch.aminmax(tensor)
-                slot.samples.append((low, high))
-                if len(slot.samples) >= FOLD:
-                    slot.samples = fold(slot.samples)
 
     # -- the end of the watched iteration ---------------------------------------------------------
 
     def finish(self) -> Sighting | None:
         """Stop watching; the pass's peaks and verdict, on the device (no read). None: nothing was seen."""
-        slots = [slot for slot in self._slots.values() if slot.candidate and slot.samples]
-        self._remove()
-        self._slots = {}
-        if not slots or self.broken:
+        sampled = self._pass.end()
+        if not sampled or self.broken:
             return None
         try:
             self.pending = summarise(
-                [slot.samples for slot in slots],
-                [(slot.module, slot.root) for slot in slots],
-                [slot.outputs for slot in slots],
+                [watched.samples for watched in sampled],
+                [(watched.module, watched.root) for watched in sampled],
+                [watched.outputs for watched in sampled],
                 self.limit,
                 self._watched_step,
             )
@@ -346,6 +140,7 @@ class HeadroomWatch:
         """After an error inside the watch: it stops for good, with one WARNING; training goes on without it."""
         if not self.broken:
             self.broken = True
+            self._pass.stop_measuring()
             self.every = 0
             self._due = False
             logger.warning(
@@ -357,7 +152,7 @@ class HeadroomWatch:
 
     def add_to(self, code: torch.Tensor, weight: float) -> torch.Tensor:
         """``code + weight * verdict`` when this iteration was watched (the scaler's one read carries it)."""
-        if self._hooks.armed:
+        if self._pass.armed:
             self.finish()
         if self.pending is None:
             return code
@@ -369,7 +164,7 @@ class HeadroomWatch:
 
         A sighting of an iteration without forward overflow becomes :attr:`last`, which a later overflow blames.
         """
-        if self._hooks.armed:  # watched, but no step() read its verdict (no optimizer stepped): seen all the same
+        if self._pass.armed:  # watched, but no step() read its verdict (no optimizer stepped): seen all the same
             self.finish()
         sighting, self.pending, self.in_read = self.pending, None, False
         if sighting is not None and not overflow:
