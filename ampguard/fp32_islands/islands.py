@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch.nn.modules import module as nn_module
 
+import ampguard.fp32_islands.compiled_islands as compiled_islands
 import ampguard.fp32_islands.island_hooks as island_hooks
 import ampguard.fp32_islands.island_io as island_io
 import ampguard.fp32_islands.model_tree as model_tree
@@ -90,6 +91,7 @@ def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = N
     island = Island(name, weakref.ref(module), outputs=outputs)
     island_hooks.attach(module, island)
     islands[id(module)] = island
+    compiled_islands.listen()
     return island
 
 
@@ -110,6 +112,7 @@ def clear() -> None:
         _remove(island)
     islands.clear()
     island_hooks.strip_everywhere()
+    compiled_islands.stop()
     reported.clear()
     _stop_restoring()
 

@@ -1,0 +1,90 @@
+"""fp32 islands inside torch.compile'd code: they do not apply there, and ampguard says so once per island.
+
+The island's hooks are excluded from tracing (``torch._dynamo.disable``: tracing
+their open autocast region made dynamo raise), and torch >= 2.4 then leaves them
+out of the compiled code altogether: a compiled model, or a compiled module
+holding an island, computes the island's module under autocast, in float16, as
+plain torch does (``model.compile()`` after the island alike). torch 2.3's
+dynamo still calls them (a graph break around each) and computes it in float32.
+
+At each compilation (a start callback of dynamo's, rare and already slow) while
+an island not yet named lives, and when an island is made once dynamo has
+compiled something, one pass over the live modules finds the compiled ones
+(``torch.compile(module)``, ``module.compile()``) that hold an island, and each
+such island is named once (INFO). Not seen: a compiled function that calls the
+model, and a model whose compiled code dynamo reuses from another instance of the
+same structure compiled before its islands existed (no compilation starts); it is
+named at the next compilation.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from typing import Any
+
+import torch
+
+from ampguard.fp32_islands.island_hooks import islands
+from ampguard.fp32_islands.probe import is_compiled
+from ampguard.log import event_logger
+from ampguard.patch import torch_release
+
+logger = event_logger("island")
+
+SKIPPED_BY_COMPILE = (
+    "fp32 island %s (%s) does not apply inside torch.compile'd code (%s): torch.compile leaves the island's "
+    "hooks out of the compiled graph, so there the module runs under autocast (float16), as under plain torch, "
+    "also when the model is compiled after the island exists. To keep it in float32 there, put the line ampguard "
+    "printed when it made the island into the module's forward before compiling."
+)
+
+_said: set[int] = set()  # id() of the islands named
+
+
+def _compiled_modules() -> list[torch.nn.Module]:
+    """The live modules that run compiled (one pass over gc's objects)."""
+    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Module) and is_compiled(obj)]
+
+
+def name_islands_in_compiled_code(*_: Any) -> None:
+    """Name once each live island inside a compiled module (a dynamo start callback: never raises)."""
+    try:
+        waiting = {key: island for key, island in islands.items() if key not in _said and island.module() is not None}
+        if not waiting:
+            return
+        for compiled in _compiled_modules():
+            for module in compiled.modules():
+                island = waiting.pop(id(module), None)
+                if island is not None and island.module() is module:
+                    _said.add(id(module))
+                    logger.info(SKIPPED_BY_COMPILE, island.name, type(module).__name__, type(compiled).__name__)
+    except Exception:  # a message must never be the reason a compilation fails
+        return
+
+
+def listen() -> None:
+    """From the first island on: name the islands that compiled code leaves out (torch >= 2.4, where it does)."""
+    if torch_release().release < (2, 4):
+        return
+    import torch._dynamo.callback  # (imported with torch._dynamo, which the island's hooks import first)
+
+    handler = torch._dynamo.callback.callback_handler
+    if name_islands_in_compiled_code not in handler.start_callbacks:  # (torch._dynamo.reset() may clear them)
+        handler.register_start_callback(name_islands_in_compiled_code)
+    if _something_compiled():  # an island made in a model compiled already (re-applied from a checkpoint)
+        name_islands_in_compiled_code()
+
+
+def _something_compiled() -> bool:
+    """Whether dynamo has compiled a graph in this process (no scan of live objects before that)."""
+    counters = getattr(sys.modules.get("torch._dynamo.utils"), "counters", None)
+    return bool(counters is not None and counters["stats"]["unique_graphs"])
+
+
+def stop() -> None:
+    """At uninstall: no more listening; islands made later are named again."""
+    _said.clear()
+    handler = getattr(sys.modules.get("torch._dynamo.callback"), "callback_handler", None)
+    if handler is not None and name_islands_in_compiled_code in handler.start_callbacks:
+        handler.remove_start_callback(name_islands_in_compiled_code)
