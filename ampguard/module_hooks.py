@@ -127,3 +127,21 @@ class GlobalModuleHooks:
         nn_module._global_forward_hooks.pop(post_key, None)
         nn_module._global_forward_hooks_always_called.pop(post_key, None)
         self.armed = False
+
+
+def remove_module_hooks(module: Any, pre: type | tuple[type, ...] = (), post: type | tuple[type, ...] = ()) -> bool:
+    """Take ``module``'s forward pre-hooks that are ``pre`` instances and forward hooks that are ``post`` ones off
+    it, with their keyword and always-called entries (hooks a deepcopy or a pickle carried). True if it had any."""
+    found = False
+    tables = (
+        (module._forward_pre_hooks, pre, (module._forward_pre_hooks_with_kwargs,)),
+        (module._forward_hooks, post, (module._forward_hooks_with_kwargs, module._forward_hooks_always_called)),
+    )
+    for hooks, kinds, entries in tables:
+        for key, hook in list(hooks.items()) if kinds else ():
+            if isinstance(hook, kinds):
+                found = True
+                del hooks[key]
+                for entry in entries:
+                    entry.pop(key, None)
+    return found

@@ -23,6 +23,7 @@ import ampguard.fp32_islands.island_io as island_io
 import ampguard.fp32_islands.zero3 as zero3
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
+from ampguard.module_hooks import remove_module_hooks
 
 logger = event_logger("island")
 
@@ -172,18 +173,7 @@ def _exclude_from_tracing() -> None:
 
 def strip(module: torch.nn.Module) -> bool:
     """Take island hooks off ``module`` (those a deepcopy or a pickle carried too). True if it had any."""
-    found = False
-    for key, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, EnterFloat32):
-            found = True
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
-    for key, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, LeaveFloat32):
-            found = True
-            del module._forward_hooks[key]
-            module._forward_hooks_with_kwargs.pop(key, None)
-            module._forward_hooks_always_called.pop(key, None)
+    found = remove_module_hooks(module, pre=EnterFloat32, post=LeaveFloat32)
     return zero3.strip(module) or found
 
 

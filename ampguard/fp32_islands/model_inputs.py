@@ -39,6 +39,7 @@ from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
 from ampguard.fp32_islands.probe import is_compiled
 from ampguard.fp32_islands.tensor_tree import tensors, values_in
 from ampguard.log import event_logger
+from ampguard.module_hooks import remove_module_hooks
 from ampguard.syncs import read_to_host
 from ampguard.torch_privates import functorch_unwrapped, is_compiling
 
@@ -209,10 +210,7 @@ class ModelInputs:
 
 def strip(module: torch.nn.Module) -> None:
     """Take :class:`KeepInputs` hooks off ``module`` (those a deepcopy or a pickle carried)."""
-    for key, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, KeepInputs):
-            del module._forward_pre_hooks[key]
-            module._forward_pre_hooks_with_kwargs.pop(key, None)
+    remove_module_hooks(module, pre=KeepInputs)
 
 
 def strip_everywhere() -> None:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ampguard.fp32_islands.half_parameters import LOW_PRECISION, Upcast, restore
+from ampguard.module_hooks import remove_module_hooks
 
 _calls = threading.local()  # per thread: (module, what was swapped) for each call in progress
 
@@ -82,14 +83,4 @@ def attach(module: torch.nn.Module) -> list[Any]:
 
 def strip(module: torch.nn.Module) -> bool:
     """Take these hooks off ``module`` (those a deepcopy carried). True if it had any."""
-    found = False
-    for key, hook in list(module._forward_pre_hooks.items()):
-        if isinstance(hook, GatheredToFloat32):
-            found = True
-            del module._forward_pre_hooks[key]
-    for key, hook in list(module._forward_hooks.items()):
-        if isinstance(hook, ReleaseFloat32):
-            found = True
-            del module._forward_hooks[key]
-            module._forward_hooks_always_called.pop(key, None)
-    return found
+    return remove_module_hooks(module, pre=GatheredToFloat32, post=ReleaseFloat32)
