@@ -180,8 +180,11 @@ def test_islands_headroom_and_underflow_are_read_from_the_messages_ampguard_writ
                 name="blocks.0.attn", headroom=2.0, peak=33000.0, share=0.5, step=20, **ISLAND_FIELDS
             ),
         ),
-        ("underflow", GROWN.format(before=1024.0, after=2048.0, step=30, share=0.1234, worst=" (most in head 40%)")),
-        ("underflow", REPORTED.format(scale=2048.0, share=0.02, step=60, worst="")),
+        (
+            "underflow",
+            GROWN.format(before=1024.0, after=2048.0, step=30, share=0.1234, lost=0.05, worst="; most in head 40%"),
+        ),
+        ("underflow", REPORTED.format(scale=2048.0, share=0.02, lost=0.015, step=60, worst="")),
     ]
     [run], _ = read(str(_events_file(tmp_path / "events.jsonl", *events)))
     summary = run.summary()
@@ -194,5 +197,38 @@ def test_islands_headroom_and_underflow_are_read_from_the_messages_ampguard_writ
     ]
     assert digest["headroom_peak"] == {"module": "blocks.3.attn", "peak": 51000.0, "step": 45}
     first, second = digest["underflow"]
-    assert first == {"step": 30, "share": 0.1234, "scale": 1024.0, "grown_to": 2048.0, "modules": [["head", 0.4]]}
-    assert (second["step"], second["share"], second["scale"], second["grown_to"]) == (60, 0.02, 2048.0, None)
+    assert first == {
+        "step": 30,
+        "share": 0.1234,
+        "lost": 0.05,
+        "scale": 1024.0,
+        "grown_to": 2048.0,
+        "modules": [["head", 0.4]],
+    }
+    assert (second["step"], second["share"], second["lost"], second["scale"], second["grown_to"]) == (
+        60,
+        0.02,
+        0.015,
+        2048.0,
+        None,
+    )
+
+
+def test_underflow_messages_of_before_issue_32_still_read(tmp_path):
+    """A stats file written by ampguard 0.1.0: its underflow messages gave the subnormal-or-lost share first and the
+    modules in parentheses; read alike, with no lost share."""
+    old = (
+        "loss scale 1024 -> 2048 at step 30: 12.34% of the float16 gradient values of the sampled backward pass "
+        "were subnormal or lost (most in head 40%, blocks.0 12%) (ampguard.underflow; AMPGUARD_UNDERFLOW=report "
+        "keeps torch's schedule)"
+    )
+    [run], _ = read(str(_events_file(tmp_path / "events.jsonl", ("underflow", old))))
+    [entry] = run.summary()["from_events"]["underflow"]
+    assert entry == {
+        "step": 30,
+        "share": 0.1234,
+        "lost": None,
+        "scale": 1024.0,
+        "grown_to": 2048.0,
+        "modules": [["head", 0.4], ["blocks.0", 0.12]],
+    }

@@ -125,15 +125,17 @@ _PEAK = re.compile(
 _WATCH_STEP = re.compile(
     r"headroom watch of step (?P<step>\d+)|forward pass of step (?P<ahead>\d+)|, step (?P<at>\d+)\)"
 )
-# The underflow listener: "loss scale A -> B at step N: P% of the float16 gradient values ..." (grown) and
-# "at loss scale A, P% of the float16 gradient values of the sampled backward pass (step N) ..." (reported).
+# The underflow listener: "loss scale A -> B at step N: L% of the float16 gradient values ..." (grown) and
+# "at loss scale A, L% of the float16 gradient values of the sampled backward pass (step N) ..." (reported);
+# since issue 32 L is the share lost and "(P% were subnormal or lost; most in ...)" follows; before, L was P.
 _UNDERFLOW_GROWN = re.compile(
     r"^loss scale (?P<before>\S+) -> (?P<after>\S+) at step (?P<step>\d+): (?P<share>[\d.]+)% of the float16"
 )
 _UNDERFLOW_SEEN = re.compile(
     r"^at loss scale (?P<before>[^,]+), (?P<share>[\d.]+)% of the float16 .*?\(step (?P<step>\d+)\)"
 )
-_WORST = re.compile(r"\(most in (?P<modules>[^)]*)\)")
+_LOST_THEN_SHARE = re.compile(r"were lost, zeros where float32 holds a value \((?P<share>[\d.]+)% were subnormal")
+_WORST = re.compile(r"(?:\(|; )most in (?P<modules>[^);]*)")
 # "step N skipped at loss scale S: ..." (diagnose.py), the first of each stats interval.
 _SKIP = re.compile(r"^step (?P<step>\d+) skipped")
 # The exit summary: "run summary: LABEL: K of N steps skipped (P%), X with a non-finite loss, Y without
@@ -194,6 +196,9 @@ class EventDigest:
         found = _UNDERFLOW_GROWN.match(message) or _UNDERFLOW_SEEN.match(message)
         if found is None or (share := _number(found["share"])) is None:
             return
+        lost = None
+        if (shares := _LOST_THEN_SHARE.search(message)) is not None and (total := _number(shares["share"])) is not None:
+            lost, share = share / 100, total
         worst = _WORST.search(message)
         modules = []
         for item in worst["modules"].split(", ") if worst else ():
@@ -205,6 +210,7 @@ class EventDigest:
             {
                 "step": int(found["step"]),
                 "share": share / 100,
+                "lost": lost,
                 "scale": _number(found["before"]),
                 "grown_to": _number(grown) if grown else None,
                 "modules": modules,
