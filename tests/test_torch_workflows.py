@@ -35,7 +35,7 @@ from torch.nn.modules import module as nn_module
 
 import ampguard
 import ampguard.messages as messages
-from ampguard.underflow import measure
+from ampguard.underflow import nodes
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -88,11 +88,11 @@ def train_with_per_sample_clipping(steps: int = STEPS) -> Result:
 def test_per_sample_gradients_with_torch_func_inside_a_step(reinstall, ampguard_log, monkeypatch):
     """Before: the sample hooked the graphs torch.func's grad built and counted into its tallies there (an in-place
     add on a captured tensor inside the transform): a contained error, a WARNING asking for a bug report."""
-    monkeypatch.setattr(measure, "_said_transformed", False)
+    monkeypatch.setattr(nodes, "_said", set())
     reference, ours = plain_then_watched(reinstall, train_with_per_sample_clipping)
     assert_trained_as_torch(reference, ours, ampguard_log)
     said = [r.getMessage() for r in ampguard_log.records if r.name == "ampguard" and r.levelno == logging.INFO]
-    assert said.count(measure.TRANSFORMED) == 1
+    assert said.count(nodes.TRANSFORMED) == 1
     assert ours.scaler.stats.underflow_samples >= STEPS - 2  # the steps' own backward passes were sampled
 
 

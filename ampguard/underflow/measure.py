@@ -32,27 +32,9 @@ from torch import nn
 
 import ampguard.containment as containment
 import ampguard.underflow.nodes as node_kinds
-from ampguard.log import event_logger
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import in_functorch_transform, is_compiling
 from ampguard.underflow.counts import Tally, on, passed_on
-
-logger = event_logger("underflow")
-
-# Said once per process at INFO when the sample first meets a torch.func transform.
-TRANSFORMED = (
-    "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
-    "are not counted; they are the transform's, and their tensors are functorch's wrappers. The step's own backward "
-    "pass is sampled as usual."
-)
-_said_transformed = False
-
-
-def _step_aside_transformed() -> None:
-    global _said_transformed
-    if not _said_transformed:
-        _said_transformed = True
-        logger.info(TRANSFORMED)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -200,7 +182,7 @@ class Sampler:
         if is_compiling():
             return
         if in_functorch_transform():  # (the forward hook returns here too: the call depth stays as it is)
-            _step_aside_transformed()
+            node_kinds.step_aside_transformed()
             return
         try:
             self._enter(module, args)
@@ -327,7 +309,7 @@ class Sampler:
         if self._own_losses and within not in self._tasks and _current_task() not in self._tasks:
             return
         if in_functorch_transform():  # a hooked graph differentiated again inside vmap (is_grads_batched, jacrev)
-            _step_aside_transformed()
+            node_kinds.step_aside_transformed()
             return
         self._calls = 0  # a backward pass through the sample: training goes on
         try:

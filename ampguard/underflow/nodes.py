@@ -4,7 +4,8 @@ A view's gradient holds its base's values (:data:`SAME_VALUES`: walked through, 
 leaf's gradient is never float16; a compiled region's backward is one node
 (:data:`COMPILED_NODE_KINDS`), whose incoming gradient is the region's output's only: counting it would
 measure a handful of values as the region's, so the sample steps aside there and says so once; so it does
-for a loss whose model it saw no module call of (:data:`UNSEEN`).
+for a loss whose model it saw no module call of (:data:`UNSEEN`), and inside torch.func transforms
+(:data:`TRANSFORMED`).
 """
 
 from __future__ import annotations
@@ -52,6 +53,18 @@ UNSEEN = (
 
 def step_aside_unseen() -> None:
     _say_once(UNSEEN)
+
+
+# Said once per process at INFO when the sample first meets a torch.func transform.
+TRANSFORMED = (
+    "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
+    "are not counted; they are the transform's, and their tensors are functorch's wrappers. The step's own backward "
+    "pass is sampled as usual."
+)
+
+
+def step_aside_transformed() -> None:
+    _say_once(TRANSFORMED)
 
 
 # Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
