@@ -261,14 +261,7 @@ def test_at_the_scale_cap_the_policy_stops_growing_and_sampling_every_step(reins
     "optimizer_class",
     [
         torch.optim.SGD,
-        pytest.param(
-            DeviceSkipSGD,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="open: in device mode the ceiling learns only of overflows on sampled steps "
-                "(docs/underflow.md, Limits)",
-            ),
-        ),
+        DeviceSkipSGD,
     ],
 )
 def test_an_overflow_on_a_step_not_sampled_sets_the_ceiling(reinstall, monkeypatch, optimizer_class):

@@ -97,6 +97,10 @@ class DeviceLedger:
     def full(self) -> bool:
         return len(self._held) >= self.MAX_ROWS
 
+    def held_at(self, row: int) -> bool:
+        """Whether row ``row``'s non-finite loss was held (a forward overflow: no back-off)."""
+        return self._held[row]
+
     def record(
         self, skipped: torch.Tensor, found: torch.Tensor, check: torch.Tensor, scale: torch.Tensor, held: bool
     ) -> torch.Tensor:
@@ -220,6 +224,8 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownR
         scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=ledger.rows_current
     )
     for row in rows:
+        if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
+            listeners.notify_overflow_known(scaler, row.scale)
         skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
         for optimizer in row.unread:
             listeners.notify_step_known(scaler, optimizer, skipped)
@@ -267,6 +273,10 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
     untold = range(ledger.told, len(rows))  # the rows no host copy told yet
     nonfinite = sum(math.isnan(rows[i][2]) for i in untold)
     listeners.notify_counters_read(scaler, nonfinite, len(untold), at_read=True, current=True)
+    for i in untold:  # [skipped, found, check, scale]: gradients that overflowed, not a held forward overflow
+        held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
+        if rows[i][1] > 0 and not held:
+            listeners.notify_overflow_known(scaler, rows[i][3])
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

@@ -103,6 +103,11 @@ class StepListener:
         two later on CUDA (:mod:`ampguard.scaler.row_copies`).
         """
 
+    def on_overflow_known(self, scaler: SafeGradScaler, scale: float) -> None:
+        """A device-mode iteration's gradients overflowed at loss ``scale`` (not a forward overflow): learned from
+        its row, once, when the host learns it (:func:`ampguard.scaler.ledger.tell_known_rows`, or the ledger's
+        read)."""
+
     def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
         """An optimizer step of a loss scale that is no SafeGradScaler ended (:mod:`ampguard.deepspeed_fp16`).
 
@@ -221,6 +226,11 @@ def notify_counters_read(
 def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
     for listener in _listeners:
         _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
+
+
+def notify_overflow_known(scaler: SafeGradScaler, scale: float) -> None:
+    for listener in _listeners:
+        _guarded(listener, "overflow known", "on_overflow_known", scaler, scale)
 
 
 def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:

@@ -164,6 +164,12 @@ class UnderflowListener(StepListener):
         self._schedule(scaler, state, grown)
         return None
 
+    def on_overflow_known(self, scaler: Any, scale: float) -> None:
+        """An overflow on a step not sampled, learned from its row: the ceiling, as host mode sets it."""
+        state = self.states.get(scaler)
+        if state is not None:
+            state.ceiling = scale
+
     # -- both ----------------------------------------------------------------------------------
 
     def _start(self, state: ScaleState, step: int, scale: float, extra: torch.Tensor | None = None) -> None:
