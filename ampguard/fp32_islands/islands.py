@@ -57,6 +57,9 @@ MADE_WITHOUT_AUTOCAST = (
     "without ampguard (model: your {owner}): {line}"
 )
 reported: set[str] = set()
+# The modules named in report mode (which changes nothing): the headroom watch's verdict passes over them, as over
+# an island in auto mode, so the next module auto mode would make an island is named too.
+named_in_report: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
 
@@ -72,6 +75,11 @@ def names() -> tuple[str, ...]:
 def holds(module: torch.nn.Module) -> bool:
     """Whether ``module`` is an island."""
     return island_hooks.island_of(module) is not None
+
+
+def was_named_in_report(module: torch.nn.Module) -> bool:
+    """Whether ``module`` was named in report mode (``AMPGUARD_FP32_ISLANDS=report``), where it stays as it was."""
+    return module in named_in_report
 
 
 def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = None) -> Island:
@@ -114,6 +122,7 @@ def clear() -> None:
     island_hooks.strip_everywhere()
     compiled_islands.stop()
     reported.clear()
+    named_in_report.clear()
     _stop_restoring()
 
 
@@ -200,6 +209,7 @@ def decide(
         return False
     if mode == "report":
         _report_once(name, reported.format(**what))
+        named_in_report.add(module)
         return False
     if len(names()) >= max_islands:
         _report_once("(limit)", limited.format(limit=max_islands, names=", ".join(names()), **what))

@@ -53,7 +53,7 @@ def judge(
         module, root, outputs = found
         if sighting.shown is None:
             sighting.read_verdict()
-        peak = sighting.top[0][1]  # the verdict's module: the highest peak
+        peak = sighting.verdict_peak
         islands.decide(
             module, root, outputs, step=sighting.step, mode=mode, max_islands=max_islands,
             made=messages.ISLAND_AHEAD, reported=messages.ISLAND_AHEAD_REPORT, limited=messages.ISLAND_AHEAD_LIMIT,

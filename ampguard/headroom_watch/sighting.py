@@ -39,7 +39,8 @@ class Sighting:
     modules: list[tuple[weakref.ref[torch.nn.Module], weakref.ref[torch.nn.Module]]]  # (module, its root)
     outputs: list[tuple[str, ...] | None]  # each candidate's output dtypes under autocast (for its island)
     verdict: torch.Tensor  # float32 scalar: index + 1 of the candidate within the headroom, 0 when none
-    # [verdict, 1 if a watched float16 tensor held NaN or +inf, the SHOWN highest peaks, their indices]
+    # [verdict, 1 if a watched float16 tensor held NaN or +inf, the verdict's peak, the SHOWN highest peaks, their
+    # indices]
     summary: HostCopy
     step: int = 0  # the optimizer step whose forward passes were watched
     clean: bool = False  # its iteration had no forward overflow (set at its update)
@@ -47,6 +48,7 @@ class Sighting:
     shown: tuple[tuple[str, float], ...] | None = None  # the tightest candidates, named, for scaler.stats
     overflowed: bool = False  # its pass held an overflow (known in device mode, where one read covers many steps)
     top: list[tuple[int, float]] = field(default_factory=list)  # (index, peak) of the tightest candidates
+    verdict_peak: float = 0.0  # the peak of the verdict's candidate (the highest of those the verdict may name)
 
     def candidate(self, index: int) -> Candidate | None:
         """The ``index``-th candidate (0-based) while its module lives."""
@@ -69,9 +71,10 @@ class Sighting:
     def read_verdict(self) -> int:
         """The verdict, with the tightest candidates' peaks, from the host copy."""
         read = self.summary.values()
-        count = (len(read) - 2) // 2
+        count = (len(read) - 3) // 2
         self.overflowed = bool(read[1])
-        self.top = [(int(index), float(peak)) for peak, index in zip(read[2 : 2 + count], read[2 + count :])]
+        self.verdict_peak = float(read[2])
+        self.top = [(int(index), float(peak)) for peak, index in zip(read[3 : 3 + count], read[3 + count :])]
         shown = []
         for index, peak in self.top:
             found = self.candidate(index)
@@ -111,18 +114,29 @@ def summarise(
     outputs: list[tuple[str, ...] | None],
     limit: float,
     step: int,
+    eligible: list[bool] | None = None,
 ) -> Sighting:
-    """The sighting of one pass: ``samples[i]`` holds the (min, max) of each float16 output of candidate ``i``."""
+    """The sighting of one pass: ``samples[i]`` holds the (min, max) of each float16 output of candidate ``i``.
+
+    ``eligible[i]``: whether the verdict may name candidate ``i`` (False: already named in report mode, which
+    changes nothing, so it would stay the verdict of every watch and hide the next module). Every candidate's peak
+    is shown and may be blamed all the same. None: all may.
+    """
     device = samples[0][0][0].device
     lows = torch.stack([low.to(device) for per_module in samples for low, _ in per_module]).float()
     highs = torch.stack([high.to(device) for per_module in samples for _, high in per_module]).float()
     per_output, nonfinite_outputs = _per_output(lows, highs)
     nonfinite = nonfinite_outputs.any().float()
-    peaks = torch.stack([part.amax() for part in per_output.split([len(per_module) for per_module in samples])])
+    each = [part.amax() for part in per_output.split([len(per_module) for per_module in samples])]
+    peaks = torch.stack(each)
     values, order = peaks.topk(min(SHOWN, len(samples)))
-    fits = values[0] >= limit
+    best, at = values[0], order[0]
+    if eligible is not None and not all(eligible):  # chosen on the host: no index tensor copied to the device
+        best, at = torch.stack([p if ok else torch.zeros_like(p) for p, ok in zip(each, eligible)]).max(0)
+    fits = best >= limit
     if len(samples) > MAX_CALLS:  # the verdict must fit its bits of the scaler's read
-        fits = fits & (order[0] < MAX_CALLS)
-    verdict = torch.where(fits, order[0] + 1, 0).float()
-    summary = HostCopy(torch.cat([verdict.reshape(1), nonfinite.reshape(1), values, order.float()]))
+        fits = fits & (at < MAX_CALLS)
+    verdict = torch.where(fits, at + 1, 0).float()
+    head = [verdict.reshape(1), nonfinite.reshape(1), best.reshape(1)]
+    summary = HostCopy(torch.cat([*head, values, order.float()]))
     return Sighting(modules, outputs, verdict, summary, step=step)

@@ -15,7 +15,8 @@ At the end of the iteration (the scaler's ``step()``) the samples become a
 module on the device, and the verdict, which rides on the scaler's one host
 read, as the probe's does (the two never run in the same iteration);
 :mod:`ampguard.fp32_islands.watch_verdicts` makes the island. The root module
-(the outermost module called) and islands are not candidates.
+(the outermost module called) and islands are not candidates; a module named in report mode is measured but
+not named again (the verdict goes to the next one auto mode would make an island).
 
 Where it cannot look, the watch steps aside and says so once (INFO): compiled
 code (a compiled model is not watched; a compiled submodule is not watched
@@ -131,6 +132,7 @@ class HeadroomWatch:
                 [watched.outputs for watched in sampled],
                 self.limit,
                 self._watched_step,
+                [not watched.named for watched in sampled],
             )
         except Exception as error:  # never the reason a run dies
             self.fail(error)

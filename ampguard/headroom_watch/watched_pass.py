@@ -68,6 +68,7 @@ class WatchedModule:
     module: weakref.ref[torch.nn.Module]
     root: weakref.ref[torch.nn.Module]
     candidate: bool  # not a root, not an island
+    named: bool = False  # named in report mode: measured, but no verdict names it again
     samples: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (min, max) per output
     outputs: tuple[str, ...] | None = None
     call: Any = None  # the frame running this module's current call, while it is on the stack
@@ -189,7 +190,8 @@ class WatchedPass:
             root = self._stack[0].module() if self._stack else module
             candidate = bool(self._stack) and not islands.holds(module)
             root_ref = weakref.ref(root if root is not None else module)
-            watched = self._modules[id(module)] = WatchedModule(weakref.ref(module), root_ref, candidate)
+            named = candidate and islands.was_named_in_report(module)
+            watched = self._modules[id(module)] = WatchedModule(weakref.ref(module), root_ref, candidate, named)
         elif not self._stack:
             watched.candidate = False  # called as the root too: its own code is never islanded
         watched.call = sys._getframe(3)  # torch's frame calling the hooks: it runs until the module call ends
