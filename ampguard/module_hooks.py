@@ -22,12 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gc
+import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, ClassVar, TypeVar
 
 from torch.nn.modules import module as nn_module
 
 from ampguard.torch_privates import is_compiling
+
+_Hook = TypeVar("_Hook", bound="ModuleHook")
 
 
 def eager_only(hook: Callable[..., Any]) -> Callable[..., Any]:
@@ -145,3 +149,50 @@ def remove_module_hooks(module: Any, pre: type | tuple[type, ...] = (), post: ty
                 for entry in entries:
                     entry.pop(key, None)
     return found
+
+
+class ModuleHook:
+    """Base of the stateless hooks ampguard puts on modules: every live instance of each kind is known.
+
+    ``copy.deepcopy`` and pickle of a model holding one make new instances (an EMA's copy of an island's hooks),
+    on modules ampguard never saw; they are made through ``__new__`` too (``__reduce__`` makes them so under every
+    pickle protocol). Once ampguard has taken off the hooks it registered (by their handles), a kind with instances
+    still alive may sit on such copies: only then does :func:`strip_copies` look for them among live objects.
+    """
+
+    _live: ClassVar[weakref.WeakSet[ModuleHook]]
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls._live = weakref.WeakSet()
+
+    def __new__(cls: type[_Hook], *args: Any, **kwargs: Any) -> _Hook:
+        hook = super().__new__(cls)
+        cls._live.add(hook)
+        return hook
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()
+
+    @classmethod
+    def any_alive(cls) -> bool:
+        return len(cls._live) > 0
+
+    @classmethod
+    def forget_live(cls) -> None:
+        cls._live.clear()
+
+
+def strip_copies(kinds: tuple[type[ModuleHook], ...], strip: Callable[[Any], object]) -> None:
+    """``strip(module)`` on every live module holding a forward hook or pre-hook, if an instance of ``kinds`` lives.
+
+    Called at uninstall after ampguard removed the hooks it registered: a hook still alive then is a copy's (or
+    one held elsewhere), and only then are live objects scanned (about 0.1-0.5 s in a large process).
+    """
+    if not any(kind.any_alive() for kind in kinds):
+        return
+    for obj in gc.get_objects():
+        if issubclass(type(obj), nn_module.Module) and (obj._forward_pre_hooks or obj._forward_hooks):
+            strip(obj)
+    for kind in kinds:  # what lives on is on no module now
+        kind.forget_live()

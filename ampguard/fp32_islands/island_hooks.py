@@ -10,7 +10,6 @@ island (a copy, a model loaded from such a file, ampguard uninstalled) does noth
 
 from __future__ import annotations
 
-import gc
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -23,7 +22,7 @@ import ampguard.fp32_islands.island_io as island_io
 import ampguard.fp32_islands.zero3 as zero3
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
-from ampguard.module_hooks import remove_module_hooks
+from ampguard.module_hooks import ModuleHook, remove_module_hooks, strip_copies
 
 logger = event_logger("island")
 
@@ -62,7 +61,7 @@ _regions = threading.local()
 _fallback_warned = False
 
 
-class EnterFloat32:
+class EnterFloat32(ModuleHook):
     """Forward pre-hook (with kwargs): float32 inputs, parameters and buffers, autocast off, for an island.
 
     Under autocast: autocast off inside, the floating inputs cast as ``custom_fwd(cast_inputs=torch.float32)``
@@ -120,7 +119,7 @@ class _NoRegion:
 _NO_REGION = _NoRegion()
 
 
-class LeaveFloat32:
+class LeaveFloat32(ModuleHook):
     """Forward hook (``always_call``): leaves what :class:`EnterFloat32` entered, outputs in their dtypes."""
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
@@ -189,7 +188,6 @@ def _warn_fallback(error: Exception) -> None:
 
 
 def strip_everywhere() -> None:
-    """Take island hooks off every live module (copies of a model made while it had islands): at uninstall only."""
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.nn.Module) and (obj._forward_pre_hooks or obj._forward_hooks):
-            strip(obj)
+    """Take island hooks off every live module (copies of a model made while it had islands): at uninstall only,
+    after the islands' own hooks were removed by their handles (live objects are scanned only if a copy lives)."""
+    strip_copies((EnterFloat32, LeaveFloat32, zero3.GatheredToFloat32, zero3.ReleaseFloat32), strip)

@@ -24,7 +24,6 @@ compiled root gets no hook (its hooks would run inside the compiled code).
 
 from __future__ import annotations
 
-import gc
 import logging
 import weakref
 from collections import deque
@@ -39,7 +38,7 @@ from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
 from ampguard.fp32_islands.probe import is_compiled
 from ampguard.fp32_islands.tensor_tree import tensors, values_in
 from ampguard.log import event_logger
-from ampguard.module_hooks import remove_module_hooks
+from ampguard.module_hooks import ModuleHook, remove_module_hooks, strip_copies
 from ampguard.syncs import read_to_host
 from ampguard.torch_privates import functorch_unwrapped, is_compiling
 
@@ -69,10 +68,9 @@ class Pass(NamedTuple):
 
 # By id() of the root module: the keeper of its inputs (an entry whose module is dead or whose id was reused is none).
 _kept: dict[int, tuple[weakref.ref[torch.nn.Module], ModelInputs]] = {}
-_hooks_made = False  # whether copies of a model may carry a hook (strip_everywhere scans only then)
 
 
-class KeepInputs:
+class KeepInputs(ModuleHook):
     """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments."""
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
@@ -124,8 +122,6 @@ class ModelInputs:
             if is_compiled(root) or isinstance(root, torch.jit.ScriptModule):
                 self._refused.add(key)
                 continue
-            global _hooks_made
-            _hooks_made = True
             self._handles[key] = root.register_forward_pre_hook(KeepInputs(), with_kwargs=True)
             _kept[key] = (weakref.ref(root), self)
 
@@ -214,11 +210,6 @@ def strip(module: torch.nn.Module) -> None:
 
 
 def strip_everywhere() -> None:
-    """Take the hooks off every live module (copies made while a model had one): at uninstall only."""
-    global _hooks_made
-    if not _hooks_made:
-        return
-    _hooks_made = False
-    for obj in gc.get_objects():
-        if issubclass(type(obj), torch.nn.Module) and obj._forward_pre_hooks:
-            strip(obj)
+    """Take the hooks off every live module (copies made while a model had one): at uninstall only, after the
+    keepers closed (live objects are scanned only if a copy of the hook lives)."""
+    strip_copies((KeepInputs,), strip)

@@ -31,7 +31,7 @@ from typing import Any
 import torch
 
 from ampguard.fp32_islands.half_parameters import LOW_PRECISION, Upcast, restore
-from ampguard.module_hooks import remove_module_hooks
+from ampguard.module_hooks import ModuleHook, remove_module_hooks
 
 _calls = threading.local()  # per thread: (module, what was swapped) for each call in progress
 
@@ -50,7 +50,7 @@ def owners(module: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-class GatheredToFloat32:
+class GatheredToFloat32(ModuleHook):
     """Forward pre-hook, after DeepSpeed's: the module's own gathered half-precision parameters as float32 copies."""
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
@@ -63,7 +63,7 @@ class GatheredToFloat32:
         _calls.__dict__.setdefault("stack", []).append((module, swapped))
 
 
-class ReleaseFloat32:
+class ReleaseFloat32(ModuleHook):
     """Forward hook (``always_call``), ahead of DeepSpeed's: the partitioned parameters back in place."""
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
