@@ -165,6 +165,10 @@ def _unscale(scaler: Any, trainee: Trainee) -> None:
     scaler.unscale_(trainee.optimizer)
 
 
+def _overflowed(param: torch.Tensor) -> bool:
+    return param.grad is not None and not bool(torch.isfinite(param.grad).all())
+
+
 def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: set[int]) -> str | None:
     """The clip the program says; on the torch side, where ampguard differs on purpose, its substitute.
 
@@ -173,8 +177,8 @@ def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: 
 
     * ``forgotten``: still-scaled gradients, an unscaled threshold, no ``get_scale()`` read. ampguard gives the
       recipe's result (docs/clipping.md): the torch side runs the recipe, ``unscale_`` then clip.
-    * ``scaled_threshold``: ``max_norm * scaler.get_scale()`` on still-scaled gradients: torch's own idiom, the
-      same call on both sides.
+    * ``scaled_threshold``: ``max_norm * scaler.get_scale()`` (``clip_value * scaler.get_scale()``) on still-scaled
+      gradients: torch's own idiom, the same call on both sides.
     * ``unscaled``: the recipe, the same call on both sides.
     A non-finite norm with a scaler in play (clipping.md, "Non-finite norms"), outside ``clip_grad_norm_``'s
     recipe case of one optimizer already unscaled: ampguard's coefficient is NaN, not torch's 0, so every optimizer
@@ -197,7 +201,13 @@ def _clip(scaler: Any, trainees: list[Trainee], clip: dict[str, Any], unscaled: 
         params = [p for trainee in members for p in trainee.stepped]
     foreach = clip["foreach"]
     if clip["api"] == "value":
-        torch.nn.utils.clip_grad_value_(params, clip["clip_value"], foreach=foreach)
+        clip_value = clip["clip_value"] * (scaler.get_scale() if mode == "scaled_threshold" else 1.0)
+        # The idiom's one difference (docs/clipping.md): a still-scaled gradient holding inf/NaN becomes NaN, all of
+        # it, where torch's clamp hides the overflow; so its optimizer skips the step.
+        hidden = [] if UNDER_AMPGUARD or mode != "scaled_threshold" else [p.grad for p in params if _overflowed(p)]
+        torch.nn.utils.clip_grad_value_(params, clip_value, foreach=foreach)
+        for grad in hidden:
+            grad.fill_(float("nan"))
         return None
     if clip["api"] == "split":
         grads = [p.grad for p in params if p.grad is not None]

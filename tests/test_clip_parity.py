@@ -270,3 +270,39 @@ def test_the_split_api_with_a_scaled_threshold_after_another_optimizer_was_unsca
     with plain_torch():
         want = run()
     _assert_same(run(), want)
+
+
+def test_clip_grad_value_with_a_scaled_bound_is_torchs():
+    """``clip_grad_value_(params, 0.2 * get_scale())`` on still-scaled gradients: torch's clamp at the bound as
+    given (before, ampguard multiplied it by the scale again: a bound of 0.2 * scale**2, nothing clipped)."""
+
+    def clip(params, scaler):
+        torch.nn.utils.clip_grad_value_(params, 0.2 * scaler.get_scale())
+        return torch.zeros(())
+
+    with plain_torch():
+        want = _run(clip, VALUES)
+    assert any(not torch.equal(g, torch.tensor(v)) for g, v in zip(want[1], VALUES))  # (the bound clips)
+    _assert_same(_run(clip, VALUES), want)
+
+
+def test_clip_grad_value_with_a_scaled_bound_still_skips_a_step_whose_gradients_overflowed():
+    """The one difference the idiom keeps: torch's clamp turns a still-scaled inf into the finite bound and the step
+    is taken with it; ampguard makes it NaN, so the scaler finds the overflow and skips the step."""
+
+    def run():
+        params = _params(VALUES)
+        optimizer = torch.optim.SGD(params, lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=SCALE)
+        scaler.scale(sum((p * torch.tensor(v)).sum() for p, v in zip(params, VALUES))).backward()
+        params[0].grad[0] = float("inf")
+        torch.nn.utils.clip_grad_value_(params, 0.2 * scaler.get_scale())
+        scaler.step(optimizer)
+        scaler.update()
+        return params[0].detach().clone(), scaler.get_scale()
+
+    with plain_torch():
+        torch_param, torch_scale = run()
+    param, scale = run()
+    assert torch_scale == SCALE and not torch.equal(torch_param, torch.zeros(3))  # torch stepped
+    assert torch.equal(param, torch.zeros(3)) and scale == SCALE / 2  # skipped, backed off

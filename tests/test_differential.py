@@ -130,8 +130,7 @@ def steps(draw: st.DrawFn, optimizers: list[dict[str, Any]]) -> dict[str, Any]:
         api = draw(st.sampled_from(CLIP_APIS))
         modes = ["unscaled"]
         if not any(optimizers[i]["half"] for i in members):
-            if api != "value":  # (no scaled-threshold idiom for clip_grad_value_)
-                modes += ["scaled_threshold"]
+            modes += ["scaled_threshold"]
             # A forgotten unscale_ gives the recipe's norm bit for bit, and the recipe's clipped gradients where the
             # scale is known on the host; with a fused optimizer in the loop (device mode) it is not, and their last
             # bits may differ (docs/clipping.md). The clamp of clip_grad_value_ is the recipe's at any power of two.

@@ -12,9 +12,13 @@ play, with the same rules and no host read (docs/clipping.md):
 * ``clip_grad_value_(params, clip_value)`` clamps still-scaled gradients at
   ``clip_value * scale`` (a device tensor, no host read) and the others at
   ``clip_value``: after ``unscale_`` the gradients are torch's clamp of the
-  unscaled ones, bit for bit (the scale is a power of two). A still-scaled
-  gradient holding inf/NaN becomes NaN instead of the bound, so that
-  ``unscale_`` finds the overflow and the step is skipped, as in the recipe.
+  unscaled ones, bit for bit (the scale is a power of two). With every
+  gradient still scaled and ``get_scale()`` read after ``scale()`` (the idiom
+  ``clip_grad_value_(params, clip_value * scaler.get_scale())``) the bound is
+  taken as given, a bound for scaled gradients, as ``clip_grad_norm_`` reads
+  its threshold. A still-scaled gradient holding inf/NaN becomes NaN instead
+  of the bound, so that ``unscale_`` finds the overflow and the step is
+  skipped, as in the recipe.
 * ``get_total_norm(tensors)`` receives gradient *tensors*, not parameters.
   A tensor is taken as unscaled when it is the ``.grad`` (or the master's
   ``.grad``) of a parameter of an optimizer a scaler already unscaled (matched
@@ -94,6 +98,10 @@ def clip_grad_value_wrapper(
     scale = single_scale(scalers) if still_scaled else None
     if scale is None:
         still_scaled = set()
+    elif len(still_scaled) == len(pairs) and scaled_threshold(scalers[0]):
+        # get_scale() read after scale(): clip_grad_value_(params, clip_value * scaler.get_scale()) on still-scaled
+        # gradients, the idiom clip_grad_norm_ reads alike (norm.scaled_threshold): the bound as given, torch's.
+        scale = torch.ones((), dtype=torch.float32)
     with torch.no_grad():
         for group in kernels.groups([g for _, g in pairs], foreach):
             _clamp_(group, [g for g in group.grads if id(g) not in still_scaled], clip_value)
