@@ -18,6 +18,7 @@ from types import ModuleType
 from typing import Any
 
 import ampguard.containment as containment
+import ampguard.deepspeed_fp16.checkpoint as checkpoint
 import ampguard.deepspeed_fp16.hooks as hooks
 import ampguard.deepspeed_fp16.losses as losses
 from ampguard.config import Config
@@ -48,6 +49,16 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
     ),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", "_update_scale", hooks.optimizer_update_scale),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward", losses.engine_backward),
+    *(
+        (module_name, class_name, method, make)
+        for module_name, class_name in (
+            ("deepspeed.runtime.fp16.unfused_optimizer", "FP16_UnfusedOptimizer"),
+            ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer"),
+            ("deepspeed.runtime.zero.stage_1_and_2", "DeepSpeedZeroOptimizer"),
+            ("deepspeed.runtime.zero.stage3", "DeepSpeedZeroOptimizer_Stage3"),
+        )
+        for method, make in (("state_dict", checkpoint.state_dict), ("load_state_dict", checkpoint.load_state_dict))
+    ),
 )
 
 _active: DeepSpeedFp16Patch | None = None  # the applied patch, which the (permanent) import hook serves
@@ -127,6 +138,7 @@ class DeepSpeedFp16Patch(Patch):
             _active = None
         self.attached = False
         self.policy = None
+        checkpoint.reset()
         super().revert()
 
 

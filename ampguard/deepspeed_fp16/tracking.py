@@ -72,6 +72,19 @@ class DeepSpeedLossScale:
         self.skipped_at_last_line = 0
         self.collapse_reported = False
         self.stall_reported = False
+        self.finalizer: weakref.finalize[..., object] | None = None  # keeps the line when its holder goes
+
+    def restore(
+        self, steps: int, skipped: int, nonfinite: int, consecutive: int, low: float, high: float, scale: float
+    ) -> None:
+        """The counts of a loaded checkpoint (ampguard.deepspeed_fp16.checkpoint); ``scale``: DeepSpeed's, loaded.
+
+        A streak loaded at or past the limit is reported (or raises) at the next skipped step, as a SafeGradScaler's.
+        """
+        self.steps, self.skipped, self.nonfinite_loss, self.consecutive = steps, skipped, nonfinite, consecutive
+        self.scale, self.min_seen, self.max_seen = scale, low, high
+        self.skipped_at_last_line = skipped
+        self.collapse_reported = self.stall_reported = False
 
     @property
     def stats(self) -> ScalerStats:
@@ -142,9 +155,27 @@ def tracker(holder: object, scale: float) -> DeepSpeedLossScale:
     if found is None:
         found = _trackers[holder] = DeepSpeedLossScale(scale)
         summary.track(found)
-        # its line outlives it (an engine destroyed before exit); at exit the live ones are read directly
-        weakref.finalize(holder, _gone, found).atexit = False
+        _follow(holder, found)
     return found
+
+
+def adopt(holder: object, counts: DeepSpeedLossScale) -> DeepSpeedLossScale:
+    """``counts`` now kept for ``holder`` (a loaded ZeRO checkpoint's new scaler), no longer for its old one."""
+    if _trackers.get(holder) is not counts:
+        for old, found in list(_trackers.items()):
+            if found is counts:
+                del _trackers[old]
+        _trackers[holder] = counts
+        _follow(holder, counts)
+    return counts
+
+
+def _follow(holder: object, counts: DeepSpeedLossScale) -> None:
+    # its line outlives it (an engine destroyed before exit); at exit the live ones are read directly
+    if counts.finalizer is not None:
+        counts.finalizer.detach()
+    counts.finalizer = weakref.finalize(holder, _gone, counts)
+    counts.finalizer.atexit = False
 
 
 def _gone(counts: DeepSpeedLossScale) -> None:

@@ -3,7 +3,10 @@
 ``python deepspeed_run.py '<json>'`` where the JSON is a list of runs, each
 ``{"stage": 0..3, "overflow": "never"|"always"|"every5"|"inside", "steps": N, "ampguard": bool,
 "initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional), "config": {more DeepSpeed config}
-(optional), "count_reads": bool (optional)}``. Each run trains a fresh engine (same
+(optional), "count_reads": bool (optional), "save": {"at": K, "name": N} (optional: ``engine.save_checkpoint``
+after step K into $DEEPSPEED_CHECKPOINTS/N), "load": {"at": K, "name": N} (optional: ``engine.load_checkpoint``
+of that checkpoint before training, which then goes on from step K + 1 with the data and overflows of an
+uninterrupted run)}``. Each run trains a fresh engine (same
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
 engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
 ampguard's log records and the stats-file records written during the run, the fp32 islands, the initial parameters.
@@ -125,9 +128,17 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     generator = torch.Generator().manual_seed(1)
     died, died_at = None, None
     reads = HostReadCounter()  # the host reads of the steps after the first two (when "count_reads")
+    checkpoints = os.environ.get("DEEPSPEED_CHECKPOINTS", ".")
+    first = 1
+    if run.get("load"):
+        engine.load_checkpoint(os.path.join(checkpoints, run["load"]["name"]), tag="t")
+        first = run["load"]["at"] + 1
+        net[2].calls = run["load"]["at"] * engine.gradient_accumulation_steps()
     for step in range(1, run["steps"] + 1):
         x = torch.randn(8, 8, generator=generator).half()
         target = torch.randn(8, 1, generator=generator)
+        if step < first:  # the data of the steps the loaded checkpoint took
+            continue
         counting = run.get("count_reads", False) and step > 2
         try:
             with reads if counting else contextlib.nullcontext():
@@ -137,6 +148,8 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         except Exception as error:
             died, died_at = f"{type(error).__name__}: {error}", step
             break
+        if run.get("save") and step == run["save"]["at"]:
+            engine.save_checkpoint(os.path.join(checkpoints, run["save"]["name"]), tag="t")
     parameters = list(engine.module.parameters())
     if run["stage"] == 3:
         with deepspeed.zero.GatheredParameters(parameters):

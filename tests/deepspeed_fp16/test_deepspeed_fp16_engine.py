@@ -12,7 +12,10 @@ subprocess for all: DeepSpeed's distributed state is per process):
   weights to plain DeepSpeed, and as many host reads per step;
 - ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked;
 - a block whose float16 activations overflow inside it: plain DeepSpeed skips most steps, under ampguard it
-  becomes an fp32 island after 2 and trains (ZeRO 0-3).
+  becomes an fp32 island after 2 and trains (ZeRO 0-3);
+- ``engine.save_checkpoint`` / ``engine.load_checkpoint`` mid-run: ampguard's counts (and islands) go on from the
+  checkpoint as in an uninterrupted run, with its weights; a checkpoint of plain DeepSpeed loads under ampguard and
+  one saved under ampguard loads in plain DeepSpeed, each giving the weights plain DeepSpeed's own gives.
 
 Skipped where DeepSpeed is not installed (the CI's newest leg installs it; docs/deepspeed.md).
 """
@@ -71,6 +74,28 @@ def _runs() -> list[dict[str, Any]]:
             "config": {"gradient_accumulation_steps": 2},
         }
     )
+    return runs + _checkpoint_runs()
+
+
+SAVED_AT = 12
+
+
+def _checkpoint_runs() -> list[dict[str, Any]]:
+    """Named runs, overflowing on every 5th call from scale 1024 in both: each saver trains 24 steps and saves
+    after step 12, each loader resumes from there. ampguard -> ampguard at ZeRO 0-3; plain -> ampguard and
+    ampguard -> plain at ZeRO 0, 2 and 3 (ZeRO 1 saves and loads with ZeRO 2's class)."""
+    runs = []
+    for stage in STAGES:
+        common = {"stage": stage, "overflow": "every5", "steps": STEPS, "initial_scale_power": 10}
+        savers = ("ampguard", "plain") if stage != 1 else ("ampguard",)
+        for saver in savers:
+            save = {"at": SAVED_AT, "name": f"{saver}-{stage}"}
+            runs.append({**common, "ampguard": saver == "ampguard", "name": f"{saver} saves {stage}", "save": save})
+            for loader in ("ampguard", "plain") if stage != 1 else ("ampguard",):
+                if loader == saver == "plain":  # (DeepSpeed's own round trip: not ampguard's to test)
+                    continue
+                name = f"{loader} loads {saver} {stage}"
+                runs.append({**common, "ampguard": loader == "ampguard", "name": name, "load": save})
     return runs
 
 
@@ -92,6 +117,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
         "AMPGUARD_STATS_EVERY": "8",
         "AMPGUARD_STATS_FILE": str(stats_file),
         "MASTER_PORT": str(_free_port()),
+        "DEEPSPEED_CHECKPOINTS": str(tmp_path_factory.mktemp("checkpoints")),
         "PYTHONWARNINGS": "ignore",
     }
     done = subprocess.run(
@@ -100,11 +126,14 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
     assert done.returncode == 0, done.stderr[-4000:]
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     assert len(lines) == len(runs), done.stderr[-4000:]
-    results = {
-        (run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"): line
-        for run, line in zip(runs[:-1], lines)
-    }
-    results["accumulating"] = lines[-1]
+    results: dict[Any, dict[str, Any]] = {}
+    for run, line in zip(runs, lines):
+        if "name" in run:
+            results[run["name"]] = line
+        elif run.get("config", {}).get("gradient_accumulation_steps"):
+            results["accumulating"] = line
+        else:
+            results[run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"] = line
     results["stderr"] = done.stderr
     return results
 
@@ -170,6 +199,9 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20, the accumulating
     # run's 4 of its 12 optimizer steps, the islanded runs' 2; healthy runs: none
     expected = [f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + [f"2 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"]
+    # the checkpoint runs: each ampguard saver's and each resumed one's 4 of 24 (one line per engine: the counts
+    # follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12 steps
+    expected += [f"4 of {STEPS}"] * 8 + ["2 of 12"] * 3
     assert counts == sorted(expected)
 
 
@@ -205,3 +237,35 @@ def test_on_stall_raise_stops_the_run_where_asked(results):
     guarded = results[2, "always", True, "raise"]
     assert guarded["died"].startswith("ScaleCollapseError: 20 consecutive DeepSpeed optimizer steps were skipped")
     assert guarded["died_at"] == 20
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_checkpoint_resumes_ampguards_counts_and_islands_as_an_uninterrupted_run(results, stage):
+    """Saved after step 12 and loaded into a fresh engine: the counts at 24 steps, the stats lines after the load
+    and the weights are the uninterrupted run's; the island the probe made is re-applied from the checkpoint."""
+    whole, resumed = results[f"ampguard saves {stage}"], results[f"ampguard loads ampguard {stage}"]
+    assert whole["died"] is None and resumed["died"] is None
+    assert resumed["ampguard"] == whole["ampguard"]  # steps 24, skipped 4, the scales seen, the islands
+    assert resumed["engine_skipped"] == whole["engine_skipped"] == 4
+    assert resumed["parameters"] == whole["parameters"]
+    later = [(r["steps"], r["skipped"]) for r in whole["stats_file"] if r["event"] == "stats" and r["steps"] > 12]
+    assert [(r["steps"], r["skipped"]) for r in resumed["stats_file"] if r["event"] == "stats"] == later
+    assert whole["islands"] == ["2"] and resumed["islands"] == ["2"]
+    assert "INFO: fp32 island 2 (Loud) re-applied from the checkpoint." in resumed["log"]
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_checkpoints_load_across_plain_deepspeed_and_ampguard(results, stage):
+    """Plain DeepSpeed's checkpoint under ampguard, ampguard's in plain DeepSpeed: no error, and the weights each
+    uninterrupted run of the loader gives (same scale, same overflows). Counts of a plain checkpoint start at the
+    load, said once at INFO."""
+    plain, guarded = results[f"plain saves {stage}"], results[f"ampguard saves {stage}"]
+    assert plain["parameters"] == guarded["parameters"]  # the same run from the same scale
+    into_plain, into_guarded = results[f"plain loads ampguard {stage}"], results[f"ampguard loads plain {stage}"]
+    assert into_plain["died"] is None and into_guarded["died"] is None
+    assert into_plain["parameters"] == into_guarded["parameters"] == plain["parameters"]
+    assert into_plain["engine_skipped"] == into_guarded["engine_skipped"] == plain["engine_skipped"] == 4
+    counts = into_guarded["ampguard"]
+    assert (counts["steps"], counts["skipped"]) == (STEPS - SAVED_AT, 2)  # steps 15 and 20
+    said = [line for line in into_guarded["log"] if "DeepSpeed checkpoint saved without ampguard" in line]
+    assert len(said) == 1 and said[0].startswith("INFO"), into_guarded["log"]

@@ -57,8 +57,13 @@ _IMPORT_ORDER = textwrap.dedent(
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler
     from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
     from deepspeed.runtime.precision_config import DeepSpeedFP16Config
+    from deepspeed.runtime.engine import DeepSpeedEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
 
-    classes = (DeepSpeedFP16Config, DynamicLossScaler, FP16_UnfusedOptimizer, FP16_Optimizer)
+    zero = (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)
+    optimizers = (FP16_UnfusedOptimizer, FP16_Optimizer, *zero)
+    classes = (DeepSpeedFP16Config, DynamicLossScaler, DeepSpeedEngine, *optimizers)
     stock = [dict(vars(owner)) for owner in classes]
 
     def same_as_stock():
@@ -94,6 +99,8 @@ _IMPORT_ORDER = textwrap.dedent(
         ("DynamicLossScaler", "update_scale"),
         ("FP16_UnfusedOptimizer", "_update_scale"),
         ("FP16_Optimizer", "_update_scale"),
+        ("DeepSpeedEngine", "backward"),
+        *((owner.__name__, name) for owner in optimizers for name in ("state_dict", "load_state_dict")),
     }, changed
     ampguard.uninstall()
     assert same_as_stock() and starts() == (65536, 65536, 4096, 4096)
