@@ -324,3 +324,33 @@ def test_an_overflow_at_step_1_is_reported_at_the_read_with_what_stays_nan(reins
     assert scaler.stats.buffers_restored == 0
     unrestored = records(ampguard_log, logging.WARNING, "could not be put back")
     assert len(unrestored) == 1 and "BatchNorm2d.running_var" in unrestored[0].getMessage()
+
+
+@pytest.mark.parametrize("optimizer_kind", ["fused (rows copied)", "fused (rows at reads only)", "foreach (host mode)"])
+def test_a_nonfinite_loss_with_finite_gradients_is_no_forward_overflow(
+    reinstall, monkeypatch, ampguard_log, optimizer_kind
+):
+    """A loss made inf by a term without gradient (``+ inf``): the gradients are finite, the step is taken, as in
+    torch, and no module overflowed, so the probe is not armed. Device mode counted every non-finite loss as a
+    forward overflow (the probe watched the next forward passes), host mode only those whose step was skipped."""
+    reinstall(AMPGUARD_STATS_EVERY="4")
+    if optimizer_kind == "fused (rows copied)":
+        monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: True))
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    fused_kind = optimizer_kind.startswith("fused")
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3, fused=fused_kind, foreach=None if fused_kind else True)
+    scaler = torch.amp.GradScaler("cpu")
+    for step in range(8):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(2, 4)).float().sum()
+        if step == 2:
+            loss = loss + torch.tensor(float("inf"))
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    stats = scaler.stats
+    assert (stats.nonfinite_loss, stats.skipped, stats.scale) == (1, 0, 1024.0)
+    assert not records(ampguard_log, logging.INFO, "forward overflow")
+    assert not healing._active.probe.armed

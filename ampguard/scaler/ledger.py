@@ -220,9 +220,8 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownR
     ledger.told += len(rows)
     if scaler._counters.last_skipped is None and ledger.rows_current:
         scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-    listeners.notify_counters_read(
-        scaler, sum(row.nonfinite_loss for row in rows), len(rows), at_read=False, current=ledger.rows_current
-    )
+    forward_overflows = sum(policy.forward_overflow(row.found, row.nonfinite_loss) for row in rows)
+    listeners.notify_counters_read(scaler, forward_overflows, len(rows), at_read=False, current=ledger.rows_current)
     for row in rows:
         if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
             listeners.notify_overflow_known(scaler, row.scale)
@@ -271,8 +270,8 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
             replay.high,
         )
     untold = range(ledger.told, len(rows))  # the rows no host copy told yet
-    nonfinite = sum(math.isnan(rows[i][2]) for i in untold)
-    listeners.notify_counters_read(scaler, nonfinite, len(untold), at_read=True, current=True)
+    forward_overflows = sum(policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2])) for i in untold)
+    listeners.notify_counters_read(scaler, forward_overflows, len(untold), at_read=True, current=True)
     for i in untold:  # [skipped, found, check, scale]: gradients that overflowed, not a held forward overflow
         held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
         if rows[i][1] > 0 and not held:

@@ -88,7 +88,9 @@ class StepListener:
     ) -> None:
         """The host learned the verdicts of ``iterations`` more device-mode iterations.
 
-        ``forward_overflows`` of them had a non-finite loss. Each iteration is
+        ``forward_overflows`` of them were forward overflows: a loss itself was
+        inf/NaN and the step was skipped (a non-finite loss with finite
+        gradients steps, as in host mode's :meth:`on_update`). Each iteration is
         told once: from its row's host copy as soon as it is complete
         (:mod:`ampguard.scaler.row_copies`; ``at_read`` False, at most once per
         ``update()``), or at the ledger's read (``at_read`` True). ``current``:
