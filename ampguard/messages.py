@@ -140,9 +140,15 @@ ISLAND_BLAMED = (
     "fp32 island: {name} ({cls}) is taken for the forward overflow of step {step} (the loss was inf/NaN): the "
     "headroom watch of step {seen} saw it closest to float16's limit of all modules, with a peak of {peak:,.0f} "
     "against 65,504, so it is made an island at this first overflow (if overflows go on, the probe looks for "
-    "another module). From now on it runs in float32: autocast disabled inside it, its floating-point inputs cast "
+    "the module, and this island is taken back if it names another). From now on it runs in float32: autocast disabled inside it, its floating-point inputs cast "
     "to float32 and its outputs given back in the dtypes they had; {parameters} and the loss "
     "scale was not lowered for this overflow. To make this permanent without ampguard (model: your {owner}): {line}"
+)
+
+ISLAND_TAKEN_BACK = (
+    "fp32 island {name} ({cls}) taken back at step {step}: the forward overflow it was taken for came back, and "
+    "{other} overflowed float16 (named by its forward run again or the probe), not {name}. {name} runs as under "
+    "torch again; the line given to make it permanent is not needed."
 )
 
 ISLAND_BLAMED_REPORT = (

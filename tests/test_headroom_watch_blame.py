@@ -6,10 +6,12 @@ watch's suspect), but here it never overflows: the overflow comes from elsewhere
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from islands_support import CLASSES, DIM, batch, fresh_islands, make_net  # noqa: F401
-from scaler_support import one_thread  # noqa: F401  (fixtures)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -30,10 +32,28 @@ class SpikyHead(nn.Module):
 SPIKES = (5, 8, 11, 14)
 
 
-def run(head: bool, nan_batch: int | None = None, steps: int = 30) -> tuple[list[int], tuple[str, ...]]:
+class OnceOnlyHead(SpikyHead):
+    """A spiky head whose forward cannot be run again: it needs autograd (the forward run again has none)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            raise RuntimeError("this head needs autograd")
+        return super().forward(x)
+
+
+def run(
+    head: bool, nan_batch: int | None = None, steps: int = 30, head_class: type[SpikyHead] = SpikyHead
+) -> tuple[list[int], tuple[str, ...]]:
+    lost, islands, _ = run_model(head, nan_batch, steps, head_class)
+    return lost, islands
+
+
+def run_model(
+    head: bool, nan_batch: int | None = None, steps: int = 30, head_class: type[SpikyHead] = SpikyHead
+) -> tuple[list[int], tuple[str, ...], nn.Module]:
     model = make_net()
     if head:
-        model.head = SpikyHead()
+        model.head = head_class()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=1024.0, growth_interval=100)
     lost = []
@@ -51,7 +71,7 @@ def run(head: bool, nan_batch: int | None = None, steps: int = 30) -> tuple[list
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    return lost, scaler.stats.fp32_islands
+    return lost, scaler.stats.fp32_islands, model
 
 
 def test_a_sudden_overflow_elsewhere_makes_no_wrong_island_and_loses_one_batch(reinstall):
@@ -75,3 +95,29 @@ def test_a_nan_batch_makes_no_island(reinstall):
     assert run(head=False, nan_batch=5) == ([5], ())
     reinstall(AMPGUARD_WATCH_EVERY="100")
     assert run(head=False, nan_batch=5) == ([5], ())
+
+
+@pytest.mark.parametrize(
+    ("setting", "head_class"),
+    [("AMPGUARD_FORWARD_RERUN=off", SpikyHead), ("a forward run again that raises", OnceOnlyHead)],
+)
+def test_a_wrong_blame_is_taken_back_when_the_probe_names_the_real_module(reinstall, ampguard_log, setting, head_class):
+    """Where the forward cannot run again, the watch's blame is all there is at step 5: blocks.1.attn (the tightest,
+    never overflowing) is made an island. The overflows go on (the head's), the probe arms at 8 and names the head
+    at 11: blocks.1.attn's island is taken back there (before: a permanent wrong island, float32 compute for good).
+    From then on blocks.1.attn computes what plain torch computes, bit for bit."""
+    variables = {"AMPGUARD_WATCH_EVERY": "100"}
+    if setting == "AMPGUARD_FORWARD_RERUN=off":
+        variables["AMPGUARD_FORWARD_RERUN"] = "off"
+    reinstall(**variables)
+    lost, islands, model = run_model(head=True, head_class=head_class)
+    assert lost == [5, 8, 11] and islands == ("head",)
+    made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention) is taken for")
+    taken_back = records(ampguard_log, logging.WARNING, "fp32 island blocks.1.attn (Attention) taken back at step 12")
+    assert len(made) == len(taken_back) == 1 and "head overflowed float16" in taken_back[0].getMessage()
+    attn = model.blocks[1].attn
+    x = batch(29, healthy=True)[0].requires_grad_()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = attn(x)
+        plain = type(attn).forward(attn, x)  # torch's own forward: no module hook runs
+    assert out.dtype == plain.dtype == torch.float16 and torch.equal(out, plain)

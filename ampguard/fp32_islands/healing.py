@@ -203,6 +203,7 @@ def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, b
                 _after_verdict(active, made_island=False)
             else:
                 again = islands.holds(call[0])  # an island that overflows in float32 too
+                islands.settle_blame(call[0], call[1], step)
                 made = islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
                 probe.disarm()
                 _after_verdict(active, made_island=made, conclusive=again)
@@ -239,6 +240,7 @@ def _found_again(active: _Healing, step: int, collective: bool = False) -> bool 
     if call is None:
         return None if reason is not None else False
     again = islands.holds(call[0])  # an island that overflows in float32 too
+    islands.settle_blame(call[0], call[1], step)
     made = islands.decide(*call, step=step, mode=active.mode, max_islands=active.max_islands)
     _after_verdict(active, made_island=made, conclusive=again)
     return True

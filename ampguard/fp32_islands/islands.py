@@ -60,6 +60,9 @@ reported: set[str] = set()
 # The modules named in report mode (which changes nothing): the headroom watch's verdict passes over them, as over
 # an island in auto mode, so the next module auto mode would make an island is named too.
 named_in_report: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+# Islands made on the headroom watch's blame alone (the module was the closest to the limit, not seen to overflow):
+# taken back when the next module the forward run again or the probe names is another one.
+_blamed: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _pending: dict[str, Any] = {"names": [], "outputs": {}, "handle": None, "full_names": True}
 
 
@@ -103,6 +106,31 @@ def make(module: torch.nn.Module, name: str, outputs: tuple[str, ...] | None = N
     return island
 
 
+def mark_blamed(module: torch.nn.Module) -> None:
+    """``module``'s island was made on a blame alone (:mod:`~ampguard.fp32_islands.watch_verdicts`): until the next
+    module named, it is taken back if that is another one (:func:`settle_blame`)."""
+    _blamed.add(module)
+
+
+def settle_blame(named: torch.nn.Module, root: torch.nn.Module, step: int) -> None:
+    """The forward run again or the probe named ``named`` at a forward overflow: the islands made on a blame alone
+    are kept when it is theirs, and taken back otherwise (the overflow came back, from another module).
+
+    Called before ``named``'s island is decided, so the slot a wrong blame took counts for it
+    (``AMPGUARD_MAX_ISLANDS``).
+    """
+    for module in list(_blamed):
+        _blamed.discard(module)
+        island = island_hooks.island_of(module)
+        if module is named or island is None:
+            continue
+        _remove(islands.pop(id(module), None))
+        other = qualified_name(named, root) or type(unwrap(root)).__name__
+        logger.warning(
+            messages.ISLAND_TAKEN_BACK.format(name=island.name, cls=type(module).__name__, step=step, other=other)
+        )
+
+
 def recorded_outputs() -> dict[str, list[str]]:
     """The output dtypes recorded for the live islands, by name (plain strings, for checkpoints)."""
     return {island.name: list(island.outputs) for island in _live() if island.outputs is not None}
@@ -123,6 +151,7 @@ def clear() -> None:
     compiled_islands.stop()
     reported.clear()
     named_in_report.clear()
+    _blamed.clear()
     _stop_restoring()
 
 

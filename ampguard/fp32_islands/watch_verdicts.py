@@ -44,10 +44,13 @@ def judge(
         if suspect is None:
             return False
         (module, root, outputs), peak, seen = suspect
-        return islands.decide(
+        made = islands.decide(
             module, root, outputs, step=step, mode=mode, max_islands=max_islands,
             made=messages.ISLAND_BLAMED, reported=messages.ISLAND_BLAMED_REPORT, peak=peak, seen=seen,
         )  # fmt: skip
+        if made:  # not seen to overflow: taken back if the next module named is another
+            islands.mark_blamed(module)
+        return made
     found = sighting.candidate(verdict - 1) if sighting is not None and sighting.clean and verdict else None
     if sighting is not None and found is not None:
         module, root, outputs = found
