@@ -35,6 +35,7 @@ import ampguard.underflow.nodes as node_kinds
 from ampguard.module_hooks import GlobalModuleHooks
 from ampguard.torch_privates import in_functorch_transform, is_compiling
 from ampguard.underflow.counts import Tally, on, passed_on
+from ampguard.underflow.flushes import Flushes
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -107,6 +108,7 @@ class Sampler:
         self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
         self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
         self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
+        self._flushes = Flushes(f"{self._mark}.fed")  # whether the gradients counted were flushed, passed down
         # The node hooks' handles, removed when the sample ends: a node kept across samples (a parameter's
         # accumulator, which DistributedDataParallel keeps) carries no hook between them.
         self._node_hooks: list[Any] = []
@@ -314,7 +316,7 @@ class Sampler:
         self._calls = 0  # a backward pass through the sample: training goes on
         try:
             node = _current_node()
-            fed = self._fed(node, session)
+            fed = self._flushes.fed(node, session)
             passes: torch.Tensor | None = None
             for gradient in gradients:
                 passed: torch.Tensor | None = None
@@ -331,54 +333,15 @@ class Sampler:
                 if passed is not None:
                     passes = passed if passes is None else passes | on(passed, passes.device)
             if passes is not None and node is not None:
-                self._pass_on(node, session, passes)
+                self._flushes.pass_on(node, session, passes)
         except Exception as error:
             self._fail("backward node hook", error)
-
-    # Whether the counted gradients were flushed, this session: a node's metadata holds (session, cell), the cell
-    # holds the tensor while the sample lasts (:meth:`finish` empties the cells: nothing stays on a node kept alive).
-    _passed: tuple[int, list[list[torch.Tensor]]] = (-1, [])
-
-    def _fed(self, node: Any, session: int) -> torch.Tensor | bool:
-        """Whether a gradient ``node``'s incoming gradient was computed from was flushed (False: none was passed
-        on to it)."""
-        entry = node.metadata.get(f"{self._mark}.fed") if node is not None else None
-        if entry is None or entry[0] != session or self._passed[0] != session or not entry[1]:
-            return False
-        fed: torch.Tensor = entry[1][0]
-        return fed
-
-    def _pass_on(self, node: Any, session: int, passes: torch.Tensor) -> None:
-        """``passes`` to the nodes ``node``'s outputs feed, through views (not hooked: their gradient is their
-        base's); a node fed by several is flushed-fed if one of them was."""
-        if self._passed[0] != session:
-            self._passed = (session, [])
-        cells, key = self._passed[1], f"{self._mark}.fed"
-        stack, seen = [next_node for next_node, _ in node.next_functions], set()
-        while stack:
-            child = stack.pop()
-            if child is None or child in seen:
-                continue
-            seen.add(child)
-            if type(child).__name__ in node_kinds.SAME_VALUES:
-                stack.extend(next_node for next_node, _ in child.next_functions)
-            elif node_kinds.counted(child):  # (not a float32 leaf's accumulator: nothing is computed from its gradient)
-                entry = child.metadata.get(key)
-                if entry is not None and entry[0] == session and entry[1]:
-                    cell = entry[1]
-                    cell[0] = cell[0] | on(passes, cell[0].device)
-                else:
-                    cell = [passes]
-                    cells.append(cell)
-                    child.metadata[key] = (session, cell)
 
     def finish(self) -> list[Tally]:
         """End the sample: no more counting; the tallies, to :func:`read`."""
         self.disarm()
         self._session += 1
         self._remove_node_hooks()
-        for cell in self._passed[1]:
-            cell.clear()
-        self._passed = (-1, [])
+        self._flushes.clear()
         tallies, self.tallies = list(self.tallies.values()), {}
         return tallies
