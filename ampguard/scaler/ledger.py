@@ -181,6 +181,8 @@ def update_in_device_mode(
             unread = [scaler._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
             read_skips = sum(host_found[key] for key in stepped_keys if key in host_found)
             ledger.copies.add(row, hold, unread, read_skips)
+            for optimizer in unread:
+                listeners.notify_step_pending(scaler, optimizer)
         if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
             for s in recorded.values():
                 for found_inf in s["found_inf_per_device"].values():
@@ -225,10 +227,14 @@ def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownR
     for row in rows:
         if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
             listeners.notify_overflow_known(scaler, row.scale)
-        skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
-        for optimizer in row.unread:
-            listeners.notify_step_known(scaler, optimizer, skipped)
+        _tell_steps(scaler, row)
     return rows
+
+
+def _tell_steps(scaler: SafeGradScaler, row: KnownRow) -> None:
+    skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
+    for optimizer in row.unread:
+        listeners.notify_step_known(scaler, optimizer, skipped)
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
@@ -276,6 +282,9 @@ def fold_device_ledger(scaler: SafeGradScaler) -> None:
         held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
         if rows[i][1] > 0 and not held:
             listeners.notify_overflow_known(scaler, rows[i][3])
+    if ledger.copies is not None:  # the steps whose copies had not landed (a GPU): told now, as they would have been
+        for row in ledger.copies.settle(rows[ledger.told :]):
+            _tell_steps(scaler, row)
     # Collapses and stalls since the last read, even those that ended since.
     if replay.collapse_scale is not None:
         policy.report_collapse(scaler, replay.collapse_scale)

@@ -12,6 +12,7 @@ The scaler calls every registered listener at fixed points of an iteration:
 ``on_update``            ``update()`` in host mode: the iteration's verdict is known on the host
 ``on_device_update``     ``update()`` in device mode (fused optimizers): nothing is known on the host
 ``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
+``on_step_pending``      ``update()`` in device mode: a fused optimizer's step was made, its verdict still on the device
 ``on_step_known``        a fused optimizer's step, stepped or skipped on the device, became known (at once on the CPU)
 ``on_foreign_step``      a step of a loss scale that is no SafeGradScaler (DeepSpeed's fp16 scale) ended
 ``stats_fields``         ``scaler.stats``: the fields of ScalerStats the listener fills
@@ -97,6 +98,10 @@ class StepListener:
         they end with the iteration just updated (always at a read; on the CPU
         for the copies too).
         """
+
+    def on_step_pending(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """A fused ``optimizer``'s step was made in the iteration just updated; :meth:`on_step_known` tells its
+        verdict later (at this same update on the CPU), once, in step order."""
 
     def on_step_known(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
         """A fused ``optimizer``'s step (no host read told of it) is known: stepped, or skipped on the device.
@@ -223,6 +228,11 @@ def notify_counters_read(
 ) -> None:
     for listener in _listeners:
         _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read, current)
+
+
+def notify_step_pending(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    for listener in _listeners:
+        _guarded(listener, "step pending", "on_step_pending", scaler, optimizer)
 
 
 def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:

@@ -77,13 +77,18 @@ class RowCopies:
         rows: list[KnownRow] = []
         while self.pending and self.pending[0][0].ready:
             copy, held, refs, read_skips = self.pending.popleft()
-            skipped, found, check, scale = copy.values()  # ready: host memory, no device read
             if copy.event is not None and copy.host is not None:
                 self._free.append(copy.host)
-            nonfinite = check != check
-            unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
-            overflow = held and policy.forward_overflow(bool(found), nonfinite)
-            rows.append(KnownRow(int(skipped), bool(found), nonfinite, overflow, scale, unread, read_skips))
+            rows.append(_known_row(copy.values(), held, refs, read_skips))  # ready: host memory, no device read
+        return rows
+
+    def settle(self, values: list[list[float]]) -> list[KnownRow]:
+        """The rows still pending, from ``values`` (the same rows as the ledger's read gave them), oldest first:
+        each told once, as :meth:`known` would have told it once its copy landed. The copies are dropped."""
+        rows = [
+            _known_row(row, held, refs, read_skips) for (_, held, refs, read_skips), row in zip(self.pending, values)
+        ]
+        self.pending.clear()
         return rows
 
     def _host_row(self) -> torch.Tensor:
@@ -91,3 +96,11 @@ class RowCopies:
             ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, pin_memory=True)
             self._free = list(reversed(ring.unbind(0)))
         return self._free.pop()
+
+
+def _known_row(values: list[float], held: bool, refs: list[weakref.ref[Any]], read_skips: int) -> KnownRow:
+    skipped, found, check, scale = values
+    nonfinite = check != check
+    unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
+    overflow = held and policy.forward_overflow(bool(found), nonfinite)
+    return KnownRow(int(skipped), bool(found), nonfinite, overflow, scale, unread, read_skips)

@@ -34,7 +34,10 @@ and accelerate hold the scheduler on a skipped step; this module makes every
   for other optimizers; on CUDA one or two iterations later, so the attempts
   are counted that much late and a skip holds the scheduler's ``step()`` that
   many steps late (unless a later step of the optimizer, known at the same
-  time, was made: then the skip is not held).
+  time, was made: then the skip is not held). A scheduler created between a
+  step and the moment its verdict is known (:func:`note_pending`) did not exist
+  at that step and does not hold for it; steps whose copies had not landed at a
+  read of the ledger are told there.
 
 A scheduler whose first ``step()`` ampguard sees after some steps were
 attempted (``SequentialLR`` and ``ChainedScheduler``, whose constructors make
@@ -68,6 +71,7 @@ class _Steps:
     def __init__(self) -> None:
         self.attempts = 0
         self.skipped_run = 0  # how many of the last attempts in a row were skipped
+        self.pending = 0  # attempts made whose verdict is still on the device (fused, a GPU): counted when known
         # id(scheduler) -> attempts when it last advanced. Not an attribute of the scheduler: torch's
         # LRScheduler.state_dict() saves every attribute. A new scheduler reusing an id starts afresh
         # with its initial step.
@@ -93,16 +97,35 @@ def deactivate() -> None:
     state.active = False
 
 
-def note_step(optimizer: Any, skipped: bool) -> None:
-    """The scaler stepped (``skipped=False``) or skipped ``optimizer``'s step: called on every non-fused step."""
+def note_step(optimizer: Any, skipped: bool, was_pending: bool = False) -> None:
+    """The scaler stepped (``skipped=False``) or skipped ``optimizer``'s step: called on every non-fused step, and
+    for a fused one when its verdict is known (``was_pending``: told by :func:`note_pending` when made)."""
     try:
-        steps = optimizer.__dict__.get(_ATTRIBUTE)
+        steps = optimizer.__dict__.get(_ATTRIBUTE)  # (inlined: called on every step)
         if steps is None:
             steps = optimizer.__dict__[_ATTRIBUTE] = _Steps()
         steps.attempts += 1
         steps.skipped_run = steps.skipped_run + 1 if skipped else 0
+        if was_pending and steps.pending:
+            steps.pending -= 1
     except Exception:  # an optimizer without a __dict__: its schedulers advance as under torch
         logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
+
+
+def note_pending(optimizer: Any) -> None:
+    """A fused ``optimizer``'s step was made; its verdict is known later (:func:`note_step`). A scheduler created
+    meanwhile did not exist at that step, and does not hold for it."""
+    try:
+        _steps_of(optimizer).pending += 1
+    except Exception:  # an optimizer without a __dict__: its schedulers advance as under torch
+        logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
+
+
+def _steps_of(optimizer: Any) -> _Steps:
+    steps = optimizer.__dict__.get(_ATTRIBUTE)
+    if steps is None:
+        steps = optimizer.__dict__[_ATTRIBUTE] = _Steps()
+    return steps  # type: ignore[no-any-return]
 
 
 def should_hold(scheduler: Any) -> bool:
@@ -114,14 +137,17 @@ def should_hold(scheduler: Any) -> bool:
     if steps is None:
         steps = optimizer_dict[_ATTRIBUTE] = _Steps()
     key = id(scheduler)
-    # torch's initial step (made by the constructor, _step_count still 0) always runs.
-    if getattr(scheduler, "_step_count", None) != 0:
-        # A scheduler first seen now (SequentialLR and ChainedScheduler make no initial step; one
-        # created before import ampguard) is taken as stepped once per optimizer step.
-        advanced_at = steps.advanced_at.get(key, steps.attempts - steps.skipped_run)
-        if 0 < steps.attempts - advanced_at <= steps.skipped_run:
-            return True
-    steps.advanced_at[key] = steps.attempts
+    # torch's initial step (made by the constructor, _step_count still 0) always runs. The steps made before it
+    # whose verdicts are still on their way (a fused optimizer on a GPU) are not this scheduler's to hold for.
+    if getattr(scheduler, "_step_count", None) == 0:
+        steps.advanced_at[key] = steps.attempts + steps.pending
+        return False
+    # A scheduler first seen now (SequentialLR and ChainedScheduler make no initial step; one
+    # created before import ampguard) is taken as stepped once per optimizer step.
+    advanced_at = steps.advanced_at.get(key, steps.attempts - steps.skipped_run)
+    if 0 < steps.attempts - advanced_at <= steps.skipped_run:
+        return True
+    steps.advanced_at[key] = max(steps.attempts, advanced_at)
     return False
 
 

@@ -29,8 +29,11 @@ class StepsListener(listeners.StepListener):
     def on_read(self, scaler: Any, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
         scheduler_hold.note_step(optimizer, skipped)
 
+    def on_step_pending(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        scheduler_hold.note_pending(optimizer)
+
     def on_step_known(self, scaler: Any, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
-        scheduler_hold.note_step(optimizer, skipped)
+        scheduler_hold.note_step(optimizer, skipped, was_pending=True)
 
 
 LISTENER = StepsListener()
