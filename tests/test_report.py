@@ -145,8 +145,10 @@ def test_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
     assert code == 2 and err == f"ampguard report: error: {tmp_path / 'empty.jsonl'}: no records\n"
 
 
-def test_report_on_a_file_the_demo_wrote(tmp_path):
-    """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the skips and the islands."""
+def test_report_on_a_file_the_demo_wrote(tmp_path, capsys):
+    """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the skips and the islands.
+
+    The demo runs in its own process (the stats file is opened at import); the report reads it in this one."""
     path = tmp_path / "demo.jsonl"
     base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     subprocess.run(
@@ -155,14 +157,9 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
         capture_output=True,
         check=True,
     )
-    result = subprocess.run(
-        [sys.executable, "-m", "ampguard", "report", str(path), "--json"],
-        env=base,
-        capture_output=True,
-        text=True,
-        check=True,
-    )
-    [run] = json.loads(result.stdout)
+    code, out, _ = report(capsys, str(path), "--json")
+    assert code == 0
+    [run] = json.loads(out)
     calibration, storm, no_grad, hot_block = run["scalers"]
     assert calibration["skipped"] == 0
     assert storm["skipped"] == 24 and storm["nonfinite_loss"] == 24 and storm["scale_min"] == storm["scale_max"] == 1024
@@ -170,10 +167,8 @@ def test_report_on_a_file_the_demo_wrote(tmp_path):
     assert "blocks.0.linear1" in hot_block["fp32_islands"]
     assert set(hot_block["fp32_islands"]) <= set(run["fp32_islands"])  # (islands are counted per process)
     assert run["events"]["island"] >= 1 and run["events"]["no_grad"] == 1 and "collapse" not in run["events"]
-    text = subprocess.run(
-        [sys.executable, "-m", "ampguard", "report", str(path)], env=base, capture_output=True, text=True, check=True
-    ).stdout
-    assert text.count("loss scale, log2") == 4
+    code, text, _ = report(capsys, str(path))
+    assert code == 0 and text.count("loss scale, log2") == 4
 
 
 def test_a_long_run_fits_the_chart_width(tmp_path, capsys):
