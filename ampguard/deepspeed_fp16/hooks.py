@@ -14,6 +14,11 @@ class by the patch (undone at uninstall):
 - ``FP16_Optimizer._update_scale`` / ``FP16_UnfusedOptimizer._update_scale`` (ZeRO 0, the ``LossScaleConfig``
   path): DeepSpeed's update, then the floor and cap.
 
+A forward overflow (a loss itself inf/NaN: :func:`ampguard.deepspeed_fp16.losses.forward_overflow`) is not the
+scale's doing, as under a SafeGradScaler (:func:`ampguard.scaler.policy.forward_overflow`): DeepSpeed's update is
+not run for it, so its scale, hysteresis and growth window stay as they were; the step is still skipped (DeepSpeed
+skipped it before its update) and counted.
+
 - ``DeepSpeedEngine.backward``: the loss kept, to tell a forward overflow from a gradient one
   (:mod:`ampguard.deepspeed_fp16.losses`).
 
@@ -71,17 +76,20 @@ def update_scale(original: Callable[[Any, bool], None], policy: Policy) -> Calla
         try:
             floor = max(policy.floor, float(self.min_scale))
             before = float(self.cur_scale)
+            forward = losses.forward_overflow(bool(overflow))  # a loss inf/NaN: one read, at an overflow only
             backing_off = bool(overflow) and (self.delayed_shift == 1 or self.cur_hysteresis == 1)
-            at_floor = backing_off and before <= floor
+            at_floor = backing_off and before <= floor and not forward
         except Exception as error:
             containment.report("deepspeed_fp16 update_scale", error)
             return original(self, overflow)
-        if at_floor:  # what DeepSpeed does at its minimum when told not to raise: the scale stays
+        if forward:  # not the scale's doing: scale, hysteresis and growth window as they were
+            pass
+        elif at_floor:  # what DeepSpeed does at its minimum when told not to raise: the scale stays
             self.last_overflow_iter = self.cur_iter
             self.cur_iter += 1
         else:
             original(self, overflow)
-        _after(self, policy, before, bool(overflow), floor, at_floor)
+        _after(self, policy, before, bool(overflow), floor, at_floor, forward)
 
     return update_scale
 
@@ -93,19 +101,22 @@ def optimizer_update_scale(original: Callable[[Any, bool], None], policy: Policy
         try:
             config = self.loss_scale_config
             before = float(config.cur_scale)
+            scaling = bool(config.use_grad_scaling)  # bf16 / fp32: no loss scale to look after
+            forward = scaling and losses.forward_overflow(bool(skip))  # one read, at an overflow only
         except Exception as error:
             containment.report("deepspeed_fp16 _update_scale", error)
             return original(self, skip)
-        original(self, skip)
+        if not (forward and config.dynamic_loss_scale):  # a forward overflow: scale and growth window as they were
+            original(self, skip)
         try:
-            if not config.use_grad_scaling:  # bf16 / fp32: no loss scale to look after
+            if not scaling:
                 return
             floor = max(policy.floor, float(config.min_loss_scale or 0.0)) if config.dynamic_loss_scale else 0.0
-            at_floor = bool(skip) and bool(config.dynamic_loss_scale) and before <= floor
+            at_floor = bool(skip) and bool(config.dynamic_loss_scale) and before <= floor and not forward
         except Exception as error:
             containment.report("deepspeed_fp16 _update_scale", error)
             return
-        _after(config, policy, before, bool(skip), floor, at_floor, holder=self)
+        _after(config, policy, before, bool(skip), floor, at_floor, forward, holder=self)
 
     return _update_scale
 
@@ -117,10 +128,12 @@ def _after(
     overflow: bool,
     floor: float,
     at_floor: bool,
+    forward: bool,
     holder: Any = None,
 ) -> None:
     """The floor and cap on the scale DeepSpeed just set (``scale_owner.cur_scale``), and the step counted.
 
+    ``forward``: the step's overflow was a forward one (told to the step listeners: the fp32 islands).
     ``floor`` is 0 for a static scale, which is left as it is. The cap stops growth only: a larger scale the
     user's config started from is DeepSpeed's to lower.
     """
@@ -133,7 +146,6 @@ def _after(
             if bounded != scale:
                 scale_owner.cur_scale = bounded
                 scale = bounded
-        forward = losses.forward_overflow(overflow)  # a loss inf/NaN: one read, at an overflow only
         counts = tracking.tracker(scale_owner if holder is None else holder, before)
         counts.record(policy, overflow, scale, at_floor, floor, forward=forward)
     except ScaleCollapseError:

@@ -27,10 +27,10 @@ COLLAPSE = (
     "DeepSpeed's loss scale is at its floor {scale:g}{floor} and step {step} overflowed again. Plain DeepSpeed stops "
     "the run here ('Current loss scale already at minimum - cannot decrease scale anymore. Exiting run.'); ampguard "
     "keeps the scale at the floor and skips the step, and AMPGUARD_ON_STALL decides what happens after "
-    "AMPGUARD_MAX_CONSECUTIVE_SKIPS={limit} consecutive skips. No loss scale can help now. Likely causes: a block "
-    "whose float16 activations overflow in the forward pass (weights pretrained in bf16; run that block in float32, "
-    "or train in bf16 on a GPU with native bf16); the learning rate is too high; gradients are not clipped "
-    '("gradient_clipping" in the DeepSpeed config).'
+    "AMPGUARD_MAX_CONSECUTIVE_SKIPS={limit} consecutive skips. No loss scale can help now: the loss was finite and "
+    "its gradients overflow float16 even at this scale. Likely causes: the learning rate is too high; gradients are "
+    'not clipped ("gradient_clipping" in the DeepSpeed config); a backward pass whose float16 values overflow (run '
+    "that block in float32, or train in bf16 on a GPU with native bf16)."
 )
 
 STALL = (

@@ -1,7 +1,7 @@
 """One process, the real DeepSpeed engine on the CPU (gloo, one rank): runs the trainings it is given, prints JSON.
 
 ``python deepspeed_run.py '<json>'`` where the JSON is a list of runs, each
-``{"stage": 0..3, "overflow": "never"|"always"|"every5"|"inside", "steps": N, "ampguard": bool,
+``{"stage": 0..3, "overflow": "never"|"always"|"every5"|"inside"|"backward"|"backward5", "steps": N, "ampguard": bool,
 "initial_scale_power": P (optional), "env": {AMPGUARD_*: value} (optional), "config": {more DeepSpeed config}
 (optional), "count_reads": bool (optional), "save": {"at": K, "name": N} (optional: ``engine.save_checkpoint``
 after step K into $DEEPSPEED_CHECKPOINTS/N), "load": {"at": K, "name": N} (optional: ``engine.load_checkpoint``
@@ -51,8 +51,21 @@ for _name in ("DeepSpeed", "deepspeed"):
     logging.getLogger(_name).setLevel(logging.ERROR)
 
 
+class LoudGradient(torch.autograd.Function):
+    """The identity, whose gradient is multiplied by 1e6: float16 gradients overflow, the loss stays finite."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 1e6
+
+
 class Loud(torch.nn.Module):
-    """Multiplies by 1e5 on the calls ``overflow`` names: its float16 activations (about 1) become inf."""
+    """Multiplies by 1e5 on the calls ``overflow`` names: its float16 activations (about 1) become inf (a forward
+    overflow); or (``backward``, ``backward5``) its gradient, on every call or every 5th (a gradient overflow)."""
 
     def __init__(self, overflow: str) -> None:
         super().__init__()
@@ -67,6 +80,8 @@ class Loud(torch.nn.Module):
             y = y * 1e5
         elif self.overflow == "inside":  # past 65504 inside the block only: its output is finite in float32
             y = (y * 1e5) / 1e5
+        elif self.overflow == "backward" or (self.overflow == "backward5" and self.calls % 5 == 0):
+            y = LoudGradient.apply(y)
         return y
 
 

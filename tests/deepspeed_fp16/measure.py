@@ -1,7 +1,8 @@
 """The table in docs/deepspeed.md: plain DeepSpeed against DeepSpeed under ampguard, ZeRO 0-3, on the CPU.
 
 ``python tests/deepspeed_fp16/measure.py [STEPS]`` (default 40) runs deepspeed_run.py once with every case: the
-model's block overflowing float16 on every call, on every 5th call, never; each plain and under ampguard with
+model's block overflowing float16 on every call, on every 5th call, never, and its gradients overflowing on
+every call; each plain and under ampguard with
 DeepSpeed's defaults (no ``initial_scale_power``), and prints a Markdown table.
 """
 
@@ -21,7 +22,7 @@ def main() -> None:
     runs = [
         {"stage": stage, "overflow": overflow, "steps": steps, "ampguard": guarded}
         for stage in (0, 1, 2, 3)
-        for overflow in ("always", "every5", "never")
+        for overflow in ("always", "every5", "never", "backward")
         for guarded in (False, True)
     ]
     env = {**os.environ, "AMPGUARD_QUIET": "1", "PYTHONWARNINGS": "ignore"}
@@ -29,7 +30,7 @@ def main() -> None:
         [sys.executable, str(SCRIPT), json.dumps(runs)], env=env, capture_output=True, text=True, check=True
     )
     results = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    words = {"always": "every call", "every5": "every 5th call", "never": "never"}
+    words = {"always": "every call", "every5": "every 5th call", "never": "never", "backward": "gradients, every call"}
     print("| ZeRO stage | block overflows | DeepSpeed | end | skipped steps | final loss scale | parameters finite |")
     print("|---|---|---|---|---|---|---|")
     for run, result in zip(runs, results):

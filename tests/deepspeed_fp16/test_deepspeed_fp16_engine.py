@@ -50,6 +50,8 @@ def _runs() -> list[dict[str, Any]]:
         for overflow, amp, power in (
             ("always", False, None),
             ("always", True, None),
+            ("backward", False, None),
+            ("backward", True, None),
             ("every5", True, None),
             ("never", False, 12),
             ("never", True, 12),
@@ -63,7 +65,7 @@ def _runs() -> list[dict[str, Any]]:
                 run.update(config={"optimizer": {"type": "AdamW", "params": {**ADAMW, "weight_decay": 0.0}}})
             runs.append(run)
     runs.append(
-        {"stage": 2, "overflow": "always", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
+        {"stage": 2, "overflow": "backward", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
     )
     runs.append(
         {
@@ -81,21 +83,26 @@ SAVED_AT = 12
 
 
 def _checkpoint_runs() -> list[dict[str, Any]]:
-    """Named runs, overflowing on every 5th call from scale 1024 in both: each saver trains 24 steps and saves
-    after step 12, each loader resumes from there. ampguard -> ampguard at ZeRO 0-3; plain -> ampguard and
-    ampguard -> plain at ZeRO 0, 2 and 3 (ZeRO 1 saves and loads with ZeRO 2's class)."""
-    runs = []
+    """Named runs from scale 1024: each saver trains 24 steps and saves after step 12, each loader resumes from
+    there. ampguard -> ampguard at ZeRO 0-3, the block overflowing in the forward pass on every 5th call (an
+    island made); plain -> ampguard and ampguard -> plain at ZeRO 0, 2 and 3 (ZeRO 1 saves and loads with ZeRO 2's
+    class), its gradients overflowing on every 5th call (which both back off from alike)."""
+    runs: list[dict[str, Any]] = []
     for stage in STAGES:
-        common = {"stage": stage, "overflow": "every5", "steps": STEPS, "initial_scale_power": 10}
-        savers = ("ampguard", "plain") if stage != 1 else ("ampguard",)
-        for saver in savers:
-            save = {"at": SAVED_AT, "name": f"{saver}-{stage}"}
-            runs.append({**common, "ampguard": saver == "ampguard", "name": f"{saver} saves {stage}", "save": save})
-            for loader in ("ampguard", "plain") if stage != 1 else ("ampguard",):
-                if loader == saver == "plain":  # (DeepSpeed's own round trip: not ampguard's to test)
-                    continue
-                name = f"{loader} loads {saver} {stage}"
-                runs.append({**common, "ampguard": loader == "ampguard", "name": name, "load": save})
+        common = {"stage": stage, "steps": STEPS, "initial_scale_power": 10}
+        own = {**common, "overflow": "every5", "ampguard": True}
+        save = {"at": SAVED_AT, "name": f"ampguard-{stage}"}
+        runs += [{**own, "name": f"ampguard saves {stage}", "save": save}]
+        runs += [{**own, "name": f"ampguard loads ampguard {stage}", "load": save}]
+        if stage == 1:
+            continue
+        cross = {**common, "overflow": "backward5"}
+        for saver, loader in (("plain", "ampguard"), ("ampguard", "plain")):
+            save = {"at": SAVED_AT, "name": f"{saver}-x{stage}"}
+            runs += [{**cross, "ampguard": saver == "ampguard", "name": f"{saver} saves x{stage}", "save": save}]
+            runs += [
+                {**cross, "ampguard": loader == "ampguard", "name": f"{loader} loads {saver} x{stage}", "load": save}
+            ]
     return runs
 
 
@@ -139,21 +146,47 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_an_overflow_on_every_call_kills_or_stalls_plain_deepspeed_and_ampguard_trains_to_the_end(results, stage):
-    plain, guarded = results[stage, "always", False, "warn"], results[stage, "always", True, "warn"]
+def test_a_gradient_overflow_on_every_call_kills_or_stalls_plain_deepspeed_and_ampguard_trains_to_the_end(
+    results, stage
+):
+    plain, guarded = results[stage, "backward", False, "warn"], results[stage, "backward", True, "warn"]
     if stage == 0:  # FP16_UnfusedOptimizer stays at its minimum: every step skipped, no error
         assert plain["died"] is None and plain["engine_skipped"] == STEPS
     else:
         assert plain["died"] == f"Exception: {EXITING_RUN}" and plain["died_at"] < STEPS
     assert guarded["died"] is None
     assert guarded["finite"]
-    # every step overflowed in the forward pass: skipped, and counted as the engine counts it
+    # every step's gradients overflowed (the loss finite): skipped, and counted as the engine counts it
     assert guarded["engine_skipped"] == STEPS
     assert guarded["ampguard"]["skipped"] == guarded["ampguard"]["steps"] == STEPS
+    assert guarded["ampguard"]["nonfinite_loss"] == 0
     assert guarded["ampguard"]["max_scale_seen"] == 1024  # the safe start
     assert guarded["scale"] == guarded["ampguard"]["min_scale_seen"] == 1  # the floor, AMPGUARD_MIN_SCALE=1
     collapse = [line for line in guarded["log"] if "overflowed again" in line]
     assert len(collapse) == 1 and collapse[0].startswith("CRITICAL") and "Exiting run" in collapse[0]
+    stall = [line for line in guarded["log"] if "consecutive DeepSpeed optimizer steps were skipped" in line]
+    assert len(stall) == 1 and stall[0].startswith("CRITICAL: 20 consecutive"), guarded["log"]
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_a_forward_overflow_on_every_call_does_not_lower_the_scale(results, stage):
+    """The block's output is past float16's range on every call (no island can help: its output is float16): plain
+    DeepSpeed lowers its scale at each until it dies or sits at its minimum; under ampguard a loss that is itself
+    inf/NaN is not the scale's doing (as under a SafeGradScaler): DeepSpeed's update does not run for it, and only
+    the steps whose loss was finite and gradients not (DeepSpeed's hysteresis first at ZeRO 1-3) lower it."""
+    plain, guarded = results[stage, "always", False, "warn"], results[stage, "always", True, "warn"]
+    if stage == 0:
+        assert plain["died"] is None and plain["engine_skipped"] == STEPS and plain["scale"] == 1
+    else:
+        assert plain["died"] == f"Exception: {EXITING_RUN}" and plain["died_at"] < STEPS
+    counts = guarded["ampguard"]
+    assert guarded["died"] is None and guarded["finite"]
+    assert guarded["engine_skipped"] == counts["skipped"] == counts["steps"] == STEPS
+    gradient_overflows = counts["skipped"] - counts["nonfinite_loss"]
+    assert gradient_overflows <= 2  # (the loss was finite, its gradients too large for float16, on 2 steps)
+    hysteresis = 0 if stage == 0 else 1
+    assert guarded["scale"] == counts["min_scale_seen"] == 1024 / 2 ** max(gradient_overflows - hysteresis, 0)
+    assert not [line for line in guarded["log"] if "overflowed again" in line]  # never at the floor
     stall = [line for line in guarded["log"] if "consecutive DeepSpeed optimizer steps were skipped" in line]
     assert len(stall) == 1 and stall[0].startswith("CRITICAL: 20 consecutive"), guarded["log"]
 
@@ -179,7 +212,7 @@ def test_a_healthy_run_from_the_same_scale_gives_plain_deepspeeds_weights(result
     assert plain["engine_skipped"] == guarded["engine_skipped"] == guarded["ampguard"]["skipped"]
     assert plain["scale"] == guarded["scale"] == 4096  # the config's initial_scale_power=12 wins over 1024
     assert plain["parameters"] == guarded["parameters"]
-    assert plain["parameters"] != results[stage, "always", False, "warn"]["parameters"]  # (they trained)
+    assert plain["parameters"] != results[stage, "backward", False, "warn"]["parameters"]  # (they trained)
 
 
 @pytest.mark.parametrize("stage", STAGES)
@@ -196,12 +229,12 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     tallies = summary[0].split("run summary: ", 1)[1].rstrip(".").split("; ")
     assert all(tally.startswith("DeepSpeedLossScale#") for tally in tallies), tallies
     counts = sorted(tally.split(": ", 1)[1].split(" steps skipped")[0] for tally in tallies)
-    # every step of the 4 always-overflowing runs, 4 of each every-5th run, the raise run's 20, the accumulating
-    # run's 4 of its 12 optimizer steps, the islanded runs' 2; healthy runs: none
-    expected = [f"{STEPS} of {STEPS}"] * 4 + [f"4 of {STEPS}"] * 4 + [f"2 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"]
+    # every step of the 8 always-overflowing runs (forward, gradients), 4 of each every-5th run, the raise run's
+    # 20, the accumulating run's 4 of its 12 optimizer steps, the islanded runs' 2; healthy runs: none
+    expected = [f"{STEPS} of {STEPS}"] * 8 + [f"4 of {STEPS}"] * 4 + [f"2 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"]
     # the checkpoint runs: each ampguard saver's and each resumed one's 4 of 24 (one line per engine: the counts
     # follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12 steps
-    expected += [f"4 of {STEPS}"] * 8 + ["2 of 12"] * 3
+    expected += [f"4 of {STEPS}"] * 11 + ["2 of 12"] * 3
     assert counts == sorted(expected)
 
 
@@ -216,6 +249,10 @@ def test_a_block_overflowing_float16_inside_becomes_an_fp32_island_after_two_ste
     counts = guarded["ampguard"]
     assert counts["skipped"] == counts["nonfinite_loss"] == guarded["engine_skipped"] == 2  # forward overflows
     assert guarded["islands"] == ["2"]
+    # the two forward overflows left DeepSpeed's scale where a healthy run has it: at its start (its growth
+    # window, 1000 steps, is not reached in 24)
+    assert guarded["scale"] == counts["min_scale_seen"] == counts["max_scale_seen"] == 1024
+    assert plain["scale"] < guarded["scale"]
     made = [line for line in guarded["log"] if line.startswith("WARNING: fp32 island: 2 (Loud)")]
     assert len(made) == 1 and "step 2" in made[0] and "the model runs without autocast" in made[0]
     assert "its float16 parameters stay float16" in made[0]
@@ -234,7 +271,7 @@ def test_with_gradient_accumulation_each_optimizer_step_is_counted_once(results)
 
 
 def test_on_stall_raise_stops_the_run_where_asked(results):
-    guarded = results[2, "always", True, "raise"]
+    guarded = results[2, "backward", True, "raise"]
     assert guarded["died"].startswith("ScaleCollapseError: 20 consecutive DeepSpeed optimizer steps were skipped")
     assert guarded["died_at"] == 20
 
@@ -259,13 +296,13 @@ def test_checkpoints_load_across_plain_deepspeed_and_ampguard(results, stage):
     """Plain DeepSpeed's checkpoint under ampguard, ampguard's in plain DeepSpeed: no error, and the weights each
     uninterrupted run of the loader gives (same scale, same overflows). Counts of a plain checkpoint start at the
     load, said once at INFO."""
-    plain, guarded = results[f"plain saves {stage}"], results[f"ampguard saves {stage}"]
+    plain, guarded = results[f"plain saves x{stage}"], results[f"ampguard saves x{stage}"]
     assert plain["parameters"] == guarded["parameters"]  # the same run from the same scale
-    into_plain, into_guarded = results[f"plain loads ampguard {stage}"], results[f"ampguard loads plain {stage}"]
+    into_plain, into_guarded = results[f"plain loads ampguard x{stage}"], results[f"ampguard loads plain x{stage}"]
     assert into_plain["died"] is None and into_guarded["died"] is None
     assert into_plain["parameters"] == into_guarded["parameters"] == plain["parameters"]
     assert into_plain["engine_skipped"] == into_guarded["engine_skipped"] == plain["engine_skipped"] == 4
     counts = into_guarded["ampguard"]
-    assert (counts["steps"], counts["skipped"]) == (STEPS - SAVED_AT, 2)  # steps 15 and 20
+    assert (counts["steps"], counts["skipped"], counts["nonfinite_loss"]) == (STEPS - SAVED_AT, 2, 0)  # 15 and 20
     said = [line for line in into_guarded["log"] if "DeepSpeed checkpoint saved without ampguard" in line]
     assert len(said) == 1 and said[0].startswith("INFO"), into_guarded["log"]
