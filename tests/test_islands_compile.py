@@ -81,3 +81,36 @@ def test_a_compiled_moe_with_an_island_runs():
         eager = model(x)
         compiled = torch.compile(model, backend="eager")(x)  # before: InternalTorchDynamoError (AutocastModeVariable)
     assert torch.equal(compiled, eager)
+
+
+def _unique_graphs() -> int:
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+
+
+@pytest.mark.skipif(not LEFT_OUT, reason="torch 2.3's dynamo calls the island's hooks: the island applies")
+@pytest.mark.parametrize("compile_how", ["torch.compile(model)", "model.compile()"])
+def test_a_second_model_whose_compiled_code_is_reused_names_its_island(compile_how, ampguard_log):
+    """A first model is compiled; a second of the same structure gets an island, then is compiled the same way, and
+    dynamo runs it with the first one's code (no compilation starts: no start callback). Its island is left out there
+    as well (float16, as plain torch), and ampguard names it when the model is compiled (before: never)."""
+    torch._dynamo.reset()
+
+    def compiled(module: torch.nn.Module) -> torch.nn.Module:
+        if compile_how == "model.compile()":
+            module.compile(backend="eager")
+            return module
+        return torch.compile(module, backend="eager")
+
+    x, _ = batch(9)  # a loud batch: blocks.1.attn overflows float16
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+        compiled(make_net(seed=1))(x)
+        graphs = _unique_graphs()
+        model, plain = model_and_plain_torch()
+        eager = model(x)
+        reference = plain(x)
+        out = compiled(model)(x)
+    assert _unique_graphs() == graphs  # the first model's code, reused
+    assert torch.isfinite(eager).all() and not torch.isfinite(reference).all()  # the island matters here
+    torch.testing.assert_close(out, reference, rtol=0, atol=0, equal_nan=True)
+    said = records(ampguard_log, logging.INFO, "does not apply inside torch.compile'd code")
+    assert len(said) == 1 and "blocks.1.attn (Attention)" in said[0].getMessage()

@@ -7,25 +7,33 @@ holding an island, computes the island's module under autocast, in float16, as
 plain torch does (``model.compile()`` after the island alike). torch 2.3's
 dynamo still calls them (a graph break around each) and computes it in float32.
 
-At each compilation (a start callback of dynamo's, rare and already slow) while
-an island not yet named lives, and when an island is made once dynamo has
-compiled something, one pass over the live modules finds the compiled ones
-(``torch.compile(module)``, ``module.compile()``) that hold an island, and each
-such island is named once (INFO). Not seen: a compiled function that calls the
-model, and a model whose compiled code dynamo reuses from another instance of the
-same structure compiled before its islands existed (no compilation starts); it is
-named at the next compilation.
+Each such island is named once (INFO):
+
+* when its module is compiled (``torch.compile(model)``, or ``model.compile()``,
+  which compiles the model's bound ``_call_impl``: the patch wraps
+  ``torch.compile``, :func:`naming_islands`). Dynamo may reuse the code it
+  compiled for another instance of the same model (no compilation starts then);
+* at each compilation (a start callback of dynamo's, rare and already slow)
+  while an island not yet named lives, and when an island is made once dynamo
+  has compiled something: one pass over the live modules finds the compiled
+  ones (``torch.compile(module)``, ``module.compile()``) that hold an island.
+
+Not seen: a compiled function that calls the model, and a ``torch.compile``
+bound to a name before ``import ampguard`` (``from torch import compile``) whose
+compiled code is reused from another instance (named at the next compilation).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ampguard.fp32_islands.island_hooks import islands
+from ampguard.fp32_islands.island_hooks import Island, islands
 from ampguard.fp32_islands.probe import is_compiled
 from ampguard.log import event_logger
 from ampguard.patch import torch_release
@@ -50,17 +58,49 @@ def _compiled_modules() -> list[torch.nn.Module]:
 def name_islands_in_compiled_code(*_: Any) -> None:
     """Name once each live island inside a compiled module (a dynamo start callback: never raises)."""
     try:
-        waiting = {key: island for key, island in islands.items() if key not in _said and island.module() is not None}
+        waiting = _waiting()
         if not waiting:
             return
         for compiled in _compiled_modules():
-            for module in compiled.modules():
-                island = waiting.pop(id(module), None)
-                if island is not None and island.module() is module:
-                    _said.add(id(module))
-                    logger.info(SKIPPED_BY_COMPILE, island.name, type(module).__name__, type(compiled).__name__)
+            _name_in(compiled, waiting)
     except Exception:  # a message must never be the reason a compilation fails
         return
+
+
+def naming_islands(compile_function: Callable[..., Any]) -> Callable[..., Any]:
+    """``torch.compile``, then the islands inside the module it compiled named (torch >= 2.4, where they are left
+    out): ``torch.compile(model)``, or ``model.compile()`` (which compiles ``model._call_impl``)."""
+
+    @functools.wraps(compile_function)
+    def compile(*args: Any, **kwargs: Any) -> Any:
+        compiled = compile_function(*args, **kwargs)
+        if islands:  # (no island: nothing to say, nothing looked at)
+            try:
+                target = args[0] if args else kwargs.get("model")
+                owner = target if isinstance(target, torch.nn.Module) else getattr(target, "__self__", None)
+                if isinstance(compiled, torch.nn.Module):  # an OptimizedModule around ``target``
+                    _name_in(compiled, _waiting())
+                elif isinstance(owner, torch.nn.Module):  # its bound _call_impl: compiled in place
+                    _name_in(owner, _waiting())
+            except Exception:  # a message must never be the reason a compilation fails
+                pass
+        return compiled
+
+    return compile
+
+
+def _waiting() -> dict[int, Island]:
+    """The live islands not named yet, by id() of their module."""
+    return {key: island for key, island in islands.items() if key not in _said and island.module() is not None}
+
+
+def _name_in(compiled: torch.nn.Module, waiting: dict[int, Island]) -> None:
+    """Name the islands of ``waiting`` inside ``compiled`` (each taken out of ``waiting``)."""
+    for module in compiled.modules():
+        island = waiting.pop(id(module), None)
+        if island is not None and island.module() is module:
+            _said.add(id(module))
+            logger.info(SKIPPED_BY_COMPILE, island.name, type(module).__name__, type(compiled).__name__)
 
 
 def listen() -> None:

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import ampguard.fp32_islands.compiled_islands as compiled_islands
 import ampguard.fp32_islands.healing as healing
 import ampguard.fp32_islands.islands as islands
 import ampguard.scaler.listeners as listeners
@@ -24,7 +25,7 @@ import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.fp32_islands.portable import without_our_hooks
 from ampguard.fp32_islands.probe import VERDICT_BITS
-from ampguard.patch import Patch
+from ampguard.patch import Patch, torch_release
 
 if TYPE_CHECKING:
     from ampguard.scaler.safe import SafeGradScaler
@@ -108,6 +109,8 @@ class Fp32IslandsPatch(Patch):
         # A model saved, scripted or exported comes out without ampguard's hooks (portable.py).
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
         self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
+        if torch_release().release >= (2, 4):  # islands are left out of compiled code: say so when it is compiled
+            self.bindings.set_attribute(torch, "compile", compiled_islands.naming_islands(torch.compile))
         export = getattr(torch, "export", None)  # (torch.export.export: torch >= 2.1)
         if export is not None and hasattr(export, "export"):
             self.bindings.set_attribute(export, "export", without_our_hooks(export.export))
