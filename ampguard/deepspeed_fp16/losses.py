@@ -14,8 +14,10 @@ The verdict is counted (``nonfinite_loss``) and reaches whoever listens to
 loss-scale steps (the fp32_islands patch's listener) through
 :func:`ampguard.scaler.listeners.notify_foreign_step` (ampguard.deepspeed_fp16.hooks),
 as a SafeGradScaler's forward overflows reach it through ``notify_update``.
-A loss passed to ``loss.backward()`` directly (DeepSpeed's torch-style backward)
-is not seen: such a step counts as a gradient overflow, as in plain DeepSpeed.
+``DeepSpeedEngine.scale(loss)`` is kept the same way: DeepSpeed's torch-style
+backward, ``engine.scale(loss).backward()``, is its only direct backward that
+works with an fp16 loss scale (a bare ``loss.backward()`` raises in DeepSpeed
+itself: ZeRO 0 refuses direct backward calls, ZeRO 1-3 an unscaled loss).
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ _kept: list[torch.Tensor] = []
 
 
 def engine_backward(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
-    """``DeepSpeedEngine.backward``: the loss is kept (a detached reference) before DeepSpeed's backward runs."""
+    """``DeepSpeedEngine.backward`` and ``DeepSpeedEngine.scale``: the loss is kept (a detached reference), then
+    DeepSpeed's method runs."""
 
     def backward(self: Any, loss: Any, *args: Any, **kwargs: Any) -> Any:
         try:

@@ -49,6 +49,7 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
     ),
     ("deepspeed.runtime.fp16.fused_optimizer", "FP16_Optimizer", "_update_scale", hooks.optimizer_update_scale),
     ("deepspeed.runtime.engine", "DeepSpeedEngine", "backward", losses.engine_backward),
+    ("deepspeed.runtime.engine", "DeepSpeedEngine", "scale", losses.engine_backward),  # scale(loss).backward()
     *(
         (module_name, class_name, method, make)
         for module_name, class_name in (

@@ -6,7 +6,8 @@
 (optional), "count_reads": bool (optional), "save": {"at": K, "name": N} (optional: ``engine.save_checkpoint``
 after step K into $DEEPSPEED_CHECKPOINTS/N), "load": {"at": K, "name": N} (optional: ``engine.load_checkpoint``
 of that checkpoint before training, which then goes on from step K + 1 with the data and overflows of an
-uninterrupted run)}``. Each run trains a fresh engine (same
+uninterrupted run), "backward": "engine" (default: ``engine.backward(loss)``) | "scale"
+(``engine.scale(loss).backward()``) | "tensor" (``loss.backward()``)}``. Each run trains a fresh engine (same
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
 engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
 ampguard's log records and the stats-file records written during the run, the fp32 islands, the initial parameters.
@@ -158,7 +159,11 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
         try:
             with reads if counting else contextlib.nullcontext():
                 loss = torch.nn.functional.mse_loss(engine(x).float(), target)
-                engine.backward(loss)
+                backward = run.get("backward", "engine")
+                if backward == "engine":
+                    engine.backward(loss)
+                else:
+                    (engine.scale(loss) if backward == "scale" else loss).backward()
                 engine.step()
         except Exception as error:
             died, died_at = f"{type(error).__name__}: {error}", step

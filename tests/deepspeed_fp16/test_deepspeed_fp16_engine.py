@@ -13,6 +13,8 @@ subprocess for all: DeepSpeed's distributed state is per process):
 - ``AMPGUARD_ON_STALL=raise``: the run stops with ScaleCollapseError, as asked;
 - a block whose float16 activations overflow inside it: plain DeepSpeed skips most steps, under ampguard it
   becomes an fp32 island after 2 and trains (ZeRO 0-3);
+- a direct backward: ``loss.backward()`` fails as in plain DeepSpeed; ``engine.scale(loss).backward()`` finds
+  forward overflows as ``engine.backward(loss)`` does;
 - ``engine.save_checkpoint`` / ``engine.load_checkpoint`` mid-run: ampguard's counts (and islands) go on from the
   checkpoint as in an uninterrupted run, with its weights; a checkpoint of plain DeepSpeed loads under ampguard and
   one saved under ampguard loads in plain DeepSpeed, each giving the weights plain DeepSpeed's own gives.
@@ -76,7 +78,20 @@ def _runs() -> list[dict[str, Any]]:
             "config": {"gradient_accumulation_steps": 2},
         }
     )
-    return runs + _checkpoint_runs()
+    return runs + _checkpoint_runs() + _direct_backward_runs()
+
+
+def _direct_backward_runs() -> list[dict[str, Any]]:
+    """``loss.backward()`` at ZeRO 0 and 2, and ``engine.scale(loss).backward()`` at ZeRO 3, the block overflowing
+    inside, plain and under ampguard (named ``"<how> <stage> <plain|ampguard>"``)."""
+    runs = []
+    for how, stage in (("tensor", 0), ("tensor", 2), ("scale", 3)):
+        for amp in (False, True):
+            name = f"{how} {stage} {'ampguard' if amp else 'plain'}"
+            config = {"optimizer": {"type": "AdamW", "params": {**ADAMW, "weight_decay": 0.0}}}
+            run = {"stage": stage, "overflow": "inside", "steps": STEPS, "ampguard": amp, "config": config}
+            runs.append({**run, "name": name, "backward": how})
+    return runs
 
 
 SAVED_AT = 12
@@ -235,6 +250,7 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     # the checkpoint runs: each ampguard saver's and each resumed one's 4 of 24 (one line per engine: the counts
     # follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12 steps
     expected += [f"4 of {STEPS}"] * 11 + ["2 of 12"] * 3
+    expected += [f"2 of {STEPS}"]  # engine.scale(loss).backward() with the island (bare loss.backward(): no step)
     assert counts == sorted(expected)
 
 
@@ -306,3 +322,26 @@ def test_checkpoints_load_across_plain_deepspeed_and_ampguard(results, stage):
     assert (counts["steps"], counts["skipped"], counts["nonfinite_loss"]) == (STEPS - SAVED_AT, 2, 0)  # 15 and 20
     said = [line for line in into_guarded["log"] if "DeepSpeed checkpoint saved without ampguard" in line]
     assert len(said) == 1 and said[0].startswith("INFO"), into_guarded["log"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_bare_loss_backward_fails_as_in_plain_deepspeed(results, stage):
+    """DeepSpeed refuses ``loss.backward()`` with an fp16 loss scale (ZeRO 0: no direct backward; ZeRO 1-3: the
+    loss is not scaled); under ampguard the same error, at the same step, nothing changed before it."""
+    plain, guarded = results[f"tensor {stage} plain"], results[f"tensor {stage} ampguard"]
+    assert plain["died"].startswith("RuntimeError: ") and plain["died_at"] == 1
+    assert (guarded["died"], guarded["died_at"]) == (plain["died"], plain["died_at"])
+    assert guarded["parameters"] == plain["parameters"]  # (the float16 copies of the initial weights: no step)
+
+
+def test_engine_scale_then_backward_finds_forward_overflows_as_engine_backward_does(results):
+    """``engine.scale(loss).backward()`` (DeepSpeed's torch-style backward): the loss is kept as for
+    ``engine.backward(loss)``, so the block becomes an island after 2 steps with the scale kept, and the run
+    ends with engine.backward's weights (ZeRO 3's island computes as ZeRO 2's); plain DeepSpeed dies."""
+    plain, guarded = results["scale 3 plain"], results["scale 3 ampguard"]
+    assert plain["died"] == f"Exception: {EXITING_RUN}"
+    assert guarded["died"] is None and guarded["islands"] == ["2"]
+    counts = guarded["ampguard"]
+    assert counts["skipped"] == counts["nonfinite_loss"] == guarded["engine_skipped"] == 2
+    assert guarded["scale"] == counts["min_scale_seen"] == 1024
+    assert guarded["parameters"] == results[3, "inside", True, "warn"]["parameters"]

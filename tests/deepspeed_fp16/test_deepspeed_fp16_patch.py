@@ -100,6 +100,7 @@ _IMPORT_ORDER = textwrap.dedent(
         ("FP16_UnfusedOptimizer", "_update_scale"),
         ("FP16_Optimizer", "_update_scale"),
         ("DeepSpeedEngine", "backward"),
+        ("DeepSpeedEngine", "scale"),
         *((owner.__name__, name) for owner in optimizers for name in ("state_dict", "load_state_dict")),
     }, changed
     ampguard.uninstall()
