@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ampguard.live_objects import instances
 from ampguard.log import logger
 from ampguard.syncs import read_to_host
 
@@ -45,8 +46,6 @@ def ranks_share_gradients() -> bool:
     """
     global _shared_gradients
     if _shared_gradients is None:
-        import gc
-
         wrappers = tuple(
             cls
             for module_name, name in (
@@ -57,7 +56,7 @@ def ranks_share_gradients() -> bool:
             )
             if isinstance(cls := getattr(sys.modules.get(module_name), name, None), type)
         )
-        _shared_gradients = bool(wrappers) and any(isinstance(obj, wrappers) for obj in gc.get_objects())
+        _shared_gradients = bool(wrappers) and bool(instances(*wrappers))
     return _shared_gradients
 
 

@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import gc
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, ClassVar, TypeVar
 
 from torch.nn.modules import module as nn_module
 
+from ampguard.live_objects import instances
 from ampguard.torch_privates import is_compiling
 
 _Hook = TypeVar("_Hook", bound="ModuleHook")
@@ -191,8 +191,8 @@ def strip_copies(kinds: tuple[type[ModuleHook], ...], strip: Callable[[Any], obj
     """
     if not any(kind.any_alive() for kind in kinds):
         return
-    for obj in gc.get_objects():
-        if issubclass(type(obj), nn_module.Module) and (obj._forward_pre_hooks or obj._forward_hooks):
-            strip(obj)
+    for module in instances(nn_module.Module):
+        if module._forward_pre_hooks or module._forward_hooks:
+            strip(module)
     for kind in kinds:  # what lives on is on no module now
         kind.forget_live()

@@ -26,7 +26,6 @@ compiled code is reused from another instance (named at the next compilation).
 from __future__ import annotations
 
 import functools
-import gc
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -35,6 +34,7 @@ import torch
 
 from ampguard.fp32_islands.island_hooks import Island, islands
 from ampguard.fp32_islands.probe import is_compiled
+from ampguard.live_objects import instances
 from ampguard.log import event_logger
 from ampguard.patch import torch_release
 
@@ -52,7 +52,7 @@ _said: set[int] = set()  # id() of the islands named
 
 def _compiled_modules() -> list[torch.nn.Module]:
     """The live modules that run compiled (one pass over gc's objects)."""
-    return [obj for obj in gc.get_objects() if issubclass(type(obj), torch.nn.Module) and is_compiled(obj)]
+    return [module for module in instances(torch.nn.Module) if is_compiled(module)]
 
 
 def name_islands_in_compiled_code(*_: Any) -> None:

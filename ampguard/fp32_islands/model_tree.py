@@ -10,17 +10,18 @@ parameters an optimizer trains; that is the object ``model.get_submodule(name)``
 works on.
 
 :func:`scan` finds every live module and optimizer with one pass over the
-garbage collector's objects (no host read). It runs on the failure path only:
+garbage collector's objects (no host read; :mod:`ampguard.live_objects`). It runs on the failure path only:
 when the probe names a module, and once when a checkpoint's islands are
 re-applied; never on a healthy step.
 """
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 
 import torch
+
+from ampguard.live_objects import instances
 
 
 @dataclass
@@ -74,7 +75,7 @@ def scan() -> ModelTree:
     """Every live module's holders and every live optimizer's parameters (one pass over gc's objects)."""
     tree = ModelTree()
     modules: list[torch.nn.Module] = []
-    for obj in gc.get_objects():
+    for obj in instances(torch.nn.Module, torch.optim.Optimizer):
         kind = type(obj)  # not isinstance: it reads __class__, which some objects warn or raise on
         if issubclass(kind, torch.nn.Module):
             modules.append(obj)
