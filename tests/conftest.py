@@ -8,6 +8,7 @@ default installation back in place.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 
@@ -26,6 +27,11 @@ import pytest  # noqa: E402
 import ampguard  # noqa: E402
 import ampguard.config  # noqa: E402
 import ampguard.registry  # noqa: E402
+
+# What torch, pytest and ampguard made at import lives for the whole run: out of the garbage collector's passes, so
+# that a collection (the islands' tests collect before each) and ampguard's scans of live objects (the model tree
+# above an island, copies of its hooks at uninstall) go over the tests' objects only. Nothing a test makes is frozen.
+gc.freeze()
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
