@@ -107,6 +107,14 @@ def _holder(optimizer: Any) -> Any:
     return optimizer if hasattr(optimizer, "loss_scale_config") else optimizer.loss_scaler
 
 
+def _scaled(optimizer: Any, holder: Any) -> bool:
+    """Whether ampguard counts this optimizer's steps: an fp16 loss scale (ZeRO 0: static or dynamic; ZeRO 1-3:
+    dynamic), not bf16 or fp32."""
+    if holder is optimizer:
+        return bool(optimizer.loss_scale_config.use_grad_scaling)
+    return bool(getattr(holder, "dynamic", False))
+
+
 def _restore(optimizer: Any, before: tracking.DeepSpeedLossScale | None, entry: dict[str, Any] | None) -> None:
     global _said_without
     holder = _holder(optimizer)
@@ -118,7 +126,7 @@ def _restore(optimizer: Any, before: tracking.DeepSpeedLossScale | None, entry: 
     else:
         counts = None
     if entry is None:
-        if not _said_without:
+        if not _said_without and (counts is not None or _scaled(optimizer, holder)):
             _said_without = True
             logger.info(WITHOUT_COUNTS.format(scale=scale, steps=counts.steps if counts is not None else 0))
         if counts is not None:

@@ -145,13 +145,14 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     died, died_at = None, None
     reads = HostReadCounter()  # the host reads of the steps after the first two (when "count_reads")
     checkpoints = os.environ.get("DEEPSPEED_CHECKPOINTS", ".")
+    dtype = next(engine.module.parameters()).dtype  # float16, or bfloat16 where the config says so
     first = 1
     if run.get("load"):
         engine.load_checkpoint(os.path.join(checkpoints, run["load"]["name"]), tag="t")
         first = run["load"]["at"] + 1
         net[2].calls = run["load"]["at"] * engine.gradient_accumulation_steps()
     for step in range(1, run["steps"] + 1):
-        x = torch.randn(8, 8, generator=generator).half()
+        x = torch.randn(8, 8, generator=generator).to(dtype)
         target = torch.randn(8, 1, generator=generator)
         if step < first:  # the data of the steps the loaded checkpoint took
             continue

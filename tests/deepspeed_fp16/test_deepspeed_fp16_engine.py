@@ -118,6 +118,15 @@ def _checkpoint_runs() -> list[dict[str, Any]]:
             runs += [
                 {**cross, "ampguard": loader == "ampguard", "name": f"{loader} loads {saver} x{stage}", "load": save}
             ]
+    bf16 = {
+        "stage": 2,
+        "steps": STEPS,
+        "overflow": "never",
+        "config": {"fp16": {"enabled": False}, "bf16": {"enabled": True}},
+    }
+    save = {"at": SAVED_AT, "name": "bf16"}
+    runs += [{**bf16, "ampguard": True, "name": "bf16 saves", "save": save}]
+    runs += [{**bf16, "ampguard": True, "name": "bf16 loads", "load": save}]
     return runs
 
 
@@ -345,3 +354,12 @@ def test_engine_scale_then_backward_finds_forward_overflows_as_engine_backward_d
     assert counts["skipped"] == counts["nonfinite_loss"] == guarded["engine_skipped"] == 2
     assert guarded["scale"] == counts["min_scale_seen"] == 1024
     assert guarded["parameters"] == results[3, "inside", True, "warn"]["parameters"]
+
+
+def test_a_bf16_checkpoint_is_left_as_deepspeeds(results):
+    """bf16 has no loss scale: nothing is counted, the optimizer state gains no entry and its load says nothing."""
+    saved, loaded = results["bf16 saves"], results["bf16 loads"]
+    assert saved["died"] is None and loaded["died"] is None
+    assert saved["ampguard"] is None and loaded["ampguard"] is None
+    assert not [line for line in loaded["log"] if "checkpoint" in line], loaded["log"]
+    assert loaded["parameters"] == saved["parameters"]
