@@ -99,9 +99,10 @@ _totals_failed = False
 
 
 def agree_on_underflow(totals: torch.Tensor) -> torch.Tensor | None:
-    """On an underflow-sampled step: the ranks' totals together (``[values, zeros, low, below_normal, sunk, peak]``).
+    """On an underflow-sampled step: the ranks' totals together (``[values, zeros, low, below_normal, sunk, energy,
+    peak]``).
 
-    Two all-reduces on the backend's device, SUM of the five counts and MAX of
+    Two all-reduces on the backend's device, SUM of the counts and the energy and MAX of
     the peak, when the ranks train one model (:func:`distributed`); every rank
     calls it on the same step with a tensor of the same size (zeros where it
     counted nothing). ``totals`` as it is alone, and None when the exchange
@@ -114,8 +115,8 @@ def agree_on_underflow(totals: torch.Tensor) -> torch.Tensor | None:
         return totals
     try:
         device = _backend_device(dist)
-        counts = totals[:5].to(device, torch.float64, copy=True)
-        peak = totals[5:6].to(device, torch.float64, copy=True)
+        counts = totals[:-1].to(device, torch.float64, copy=True)
+        peak = totals[-1:].to(device, torch.float64, copy=True)
         dist.all_reduce(counts, op=dist.ReduceOp.SUM)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
         _last_totals = (counts, peak)  # kept until the next exchange (see agree_on_skip)

@@ -182,9 +182,11 @@ def test_islands_headroom_and_underflow_are_read_from_the_messages_ampguard_writ
         ),
         (
             "underflow",
-            GROWN.format(before=1024.0, after=2048.0, step=30, share=0.1234, lost=0.05, worst="; most in head 40%"),
+            GROWN.format(
+                before=1024.0, after=2048.0, step=30, share=0.1234, lost=0.05, norm=0.031, worst="; most in head 40%"
+            ),
         ),
-        ("underflow", REPORTED.format(scale=2048.0, share=0.02, lost=0.015, step=60, worst="")),
+        ("underflow", REPORTED.format(scale=2048.0, share=0.02, lost=0.015, norm=0.012, step=60, worst="")),
     ]
     [run], _ = read(str(_events_file(tmp_path / "events.jsonl", *events)))
     summary = run.summary()
@@ -201,17 +203,34 @@ def test_islands_headroom_and_underflow_are_read_from_the_messages_ampguard_writ
         "step": 30,
         "share": 0.1234,
         "lost": 0.05,
+        "lost_norm": 0.031,
         "scale": 1024.0,
         "grown_to": 2048.0,
         "modules": [["head", 0.4]],
     }
-    assert (second["step"], second["share"], second["lost"], second["scale"], second["grown_to"]) == (
-        60,
-        0.02,
-        0.015,
-        2048.0,
-        None,
+    got = (second["step"], second["share"], second["lost"], second["lost_norm"], second["scale"], second["grown_to"])
+    assert got == (60, 0.02, 0.015, 0.012, 2048.0, None)
+
+
+def test_underflow_messages_of_issue_32_before_the_norm_still_read(tmp_path):
+    """The wording between issue 32's estimate and the norm share: the values' lost share first, then the
+    subnormal-or-lost share and the modules in parentheses; read alike, with no norm share."""
+    old = (
+        "loss scale 1024 -> 2048 at step 30: 5.00% of the float16 gradient values of the sampled backward pass were "
+        "lost, zeros where float32 holds a value (12.34% were subnormal or lost; most in head 40%) "
+        "(ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
     )
+    [run], _ = read(str(_events_file(tmp_path / "events.jsonl", ("underflow", old))))
+    [entry] = run.summary()["from_events"]["underflow"]
+    assert entry == {
+        "step": 30,
+        "share": 0.1234,
+        "lost": 0.05,
+        "lost_norm": None,
+        "scale": 1024.0,
+        "grown_to": 2048.0,
+        "modules": [["head", 0.4]],
+    }
 
 
 def test_underflow_messages_of_before_issue_32_still_read(tmp_path):
@@ -228,6 +247,7 @@ def test_underflow_messages_of_before_issue_32_still_read(tmp_path):
         "step": 30,
         "share": 0.1234,
         "lost": None,
+        "lost_norm": None,
         "scale": 1024.0,
         "grown_to": 2048.0,
         "modules": [["head", 0.4], ["blocks.0", 0.12]],

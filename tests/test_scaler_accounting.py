@@ -336,6 +336,7 @@ def test_stats_snapshot_attributes_and_as_dict():
         "underflow_share": 0.0,
         "underflow_subnormal": 0.0,
         "underflow_lost": 0.0,
+        "underflow_lost_norm": 0.0,
         "underflow_grad_peak": 0.0,
         "underflow_values": 0,
         "underflow_step": 0,

@@ -40,12 +40,14 @@ def relative_gap(run_tail: float, reference: float) -> float:
 def test_loss_times_1e_8_trains_as_in_float32_and_stats_report_the_underflow(float32_tail):
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8)
     stats = run.scaler.stats
-    # issue 32: within 0.1% of float32 (1.2465 against 1.2465); before issue 24: 23.6% worse (scale 8192 at the end)
+    # issue 32: within 0.1% of float32 (1.2465 against 1.2465); before issue 24: 23.6% worse (scale 8192 at the end).
+    # Grown while more than 1% of the gradients' norm was lost: 7 times, to 2**17, then torch's schedule (2**19);
+    # acting on the share of values lost it grew 12 times, to 2**22, for the same result.
     assert relative_gap(run.tail_mean(), float32_tail) <= 0.001
-    assert stats.underflow_growths >= 10 and stats.scale >= 2.0**20
+    assert stats.underflow_growths >= 6 and stats.scale >= 2.0**17
     assert stats.skipped == 0
     assert stats.underflow_samples >= stats.underflow_growths
-    # At the cap (2**24) the gradients of this net are still mostly subnormal: the stats say so, and where.
+    # There the gradients of this net are still mostly subnormal: the stats say so, and where.
     assert stats.underflow_share > 0.5 and stats.underflow_subnormal > 0.5
     assert stats.underflow_share == pytest.approx(stats.underflow_subnormal + stats.underflow_lost, abs=2e-6)
     assert stats.underflow_modules and stats.underflow_modules[0][0].startswith("blocks.")
@@ -100,10 +102,10 @@ def test_no_step_reads_the_device_for_the_measurement(reinstall, optimizer_class
 def test_device_mode_grows_the_scale_too(float32_tail):
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, optimizer_class=DeviceSkipSGD)
     stats = run.scaler.stats
-    # As in host mode: 12 growths (1024 -> 2**22) at steps 2-13 while more than 1% of the values were lost, the
-    # 13th sample finds less, then one sample every 100 steps and torch's schedule to 2**24 (before: at the cap
+    # As in host mode: 7 growths (1024 -> 2**17) at steps 2-8 while more than 1% of the gradients' norm was lost,
+    # the 8th sample finds less, then one sample every 100 steps and torch's schedule to 2**19 (before: at the cap
     # the device's no-op growth counted, and every later step was sampled).
-    assert stats.underflow_growths == 12 and stats.scale == 2.0**24 and stats.underflow_samples == 15
+    assert stats.underflow_growths == 7 and stats.scale == 2.0**19 and stats.underflow_samples == 10
     assert relative_gap(run.tail_mean(), float32_tail) <= TOLERANCE
 
 
@@ -160,13 +162,13 @@ def test_the_stats_file_carries_the_underflow_and_the_report_charts_it(reinstall
     reinstall(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="10")
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=30)
     stats = [r for r in map(json.loads, path.read_text().splitlines()) if r["event"] == "stats"]
-    # Sampled at steps 2-14 (12 growths to 2**22; the 13th sample finds less than 1% lost), next at 114.
-    assert [r["underflow_samples"] for r in stats] == [9, 13, 13]
+    # Sampled at steps 2-9 (7 growths to 2**17; the 8th sample finds less than 1% of the norm lost), next at 109.
+    assert [r["underflow_samples"] for r in stats] == [8, 8, 8]
     assert stats[-1]["underflow_share"] == run.scaler.stats.underflow_share > 0.5
     assert any(r["event"] == "underflow" for r in map(json.loads, path.read_text().splitlines()))
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
-    assert "uflow |" in out and "the scale grown 12 times for it; modules losing most: blocks." in out
+    assert "uflow |" in out and "the scale grown 7 times for it; modules losing most: blocks." in out
 
 
 def _world_of_ranks(monkeypatch, other_rank):
@@ -181,7 +183,7 @@ def _world_of_ranks(monkeypatch, other_rank):
         other = other_rank(totals)
         if other is None:
             return None
-        return torch.cat([totals[:5] + other[:5], torch.maximum(totals[5:], other[5:])])
+        return torch.cat([totals[:-1] + other[:-1], torch.maximum(totals[-1:], other[-1:])])
 
     monkeypatch.setattr(listener_module, "distributed", lambda: object())
     monkeypatch.setattr(listener_module, "agree_on_underflow", agree, raising=False)
@@ -196,14 +198,16 @@ def test_under_torch_distributed_the_ranks_agreed_totals_decide_mocked_world(mon
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
     stats = run.scaler.stats
     assert stats.underflow_growths == 4 and stats.scale == 1024.0 * 2**4  # sampled at steps 2, 3, 4, 5
-    assert len(exchanged) == 4 and all(len(totals) == 6 for totals in exchanged)
+    assert len(exchanged) == 4 and all(len(totals) == 7 for totals in exchanged)
     assert stats.underflow_values == 2 * exchanged[-1][0] == 2 * (2 * 112864 + 1284)  # the ranks' values
     [grown] = records(ampguard_log, 20, "loss scale 1024 -> 2048")
     assert "all ranks" in grown.getMessage()
 
     # Another rank whose 100x as many values are all normal: together 1% or less, so not grown, though this
     # rank's own measurement alone would.
-    _world_of_ranks(monkeypatch, lambda totals: torch.tensor([100 * totals[0].item(), 0, 0, 0, 0, 1.0]))
+    _world_of_ranks(
+        monkeypatch, lambda totals: torch.tensor([100 * totals[0].item(), 0, 0, 0, 0, 100 * totals[0].item(), 1.0])
+    )
     run = train(ampguard.SafeGradScaler("cpu"), loss_factor=1e-8, steps=5)
     assert run.scaler.stats.underflow_growths == 0 and run.scaler.stats.scale == 1024.0
     assert 0 < run.scaler.stats.underflow_share <= 0.01

@@ -103,7 +103,7 @@ def test_ranks_agree_on_the_underflow_and_grow_the_scale_at_the_same_steps(tmp_p
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_growths"] == second["stats"]["underflow_growths"] > 0
     assert first["stats"]["skipped"] == second["stats"]["skipped"] == 0
-    assert max(first["scales"]) >= 2.0**20
+    assert max(first["scales"]) >= 2.0**17  # (while more than 1% of the norm was lost; acting on the values: 2**20)
 
     # Collectives on sampled steps only, at the same steps on both ranks: SUM of the counts, MAX of the peak.
     sampled = [step for step, exchanged in enumerate(first["exchanges"]) if exchanged]
@@ -113,7 +113,7 @@ def test_ranks_agree_on_the_underflow_and_grow_the_scale_at_the_same_steps(tmp_p
     differed = False
     for step in sampled:
         (counts0, peak0), (counts1, peak1) = first["exchanges"][step], second["exchanges"][step]
-        assert len(counts0[0]) == 5 and len(peak0[0]) == 1
+        assert len(counts0[0]) == 6 and len(peak0[0]) == 1  # the five counts and the energy; the peak
         assert counts0[1] == counts1[1] == [a + b for a, b in zip(counts0[0], counts1[0])]
         assert peak0[1] == peak1[1] == [max(peak0[0][0], peak1[0][0])]
         differed |= counts0[0] != counts1[0]

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 from torch import nn
 from underflow_support import AttentionNet, batches
 
-from ampguard.underflow.counts import Counts, Measurement, Tally, read
+from ampguard.underflow.counts import LOST_VALUE_SQUARE, Counts, Measurement, Tally, read
 from ampguard.underflow.measure import Sampler
 from ampguard.underflow.policy import HEADROOM, MATERIAL, ScaleState, decide
 
@@ -18,21 +19,29 @@ def test_tally_counts_zeros_subnormals_and_sunk_gradients_exactly():
     tiny = 2.0**-24
     # 2 zeros, one value at 2**-24 and one at 2**-23 (the density flat: half of one zero estimated flushed, 0),
     # 2 higher subnormals, 4 normal values
-    tally.add(
-        torch.tensor([0.0, -0.0, tiny, -2 * tiny, 3 * tiny, 2.0**-16, 2.0**-14, 1.0, -3.0, 100.0], dtype=torch.float16)
-    )
-    # no normal value, but nonzero ones: subnormal, not lost whole (before issue 32's estimate: all 3 lost)
-    tally.add(torch.tensor([0.0, tiny, 2.0**-15], dtype=torch.float16))
-    tally.add(torch.tensor([0.0, 0.0], dtype=torch.float16))  # all zero, computed from no flushed one: true zeros
-    # 10 zeros, 4 values at 2**-24, 1 at 2**-23: the density rises toward zero 4x: 4 / 2 * 4 = 8 zeros flushed
-    tally.add(torch.tensor([0.0] * 10 + [tiny] * 4 + [2 * tiny, 1.0], dtype=torch.float16))
+    gradients = [
+        torch.tensor([0.0, -0.0, tiny, -2 * tiny, 3 * tiny, 2.0**-16, 2.0**-14, 1.0, -3.0, 100.0], dtype=torch.float16),
+        # no normal value, but nonzero ones: subnormal, not lost whole (before issue 32's estimate: all 3 lost)
+        torch.tensor([0.0, tiny, 2.0**-15], dtype=torch.float16),
+        torch.tensor([0.0, 0.0], dtype=torch.float16),  # all zero, computed from no flushed one: true zeros
+        # 10 zeros, 4 values at 2**-24, 1 at 2**-23: the density rises toward zero 4x: 4 / 2 * 4 = 8 zeros flushed
+        torch.tensor([0.0] * 10 + [tiny] * 4 + [2 * tiny, 1.0], dtype=torch.float16),
+    ]
+    for gradient in gradients:
+        tally.add(gradient)
     tally.fed = True
     tally.add(torch.tensor([0.0, 0.0, 0.0], dtype=torch.float16))  # all zero, computed from a flushed one: lost
     measurement, _ = read([tally], step=7, scale=1024.0)
     counts = measurement.modules["layer"]
-    assert counts == Counts(values=34, zeros=15, low=15 + 8, below_normal=26, sunk=3, peak=100.0)
+    energy = sum(float(g.double().square().sum()) for g in gradients)  # the kept values' squared norm
+    assert counts.energy == pytest.approx(energy, rel=1e-6)
+    assert counts == Counts(values=34, zeros=15, low=15 + 8, below_normal=26, sunk=3, peak=100.0, energy=counts.energy)
     assert counts.subnormal == 11 and counts.flushed == 8 + 3 and counts.underflow == 22
     assert measurement.underflow_share == 22 / 34 and measurement.subnormal_share == 11 / 34
+    # the 11 values lost, each as a value below 2**-25, against the kept ones' norm (100 and 3 dominate): tiny
+    lost = 11 * LOST_VALUE_SQUARE
+    assert measurement.lost_norm_share == pytest.approx(math.sqrt(lost / (energy + lost)), rel=1e-6)
+    assert measurement.lost_norm_share < 1e-8 < measurement.flushed_share
 
 
 def test_sampler_counts_each_float16_gradient_once_per_module_and_leaves_no_hook():

@@ -95,7 +95,7 @@ def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange
     underflow all-reduce with DDP's gradient bucket of rank 0 and aborted the job ("Received data size doesn't
     match expected size. Is there a distributed collective mismatch")."""
     first, second = run_ranks(tmp_path, "0")
-    assert first["exchanges"] == second["exchanges"] == [[], [5, 1], [], []]
+    assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [], []]
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
     assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0  # rank 1's counts
@@ -108,7 +108,7 @@ def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(tmp_pa
     kept paired), an empty measurement replaced the last one in scaler.stats and the next sample waited a
     whole AMPGUARD_UNDERFLOW_EVERY."""
     first, second = run_ranks(tmp_path, "01")
-    assert first["exchanges"] == second["exchanges"] == [[], [5, 1], [5, 1], []]
+    assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [6, 1], []]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
     assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0
 
@@ -260,7 +260,7 @@ def test_under_torch_distributed_a_rank_that_counted_nothing_decides_with_the_ot
     import ampguard.underflow.listener as listener_module
     from ampguard.underflow.counts import Transfer
 
-    agreed = torch.tensor([1000.0, 0, 0, 0, 1000, 1.0], dtype=torch.float64)  # every value lost: grow
+    agreed = torch.tensor([1000.0, 0, 0, 0, 1000, 0.0, 1.0], dtype=torch.float64)  # every value lost: grow
 
     class CopiedFromCuda(Transfer):
         @property

@@ -36,6 +36,8 @@ class ScalerStats:
         underflow_subnormal: the share subnormal (fewer than 11 significant bits).
         underflow_lost: the share lost: exact zeros where float32 would hold the value nonzero (estimated
             from float16's smallest subnormals; all-zero gradients computed from flushed ones).
+        underflow_lost_norm: the share of the gradients' norm lost (the values lost against all of them, each
+            taken as a value below float16's rounding to zero): what ``AMPGUARD_UNDERFLOW=adapt`` acts on.
         underflow_grad_peak: the largest float16 gradient magnitude of the sampled step (scaled).
         underflow_values: the float16 gradient values the last sample counted (0 with no float16 gradient:
             bfloat16 or float32 training).
@@ -61,6 +63,7 @@ class ScalerStats:
     underflow_share: float = 0.0
     underflow_subnormal: float = 0.0
     underflow_lost: float = 0.0
+    underflow_lost_norm: float = 0.0
     underflow_grad_peak: float = 0.0
     underflow_values: int = 0
     underflow_step: int = 0
@@ -132,8 +135,8 @@ def _underflow_text(stats: ScalerStats) -> str:
     worst = ",".join(f"{name}:{share:.2%}" for name, share in stats.underflow_modules)
     return (
         f" | last underflow sample: underflow={stats.underflow_share:.2%} (subnormal={stats.underflow_subnormal:.2%} "
-        f"lost={stats.underflow_lost:.2%} at_step={stats.underflow_step} at_scale={_g(stats.underflow_scale)})"
-        + (f" underflow_modules={worst}" if worst else "")
+        f"lost={stats.underflow_lost:.2%} lost_norm={stats.underflow_lost_norm:.2%} at_step={stats.underflow_step} "
+        f"at_scale={_g(stats.underflow_scale)})" + (f" underflow_modules={worst}" if worst else "")
     )
 
 

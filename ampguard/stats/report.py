@@ -125,16 +125,23 @@ _PEAK = re.compile(
 _WATCH_STEP = re.compile(
     r"headroom watch of step (?P<step>\d+)|forward pass of step (?P<ahead>\d+)|, step (?P<at>\d+)\)"
 )
-# The underflow listener: "loss scale A -> B at step N: L% of the float16 gradient values ..." (grown) and
-# "at loss scale A, L% of the float16 gradient values of the sampled backward pass (step N) ..." (reported);
-# since issue 32 L is the share lost and "(P% were subnormal or lost; most in ...)" follows; before, L was P.
+# The underflow listener: "loss scale A -> B at step N: the float16 gradients ... lost G% of their norm (L% of their
+# values were lost, ...; P% were subnormal or lost; most in ...)" (grown) and "at loss scale A, the float16
+# gradients of the sampled backward pass (step N) lost G% of their norm (...)" (reported). Before that wording
+# (issue 32): "... N: L% of the float16 gradient values ... were lost, zeros where float32 holds a value (P% were
+# subnormal or lost; ...)"; in 0.1.0: "... N: P% of the float16 gradient values ...".
 _UNDERFLOW_GROWN = re.compile(
-    r"^loss scale (?P<before>\S+) -> (?P<after>\S+) at step (?P<step>\d+): (?P<share>[\d.]+)% of the float16"
+    r"^loss scale (?P<before>\S+) -> (?P<after>\S+) at step (?P<step>\d+): "
+    r"(?:(?P<share>[\d.]+)% of the float16|the float16 gradients .*? lost (?P<norm>[\d.]+)% of their norm)"
 )
 _UNDERFLOW_SEEN = re.compile(
-    r"^at loss scale (?P<before>[^,]+), (?P<share>[\d.]+)% of the float16 .*?\(step (?P<step>\d+)\)"
+    r"^at loss scale (?P<before>[^,]+), (?:(?P<share>[\d.]+)% of the float16 .*?\(step (?P<step>\d+)\)|"
+    r"the float16 gradients .*?\(step (?P<step_now>\d+)\) lost (?P<norm>[\d.]+)% of their norm)"
 )
-_LOST_THEN_SHARE = re.compile(r"were lost, zeros where float32 holds a value \((?P<share>[\d.]+)% were subnormal")
+_LOST_THEN_SHARE = re.compile(
+    r"(?:were lost, zeros where float32 holds a value \(|; )(?P<share>[\d.]+)% were subnormal"
+)
+_LOST_VALUES = re.compile(r"\((?P<lost>[\d.]+)% of their values were lost")
 _WORST = re.compile(r"(?:\(|; )most in (?P<modules>[^);]*)")
 # "step N skipped at loss scale S: ..." (diagnose.py), the first of each stats interval.
 _SKIP = re.compile(r"^step (?P<step>\d+) skipped")
@@ -194,11 +201,22 @@ class EventDigest:
 
     def _underflow(self, message: str) -> None:
         found = _UNDERFLOW_GROWN.match(message) or _UNDERFLOW_SEEN.match(message)
-        if found is None or (share := _number(found["share"])) is None:
+        if found is None:
             return
+        fields = found.groupdict()
+        norm = _number(fields["norm"]) if fields.get("norm") else None
         lost = None
-        if (shares := _LOST_THEN_SHARE.search(message)) is not None and (total := _number(shares["share"])) is not None:
-            lost, share = share / 100, total
+        if norm is not None:  # the wording since the norm: the values' shares in the parenthesis
+            values = _LOST_VALUES.search(message)
+            shares = _LOST_THEN_SHARE.search(message)
+            if values is None or shares is None:
+                return
+            lost, share = _number(values["lost"]), _number(shares["share"])
+            lost = lost / 100 if lost is not None else None
+        elif (share := _number(fields["share"])) is not None and (shares := _LOST_THEN_SHARE.search(message)):
+            lost, share = share / 100, _number(shares["share"])
+        if share is None:
+            return
         worst = _WORST.search(message)
         modules = []
         for item in worst["modules"].split(", ") if worst else ():
@@ -208,9 +226,10 @@ class EventDigest:
         grown = found.groupdict().get("after")
         self.underflow.append(
             {
-                "step": int(found["step"]),
+                "step": int(fields.get("step") or fields.get("step_now") or 0),
                 "share": share / 100,
                 "lost": lost,
+                "lost_norm": norm / 100 if norm is not None else None,
                 "scale": _number(found["before"]),
                 "grown_to": _number(grown) if grown else None,
                 "modules": modules,

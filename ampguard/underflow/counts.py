@@ -56,6 +56,13 @@ FLOAT16_MAX = 65504.0
 # The peak recorded for a step whose float16 gradients held inf or NaN (an overflow, skipped or masked further down
 # by a ReLU): finite, so that checkpoints hold it, and above every float16 value, so that no scale grows for it.
 OVERFLOWED = 65536.0
+# What a lost value adds to a gradient's squared norm (scaled units), for the share of the norm lost
+# (Counts.lost_norm): taken at 2**-25, below which float16 rounds to zero. A bound for the values flushed there;
+# those lost downstream of a flush (computed from flushed gradients) may be larger. Against float32
+# (tests/test_underflow_float32_reference.py) it errs by at most a factor of 3 and takes the same side of the
+# policy's 1% in every case there; a uniform density below 2**-25 (a third of it) missed the attention net's 2.8%
+# at 2**16 (0.8%).
+LOST_VALUE_SQUARE = (2.0**-25) ** 2
 
 
 def passed_on(peak: torch.Tensor, fed: torch.Tensor | bool, below: torch.Tensor | None = None) -> torch.Tensor:
@@ -96,9 +103,11 @@ class Tally:
         self.values = 0  # known on the host: the sizes of the gradients counted
         self.counts = torch.zeros(5, dtype=torch.int64, device=device)
         self.peak = torch.zeros((), dtype=torch.float32, device=device)
+        self.energy = torch.zeros((), dtype=torch.float64, device=device)  # the squared norms of its gradients
         self.fed: torch.Tensor | bool = False
-        # per gradient added since the last settle: [zeros, at 2**-24, at 2**-23, below normal], peak, fed, size
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool, int]] = []
+        # per gradient added since the last settle: [zeros, at 2**-24, at 2**-23, below normal], peak, fed, size,
+        # norm
+        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool, int, torch.Tensor]] = []
 
     def add(self, gradient: torch.Tensor) -> torch.Tensor:
         """Count ``gradient``, fed :attr:`fed`; returns whether it was flushed (:func:`passed_on`). No read."""
@@ -113,7 +122,10 @@ class Tally:
                 torch.count_nonzero(magnitude < SMALLEST_NORMAL),
             ]
         )
-        self.pending.append((on(raw, self.device), on(peak, self.device), self.fed, gradient.numel()))
+        norm = torch.linalg.vector_norm(magnitude, dtype=torch.float32)
+        self.pending.append(
+            (on(raw, self.device), on(peak, self.device), self.fed, gradient.numel(), on(norm, self.device))
+        )
         self.values += gradient.numel()
         return flushed
 
@@ -148,9 +160,12 @@ def settle(tallies: list[Tally]) -> None:
         )
         counts = torch.zeros(len(group), 5, dtype=torch.int64, device=device).index_add_(0, slots, per_gradient)
         maxima = torch.zeros(len(group), device=device).scatter_reduce_(0, slots, peaks, "amax")
+        squares = torch.stack([row[4] for row in rows]).double().square()
+        energies = torch.zeros(len(group), dtype=torch.float64, device=device).index_add_(0, slots, squares)
         for index, tally in enumerate(group):
             tally.counts = tally.counts + counts[index]
             tally.peak = torch.maximum(tally.peak, maxima[index])
+            tally.energy = tally.energy + energies[index]
             tally.pending = []
 
 
@@ -175,12 +190,16 @@ class Counts:
     below_normal: int = 0  # zeros and subnormals
     sunk: int = 0  # values of the gradients lost whole (all-zero ones computed from a flushed one)
     peak: float = 0.0
+    # The squared norm of the float16 gradients counted, in scaled units (NaN: not measured, a checkpoint of
+    # ampguard before it).
+    energy: float = math.nan
 
     @classmethod
     def read(cls, *values: float) -> Counts:
-        """From the host's copy: ``values, zeros, low, below_normal, sunk, peak`` (counts as floats)."""
-        count, zeros, low, below_normal, sunk, peak = values
-        return cls(int(count), int(zeros), int(low), int(below_normal), int(sunk), finite_peak(peak))
+        """From the host's copy: ``values, zeros, low, below_normal, sunk, peak[, energy]`` (counts as floats)."""
+        count, zeros, low, below_normal, sunk, peak, *energy = values
+        squares = float(energy[0]) if energy else math.nan
+        return cls(int(count), int(zeros), int(low), int(below_normal), int(sunk), finite_peak(peak), squares)
 
     @property
     def subnormal(self) -> int:
@@ -197,17 +216,33 @@ class Counts:
         """Values degraded (subnormal) or lost (flushed) at the current scale."""
         return self.subnormal + self.flushed
 
+    @property
+    def lost_norm(self) -> float:
+        """The share of the gradients' norm lost: the norm of the values lost (each taken at ``2**-25``, where
+        float16 rounds to zero: :data:`LOST_VALUE_SQUARE`) against that of all of them, kept and lost. What the
+        update loses: values lost far below the gradients' others (a confident softmax's) lose nothing that
+        float16's rounding of the large ones does not already lose. Without a measured norm (a checkpoint of
+        ampguard before it), the share of values lost."""
+        if math.isnan(self.energy):
+            return self.share(self.flushed)
+        lost = self.flushed * LOST_VALUE_SQUARE
+        whole = self.energy + lost
+        return math.sqrt(lost / whole) if whole > 0 and math.isfinite(whole) else 0.0
+
     def share(self, count: int) -> float:
         return count / self.values if self.values else 0.0
 
     def as_list(self) -> list[int | float]:
-        """Plain data (checkpoints): ``[values, zeros, low, below_normal, sunk, peak]``."""
-        return [self.values, self.zeros, self.low, self.below_normal, self.sunk, self.peak]
+        """Plain data (checkpoints): ``[values, zeros, low, below_normal, sunk, peak, energy]`` (no energy where
+        it is not known: a checkpoint holds finite numbers only)."""
+        saved: list[int | float] = [self.values, self.zeros, self.low, self.below_normal, self.sunk, self.peak]
+        return [*saved, self.energy] if math.isfinite(self.energy) else saved
 
     @classmethod
     def from_list(cls, saved: Any) -> Counts:
-        values, zeros, low, below_normal, sunk, peak = saved
-        return cls(int(values), int(zeros), int(low), int(below_normal), int(sunk), float(peak))
+        values, zeros, low, below_normal, sunk, peak, *energy = saved
+        squares = float(energy[0]) if energy else math.nan
+        return cls(int(values), int(zeros), int(low), int(below_normal), int(sunk), float(peak), squares)
 
     def __add__(self, other: Counts) -> Counts:
         return Counts(
@@ -217,6 +252,7 @@ class Counts:
             self.below_normal + other.below_normal,
             self.sunk + other.sunk,
             max(self.peak, other.peak),
+            self.energy + other.energy,
         )
 
 
@@ -240,6 +276,11 @@ class Measurement:
     @property
     def underflow_share(self) -> float:
         return self.total.share(self.total.underflow)
+
+    @property
+    def lost_norm_share(self) -> float:
+        """The share of the gradients' norm lost (:attr:`Counts.lost_norm`): what the policy acts on."""
+        return self.total.lost_norm
 
     def as_plain(self) -> dict[str, Any]:
         """Plain data (checkpoints): Python numbers, strings, lists and dicts."""
@@ -265,7 +306,8 @@ class Measurement:
 
 
 def totals(tallies: list[Tally]) -> torch.Tensor:
-    """All tallies in one float64 tensor, ``[values, zeros, low, below_normal, sunk, peak]``, on their device.
+    """All tallies in one float64 tensor, ``[values, zeros, low, below_normal, sunk, energy, peak]``, on their
+    device (the peak last: the ranks take its maximum, and the sum of the others).
 
     The same size whatever was counted (zeros on the CPU when nothing was): what
     ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). The
@@ -275,15 +317,16 @@ def totals(tallies: list[Tally]) -> torch.Tensor:
     """
     settle(tallies)
     device = tallies[0].counts.device if tallies else torch.device("cpu")
-    total = torch.zeros(6, dtype=torch.float64, device=device)
+    total = torch.zeros(7, dtype=torch.float64, device=device)
     zeros = torch.zeros((), dtype=torch.float64, device=device)
     total[0] = float(sum(t.values for t in tallies))
     for t in tallies:
         counts = t.counts.to(device, torch.float64)
         total[1:5] += counts[:4]
         zeros += counts[4] - counts[3]
-        torch.maximum(total[5], t.peak.to(device, torch.float64), out=total[5])
-    lost = total[5] < SMALLEST_NORMAL
+        total[5] += t.energy.to(device, torch.float64)
+        torch.maximum(total[6], t.peak.to(device, torch.float64), out=total[6])
+    lost = total[6] < SMALLEST_NORMAL
     total[1:4] += zeros * ~lost
     total[4] += zeros * lost
     return total
@@ -324,7 +367,12 @@ class Transfer:
         )
         exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
         pieces = [total.to(device, exact)] if total is not None else []
-        pieces += [torch.cat([t.counts.to(device, exact), t.peak.to(device, exact).reshape(1)]) for t in tallies]
+        pieces += [
+            torch.cat(
+                [t.counts.to(device, exact), t.peak.to(device, exact).reshape(1), t.energy.to(device, exact).reshape(1)]
+            )
+            for t in tallies
+        ]
         if extra is not None:
             pieces.append(extra.to(device, exact).flatten())
         self._copy = HostCopy(torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact))
@@ -342,22 +390,22 @@ class Transfer:
     def result(self) -> tuple[Measurement, list[float]]:
         """The measurement, and the values of the caller's ``extra``; reads the device for a copy not yet done."""
         values = self._copy.values()
-        agreed = values[:6] if self.agreed else []
+        agreed = values[:7] if self.agreed else []  # (totals' layout: the energy before the peak)
         values = values[len(agreed) :]
-        rows = [values[6 * index : 6 * index + 6] for index in range(len(self.tallies))]
+        rows = [values[7 * index : 7 * index + 7] for index in range(len(self.tallies))]
         # all-zero gradients not flushed: true zeros, lost when no gradient of the step held a normal value
         lost = max((finite_peak(row[5]) for row in rows), default=0.0) < SMALLEST_NORMAL
         modules: dict[str, Counts] = {}
-        for (name, count), (zeros, low, below_normal, sunk, below, peak) in zip(self.tallies, rows):
+        for (name, count), (zeros, low, below_normal, sunk, below, peak, energy) in zip(self.tallies, rows):
             true, sunk = (0.0, below) if lost else (below - sunk, sunk)
-            counts = Counts.read(count, zeros + true, low + true, below_normal + true, sunk, peak)
+            counts = Counts.read(count, zeros + true, low + true, below_normal + true, sunk, peak, energy)
             modules[name] = modules[name] + counts if name in modules else counts
-        total = Counts()
+        total = Counts(energy=0.0)
         for counts in modules.values():
             total = total + counts
         if agreed:
-            total = Counts.read(*agreed)
-        rest = values[6 * len(self.tallies) :]
+            total = Counts.read(*agreed[:5], agreed[6], agreed[5])
+        rest = values[7 * len(self.tallies) :]
         scale = rest[0] if math.isnan(self.scale) and rest else self.scale
         return Measurement(self.step, scale, total, modules), rest
 

@@ -53,9 +53,9 @@ from ampguard.underflow.policy import ScaleState, decide
 logger = event_logger("underflow")
 
 GROWN = (
-    "loss scale {before:g} -> {after:g} at step {step}: {lost:.2%} of the float16 gradient values of the sampled "
-    "backward pass were lost, zeros where float32 holds a value ({share:.2%} were subnormal or lost{worst}) "
-    "(ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
+    "loss scale {before:g} -> {after:g} at step {step}: the float16 gradients of the sampled backward pass lost "
+    "{norm:.2%} of their norm ({lost:.2%} of their values were lost, zeros where float32 holds a value; "
+    "{share:.2%} were subnormal or lost{worst}) (ampguard.underflow; AMPGUARD_UNDERFLOW=report keeps torch's schedule)"
 )
 DISTRIBUTED = (
     " (the scale is not grown for it: the ranks of this torch.distributed job could not agree on the measurement, "
@@ -63,9 +63,9 @@ DISTRIBUTED = (
 )
 AGREED = "; the shares are all ranks', the modules this rank's"
 REPORTED = (
-    "at loss scale {scale:g}, {lost:.2%} of the float16 gradient values of the sampled backward pass (step {step}) "
-    "were lost, zeros where float32 holds a value ({share:.2%} were subnormal or lost{worst}); "
-    "AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
+    "at loss scale {scale:g}, the float16 gradients of the sampled backward pass (step {step}) lost {norm:.2%} of "
+    "their norm ({lost:.2%} of their values were lost, zeros where float32 holds a value; {share:.2%} were "
+    "subnormal or lost{worst}); AMPGUARD_UNDERFLOW=adapt grows the scale while the gradients have room"
 )
 
 MALFORMED = (
@@ -240,6 +240,7 @@ class UnderflowListener(StepListener):
                     scale=measurement.scale,
                     share=measurement.underflow_share,
                     lost=measurement.flushed_share,
+                    norm=measurement.lost_norm_share,
                     step=measurement.step,
                     worst=_worst(measurement),
                 )
@@ -255,6 +256,7 @@ class UnderflowListener(StepListener):
             step=measurement.step,
             share=measurement.underflow_share,
             lost=measurement.flushed_share,
+            norm=measurement.lost_norm_share,
             worst=_worst(measurement) + (AGREED if state.pending_shared else ""),
         )
         if not self.reported:
@@ -312,6 +314,7 @@ class UnderflowListener(StepListener):
             "underflow_share": round(last.underflow_share, 6),
             "underflow_subnormal": round(last.subnormal_share, 6),
             "underflow_lost": round(last.flushed_share, 6),
+            "underflow_lost_norm": round(last.lost_norm_share, 6),
             "underflow_grad_peak": last.total.peak,
             "underflow_values": last.total.values,
             "underflow_step": last.step,

@@ -3,11 +3,12 @@
 The rule (:func:`decide`): grow by the scaler's growth factor, without waiting
 for the growth interval, when
 
-* the sampled step lost more than :data:`MATERIAL` of its float16 gradient
-  values (:attr:`~ampguard.underflow.counts.Measurement.flushed_share`: exact
-  zeros where float32 holds the value; subnormal values are kept, with fewer
-  bits, and a run whose gradients are mostly subnormal trains as float32 does:
-  docs/underflow.md's XTTS tables);
+* the sampled step lost more than :data:`MATERIAL` of its float16 gradients'
+  norm (:attr:`~ampguard.underflow.counts.Measurement.lost_norm_share`: the
+  values lost, exact zeros where float32 holds the value, against all of them;
+  subnormal values are kept, with fewer bits, and a run whose gradients are
+  mostly subnormal trains as float32 does: docs/underflow.md's XTTS tables;
+  values lost far below the others, a confident softmax's, change no update);
 * its largest gradient, grown, stays :data:`HEADROOM` times below float16's
   65,504 (``peak * growth_factor * HEADROOM <= 65504``);
 * the grown scale stays below the last scale that overflowed (:attr:`ScaleState.ceiling`),
@@ -28,9 +29,9 @@ from dataclasses import dataclass, field
 from ampguard.underflow.counts import FLOAT16_MAX, Measurement, Transfer
 from ampguard.underflow.measure import Sampler
 
-# Share of the float16 gradient values lost above which underflow is material. The 2-block attention net at
+# Share of the float16 gradients' norm lost above which underflow is material. The 2-block attention net at
 # factor 1 loses none at scale 1024 and trains as in float32 (torch-identical schedule kept); at loss x 1e-8 it
-# loses 99.7% at 1024 (docs/underflow.md).
+# loses nearly all of it at 1024 (docs/underflow.md).
 MATERIAL = 0.01
 # The largest gradient after growing stays this far below 65,504: room for a gradient 64x the sampled peak.
 HEADROOM = 64.0
@@ -54,7 +55,7 @@ def decide(
         return False
     peak = measurement.total.peak * scale / measurement.scale
     return (
-        measurement.flushed_share > MATERIAL
+        measurement.lost_norm_share > MATERIAL
         and has_headroom(peak, growth_factor)
         and scale * growth_factor < ceiling
         and scale * growth_factor <= cap
