@@ -259,3 +259,31 @@ def test_each_scaler_shows_its_own_measurement():
     assert loud.scaler.stats.underflow_share > 0.5
     assert quiet.scaler.stats.underflow_share < 0.01  # (before: the last stepped scaler's, loud's)
     assert quiet.scaler.stats.underflow_values == loud.scaler.stats.underflow_values  # the same net, counted alike
+
+
+def test_losses_given_to_scale_in_a_generator_are_stepped_aside_with_one_info_line(ampguard_log):
+    """``scaler.scale(loss for loss in ...)``: torch maps an iterator lazily, so the sample cannot see those losses
+    without consuming them. It says so once at INFO, counts nothing, and the run is torch's (before: silent)."""
+
+    def run(scaler_class: type) -> tuple[list[torch.Tensor], float]:
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = scaler_class("cpu", init_scale=1024.0, growth_interval=100)
+        generator = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=generator), torch.randint(0, 4, (8,), generator=generator)
+            optimizer.zero_grad()
+            with torch.autocast("cpu", dtype=torch.float16):
+                out = model(x).float()
+                losses = (torch.nn.functional.cross_entropy(out, y) * 1e-8, out.pow(2).mean() * 1e-10)
+            for scaled in scaler.scale(loss for loss in losses):
+                scaled.backward(retain_graph=True)
+            scaler.step(optimizer)
+            scaler.update()
+        return [p.detach().clone() for p in model.parameters()], scaler.get_scale()
+
+    params, scale = run(ampguard.SafeGradScaler)
+    torch_params, torch_scale = run(ampguard.scaler.TorchGradScaler)
+    assert scale == torch_scale == 1024.0 and all(torch.equal(a, b) for a, b in zip(params, torch_params))
+    assert len(records(ampguard_log, 20, "cannot be looked at without consuming it")) == 1

@@ -155,6 +155,8 @@ class Sampler:
                 self._tasks.add(_current_task())
 
         try:
+            if isinstance(scaled, Iterator):  # (torch's scale() maps an iterator lazily: nothing to look at)
+                node_kinds.step_aside_lazy_losses()
             for tensor in _tensors(scaled):
                 if tensor.grad_fn is not None:
                     self._node_hooks.append(tensor.grad_fn.register_prehook(record))

@@ -55,6 +55,18 @@ def step_aside_unseen() -> None:
     _say_once(UNSEEN)
 
 
+# Said once per process at INFO when scale() is given an iterator of losses (a generator: torch maps it lazily).
+LAZY_LOSSES = (
+    "underflow sample: the losses given to scaler.scale() in an iterator (a generator, a map) cannot be looked at "
+    "without consuming it: their backward passes are not counted, and the scale follows torch's schedule for "
+    "them. Pass a list or a tuple of losses to have them sampled."
+)
+
+
+def step_aside_lazy_losses() -> None:
+    _say_once(LAZY_LOSSES)
+
+
 # Said once per process at INFO when the sample first meets a torch.func transform.
 TRANSFORMED = (
     "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
