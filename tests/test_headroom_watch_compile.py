@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from islands_support import fresh_islands, one_step  # noqa: F401
-from scaler_support import one_thread  # noqa: F401  (fixtures)
+from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from torch import nn
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
@@ -132,3 +134,26 @@ class Wrapped(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.inner(x).float().mean()
+
+
+def test_a_model_compiled_whole_is_said_once_not_to_be_watched(reinstall, ampguard_log):
+    """``torch.compile(model)``: nothing of it is left to watch; the watch says so once at INFO (before: silently),
+    and the run is torch's."""
+    reinstall(AMPGUARD_WATCH_EVERY="1", AMPGUARD_UNDERFLOW="off")
+
+    def trained() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        model = Wrapped(nn.Sequential(nn.Linear(8, 8), nn.GELU(), nn.Linear(8, 8)))
+        train(torch.compile(model, backend="eager"), 4)
+        return [p.detach().clone() for p in model.parameters()]
+
+    under_ampguard = trained()
+    said = records(ampguard_log, logging.INFO, "runs compiled and is not watched")
+    assert len(said) == 1 and "torch.compile of Wrapped" in said[0].getMessage()
+    ampguard.uninstall()
+    torch._dynamo.reset()
+    try:
+        plain = trained()
+    finally:
+        ampguard.install()
+    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, plain))

@@ -48,6 +48,13 @@ logger = event_logger("island")
 MAX_PASSES = 64
 
 
+# Said once per model class at INFO when the model called is compiled as a whole.
+COMPILED_MODEL = (
+    "headroom watch: the model `%s` (torch.compile of %s) runs compiled and is not watched: no module of it is "
+    'made an fp32 island ahead of an overflow (docs/islands.md, "Where it steps aside").'
+)
+
+
 def _dynamo_compiled() -> bool:
     """Whether torch.compile has compiled a graph in this process (never imports dynamo)."""
     utils = sys.modules.get("torch._dynamo.utils")
@@ -224,6 +231,9 @@ class WatchedPass:
         if self._stack:
             name = qualified_name(module, self._stack[0].module() or module) or type(module).__name__
             self.step_aside(f"`{name}`", "it is compiled")
+        else:  # the model itself: no module is left to watch
+            inner = type(getattr(module, "_orig_mod", module)).__name__
+            self._say_once(f"compiled model {inner}", COMPILED_MODEL, type(module).__name__, inner)
 
     def _enter_mode(self) -> None:
         mode = Observer(self.measure, self._fail, self.step_aside, self._unwritten)
