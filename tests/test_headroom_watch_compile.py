@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -118,13 +119,17 @@ def test_a_submodule_compiled_with_fullgraph_trains_on_watched_steps(reinstall):
 
     reinstall(AMPGUARD_WATCH_EVERY="1", AMPGUARD_UNDERFLOW_EVERY="1")
     under_ampguard = trained()
+    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, under_plain_torch(trained)))
+
+
+def under_plain_torch(trained: Callable[[], list[torch.Tensor]]) -> list[torch.Tensor]:
+    """``trained()`` with ampguard uninstalled and dynamo's caches emptied (ampguard installed again after)."""
     ampguard.uninstall()
     torch._dynamo.reset()
     try:
-        plain = trained()
+        return trained()
     finally:
         ampguard.install()
-    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, plain))
 
 
 class Wrapped(nn.Module):
@@ -150,10 +155,4 @@ def test_a_model_compiled_whole_is_said_once_not_to_be_watched(reinstall, ampgua
     under_ampguard = trained()
     said = records(ampguard_log, logging.INFO, "runs compiled and is not watched")
     assert len(said) == 1 and "torch.compile of Wrapped" in said[0].getMessage()
-    ampguard.uninstall()
-    torch._dynamo.reset()
-    try:
-        plain = trained()
-    finally:
-        ampguard.install()
-    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, plain))
+    assert all(torch.equal(a, b) for a, b in zip(under_ampguard, under_plain_torch(trained)))
