@@ -76,7 +76,7 @@ def update_scale(original: Callable[[Any, bool], None], policy: Policy) -> Calla
         try:
             floor = max(policy.floor, float(self.min_scale))
             before = float(self.cur_scale)
-            forward = losses.forward_overflow(bool(overflow))  # a loss inf/NaN: one read, at an overflow only
+            forward = losses.forward_overflow(bool(overflow), self)  # a loss inf/NaN: one read, at an overflow only
             backing_off = bool(overflow) and (self.delayed_shift == 1 or self.cur_hysteresis == 1)
             at_floor = backing_off and before <= floor and not forward
         except Exception as error:
@@ -102,7 +102,7 @@ def optimizer_update_scale(original: Callable[[Any, bool], None], policy: Policy
             config = self.loss_scale_config
             before = float(config.cur_scale)
             scaling = bool(config.use_grad_scaling)  # bf16 / fp32: no loss scale to look after
-            forward = scaling and losses.forward_overflow(bool(skip))  # one read, at an overflow only
+            forward = scaling and losses.forward_overflow(bool(skip), self)  # one read, at an overflow only
         except Exception as error:
             containment.report("deepspeed_fp16 _update_scale", error)
             return original(self, skip)

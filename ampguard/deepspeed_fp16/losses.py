@@ -23,6 +23,7 @@ itself: ZeRO 0 refuses direct backward calls, ZeRO 1-3 an unscaled loss).
 from __future__ import annotations
 
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,8 @@ from ampguard.syncs import read_to_host
 MAX_KEPT = 256
 
 _lock = threading.Lock()
-_kept: list[torch.Tensor] = []
+# Per engine, the losses since its last step: another engine's (two models trained side by side) are not this one's.
+_kept: weakref.WeakKeyDictionary[Any, list[torch.Tensor]] = weakref.WeakKeyDictionary()
 
 
 def engine_backward(original: Callable[..., Any], policy: Policy) -> Callable[..., Any]:
@@ -47,8 +49,9 @@ def engine_backward(original: Callable[..., Any], policy: Policy) -> Callable[..
         try:
             if isinstance(loss, torch.Tensor) and loss.is_floating_point():
                 with _lock:
-                    _kept.append(loss.detach())
-                    del _kept[:-MAX_KEPT]
+                    kept = _kept.setdefault(self, [])
+                    kept.append(loss.detach())
+                    del kept[:-MAX_KEPT]
         except Exception as error:  # never the reason a run dies
             containment.report("deepspeed_fp16 backward", error)
         return original(self, loss, *args, **kwargs)
@@ -56,14 +59,25 @@ def engine_backward(original: Callable[..., Any], policy: Policy) -> Callable[..
     return backward
 
 
-def forward_overflow(overflow: bool) -> bool:
-    """Whether this step's overflow was a forward one (a kept loss inf/NaN); forgets the kept losses.
+def _owns(engine: Any, owner: Any) -> bool:
+    """Whether ``owner`` (an fp16 optimizer at ZeRO 0, a loss scaler at ZeRO 1-3) steps ``engine``."""
+    optimizer = getattr(engine, "optimizer", None)
+    return optimizer is owner or getattr(optimizer, "loss_scaler", None) is owner
 
-    ``overflow``: DeepSpeed's verdict for the step, agreed between ranks. Reads the host only when it is True.
+
+def forward_overflow(overflow: bool, owner: Any) -> bool:
+    """Whether this step's overflow was a forward one (a loss of ``owner``'s engine inf/NaN); that engine's kept
+    losses are forgotten.
+
+    ``overflow``: DeepSpeed's verdict for the step, agreed between ranks. ``owner``: the fp16 optimizer (ZeRO 0) or
+    the loss scaler (ZeRO 1-3) whose step this is; an owner no engine is known to hold takes every engine's losses.
+    Reads the host only when ``overflow`` is True.
     """
     with _lock:
-        kept = list(_kept)
-        _kept.clear()
+        engines = [engine for engine in list(_kept.keys()) if _owns(engine, owner)] or list(_kept.keys())
+        kept = [loss for engine in engines for loss in _kept[engine]]
+        for engine in engines:  # (the engine stays known, with nothing kept: its owner finds it next time)
+            _kept[engine] = []
     if not overflow:
         return False
     flag = torch.zeros((), dtype=torch.float32)

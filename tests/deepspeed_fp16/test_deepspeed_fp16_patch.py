@@ -9,6 +9,7 @@ import textwrap
 import types
 
 import pytest
+import torch
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
@@ -153,3 +154,30 @@ _IMPORTED_AFTER = textwrap.dedent(
 @needs_deepspeed
 def test_deepspeed_imported_after_ampguard_is_patched_by_the_import_hook():
     _run_fresh(_IMPORTED_AFTER)
+
+
+def test_each_engine_s_forward_overflow_is_judged_by_its_own_losses():
+    """Two engines trained side by side: one engine's inf losses are not the other's forward overflow (a review
+    found engine A's gradient overflows taken for forward overflows, because B's losses were inf, so A's scale was
+    never lowered and A skipped every step). The losses are kept per engine and looked up by the step's owner: the
+    fp16 optimizer (ZeRO 0) or its loss scaler (ZeRO 1-3)."""
+    import ampguard.deepspeed_fp16.losses as losses
+
+    class Engine(torch.nn.Module):  # what the losses module reads of a DeepSpeedEngine: its optimizer
+        def __init__(self, optimizer: object) -> None:
+            super().__init__()
+            self.optimizer = optimizer
+
+    backward = losses.engine_backward(lambda engine, loss: None, policy=None)  # (DeepSpeed's method: nothing here)
+    scaler_a = types.SimpleNamespace()
+    engine_a = Engine(types.SimpleNamespace(loss_scaler=scaler_a))  # ZeRO 1-3: the scaler steps it
+    optimizer_b = types.SimpleNamespace()
+    engine_b = Engine(optimizer_b)  # ZeRO 0: the fp16 optimizer steps it
+    for _ in range(2):
+        backward(engine_a, torch.tensor(1.5))
+        backward(engine_b, torch.tensor(float("inf")))
+    assert losses.forward_overflow(True, scaler_a) is False  # A's gradients overflowed: a scale matter
+    assert losses.forward_overflow(True, optimizer_b) is True  # B's loss itself was inf
+    backward(engine_a, torch.tensor(float("nan")))
+    assert losses.forward_overflow(True, optimizer_b) is False  # B kept nothing since its step
+    assert losses.forward_overflow(True, scaler_a) is True
