@@ -94,6 +94,26 @@ def update_scale(original: Callable[[Any, bool], None], policy: Policy) -> Calla
     return update_scale
 
 
+def static_update_scale(original: Callable[[Any, bool], None], policy: Policy) -> Callable[[Any, bool], None]:
+    """``LossScalerBase.update_scale``: a static ``loss_scale`` at ZeRO 1-3, which DeepSpeed never changes (the
+    workaround its fp16 threads recommend): its skips counted and its forward overflows told to the fp32 islands,
+    as for a dynamic scale; the scale left as it is. A bf16 engine's scaler (a static 1) is left alone."""
+
+    def update_scale(self: Any, overflow: bool) -> None:
+        try:
+            fp16 = losses.steps_fp16(self)
+            before = float(self.cur_scale)
+            forward = losses.forward_overflow(bool(overflow), self) if fp16 else False  # one read, at an overflow
+        except Exception as error:
+            containment.report("deepspeed_fp16 static update_scale", error)
+            return original(self, overflow)
+        original(self, overflow)
+        if fp16:
+            _after(self, policy, before, bool(overflow), 0.0, False, forward)
+
+    return update_scale
+
+
 def optimizer_update_scale(original: Callable[[Any, bool], None], policy: Policy) -> Callable[[Any, bool], None]:
     """``FP16_Optimizer._update_scale`` / ``FP16_UnfusedOptimizer._update_scale`` (ZeRO 0)."""
 

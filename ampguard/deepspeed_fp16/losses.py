@@ -65,6 +65,14 @@ def _owns(engine: Any, owner: Any) -> bool:
     return optimizer is owner or getattr(optimizer, "loss_scaler", None) is owner
 
 
+def steps_fp16(owner: Any) -> bool:
+    """Whether ``owner`` (a loss scaler) steps an engine that trains in float16 (a bf16 engine's scaler is a static
+    1, left alone); an owner no engine is known to hold (no backward through an engine yet): False."""
+    with _lock:
+        engines = [engine for engine in list(_kept.keys()) if _owns(engine, owner)]
+    return any(bool(getattr(engine, "fp16_enabled", lambda: False)()) for engine in engines)
+
+
 def forward_overflow(overflow: bool, owner: Any) -> bool:
     """Whether this step's overflow was a forward one (a loss of ``owner``'s engine inf/NaN); that engine's kept
     losses are forgotten.

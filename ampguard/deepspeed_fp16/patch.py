@@ -41,6 +41,8 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
     ),
     ("deepspeed.runtime.precision_config", "DeepSpeedFP16Config", "initial_dynamic_scale", hooks.initial_dynamic_scale),
     ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler", "update_scale", hooks.update_scale),
+    # a static loss_scale at ZeRO 1-3 (LossScaler inherits it; DynamicLossScaler has its own)
+    ("deepspeed.runtime.fp16.loss_scaler", "LossScalerBase", "update_scale", hooks.static_update_scale),
     (
         "deepspeed.runtime.fp16.unfused_optimizer",
         "FP16_UnfusedOptimizer",

@@ -78,7 +78,19 @@ def _runs() -> list[dict[str, Any]]:
             "config": {"gradient_accumulation_steps": 2},
         }
     )
-    return runs + _checkpoint_runs() + _direct_backward_runs()
+    return runs + _checkpoint_runs() + _direct_backward_runs() + _static_scale_runs()
+
+
+def _static_scale_runs() -> list[dict[str, Any]]:
+    """A static ``loss_scale`` of 128 (DeepSpeed's threads' workaround) at ZeRO 0 and 2, the block overflowing
+    inside, plain and under ampguard (named ``"static <stage> <plain|ampguard>"``)."""
+    runs = []
+    for stage in (0, 2):
+        for amp in (False, True):
+            config = {"fp16": {"enabled": True, "loss_scale": 128}}
+            run = {"stage": stage, "overflow": "inside", "steps": 8, "ampguard": amp, "config": config}
+            runs.append({**run, "name": f"static {stage} {'ampguard' if amp else 'plain'}"})
+    return runs
 
 
 def _direct_backward_runs() -> list[dict[str, Any]]:
@@ -260,6 +272,7 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     # follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12 steps
     expected += [f"4 of {STEPS}"] * 11 + ["2 of 12"] * 3
     expected += [f"2 of {STEPS}"]  # engine.scale(loss).backward() with the island (bare loss.backward(): no step)
+    expected += ["2 of 8"] * 2  # the static scale's islanded runs, ZeRO 0 and 2
     assert counts == sorted(expected)
 
 
@@ -363,3 +376,17 @@ def test_a_bf16_checkpoint_is_left_as_deepspeeds(results):
     assert saved["ampguard"] is None and loaded["ampguard"] is None
     assert not [line for line in loaded["log"] if "checkpoint" in line], loaded["log"]
     assert loaded["parameters"] == saved["parameters"]
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_static_loss_scale_gets_its_island_and_its_counts_at_every_stage(results, stage):
+    """``"loss_scale": 128``: plain DeepSpeed skips every step the block overflows in (all of them: a static scale
+    cannot help a forward overflow); under ampguard the block becomes an island and the run trains, the scale left
+    at 128, at ZeRO 0 (FP16_UnfusedOptimizer) and, since a review found them missing, at ZeRO 1-3 (DeepSpeed's
+    static LossScaler: no island, no counts)."""
+    plain, guarded = results[f"static {stage} plain"], results[f"static {stage} ampguard"]
+    assert plain["engine_skipped"] == 7 and not plain["islands"]  # every step from the block's first overflow on
+    assert guarded["died"] is None and guarded["finite"] and guarded["scale"] == 128
+    assert guarded["islands"] and guarded["engine_skipped"] <= 2
+    assert guarded["ampguard"]["steps"] == 8 and guarded["ampguard"]["skipped"] == guarded["engine_skipped"]
+    assert guarded["ampguard"]["nonfinite_loss"] == guarded["engine_skipped"]
