@@ -231,3 +231,34 @@ def test_a_container_that_cannot_be_rebuilt_runs_that_call_under_autocast(ampgua
         )  # a private name: absent, the test-local class stays
         if deregister is not None:
             deregister(_Unbuildable)
+
+
+class _PlainBox:
+    """A batch object of the user's own class: no pytree, no dataclass, no mapping; its tensor an attribute."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+@pytest.mark.parametrize("autocast", [True, False])
+def test_an_island_whose_input_hides_float16_in_a_plain_object_steps_aside_for_that_call(
+    ampguard_log, monkeypatch, autocast
+):
+    """The cast cannot reach a float16 tensor in a plain object's attributes: in float32 it would meet the island's
+    float32 weights and the module's own forward would raise (``mat1 and mat2 must have the same dtype``), a crash
+    plain torch does not have. The call runs as without the island (torch's dtypes), said once at INFO."""
+    monkeypatch.setattr(island_hooks, "_stepped_aside", set())
+    torch.manual_seed(0)
+    linear = nn.Linear(DIM, DIM)
+    if not autocast:
+        linear.half()  # a float16 model without autocast (DeepSpeed's fp16 mode): its weights read as float32
+    islands.make(linear.requires_grad_(False), "linear")
+    call = lambda box: nn.functional.linear(box.hidden, linear.weight, linear.bias)  # noqa: E731
+    linear.forward = call  # type: ignore[method-assign]
+    hidden = torch.randn(2, DIM).half()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+        out = linear(_PlainBox(hidden))
+        as_torch = call(_PlainBox(hidden))  # the same call without the island
+        out_again = linear(_PlainBox(hidden))
+    assert torch.equal(out, as_torch) and torch.equal(out_again, as_torch) and out.dtype == torch.float16
+    assert len(records(ampguard_log, logging.INFO, "steps aside for calls whose inputs hold a float16")) == 1

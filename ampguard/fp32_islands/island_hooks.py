@@ -26,6 +26,13 @@ from ampguard.module_hooks import ModuleHook, remove_module_hooks, strip_copies
 
 logger = event_logger("island")
 
+# Said once per island at INFO when a call's inputs hide half precision where no cast reaches.
+HIDDEN_HALF_INPUTS = (
+    "fp32 island %s steps aside for calls whose inputs hold a float16/bfloat16 tensor inside an object ampguard "
+    "cannot cast (the attributes of a plain class): they run as without the island, in autocast's dtypes. Pass "
+    "such inputs in a tuple, dict, dataclass or a registered pytree type for the island to take them."
+)
+
 
 @dataclass
 class Island:
@@ -80,6 +87,10 @@ class EnterFloat32(ModuleHook):
                 return self._without_autocast(module, args, kwargs, stack)
             outside = island_io.autocast_dtype(device_type)
             cast = island_io.inputs_to_float32(args, device_type), island_io.inputs_to_float32(kwargs, device_type)
+            if island_io.hides_half_inputs(cast, device_type):  # float16 kept inside an object: it would meet
+                stack.append((module, None, None, None))  # float32 weights and raise in the user's forward
+                _step_aside_hidden(module)
+                return None
             region = torch.autocast(device_type, enabled=False)
             upcast = half_parameters.upcast(module)
             try:
@@ -105,6 +116,10 @@ class EnterFloat32(ModuleHook):
             stack.append((module, None, None, None))
             return None
         cast = island_io.half_inputs_to_float32(args), island_io.half_inputs_to_float32(kwargs)
+        if island_io.hides_half_inputs(cast, None):
+            stack.append((module, None, None, None))
+            _step_aside_hidden(module)
+            return None
         stack.append((module, _NO_REGION, own, half_parameters.upcast(module)))
         return cast
 
@@ -174,6 +189,18 @@ def strip(module: torch.nn.Module) -> bool:
     """Take island hooks off ``module`` (those a deepcopy or a pickle carried too). True if it had any."""
     found = remove_module_hooks(module, pre=EnterFloat32, post=LeaveFloat32)
     return zero3.strip(module) or found
+
+
+_stepped_aside: set[str] = set()  # the islands said to step aside for hidden half-precision inputs
+
+
+def _step_aside_hidden(module: torch.nn.Module) -> None:
+    """Once per island: its call ran as without the island (torch's dtypes), its inputs hiding half precision."""
+    island = island_of(module)
+    name = island.name if island is not None else type(module).__name__
+    if name not in _stepped_aside:
+        _stepped_aside.add(name)
+        logger.info(HIDDEN_HALF_INPUTS, name)
 
 
 def _warn_fallback(error: Exception) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ampguard.fp32_islands.half_parameters import LOW_PRECISION
-from ampguard.fp32_islands.tensor_tree import map_tensors, tensors
+from ampguard.fp32_islands.tensor_tree import map_tensors, tensors, values_in
 
 AUTOCAST = "autocast"  # an output that had autocast's dtype
 
@@ -55,6 +55,16 @@ def inputs_to_float32(value: Any, device_type: str) -> Any:
         return tensor.float() if eligible else tensor
 
     return map_tensors(value, cast)
+
+
+def hides_half_inputs(cast: Any, device_type: str | None) -> bool:
+    """Whether inputs already cast to float32 (``cast``) still hold a float16/bfloat16 tensor (on the autocast
+    device; None: any device) inside an object no cast reaches (the instance attributes of a plain class): the
+    island cannot run that call in float32, since the tensor would meet its float32 weights."""
+    return any(
+        tensor.dtype in LOW_PRECISION and (device_type is None or tensor.device.type == device_type)
+        for tensor in values_in(cast)
+    )
 
 
 def low_precision_dtype(value: Any) -> torch.dtype | None:
