@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 import pickle
 
 import pytest
@@ -46,6 +47,7 @@ def test_state_dict_keeps_torchs_five_keys_and_adds_plain_counters():
     assert set(state) == TORCH_KEYS | {"ampguard"} and set(torch_state) == TORCH_KEYS
     assert {k: state[k] for k in TORCH_KEYS} == torch_state
     assert all(_plain(v) for v in state.values())
+    energy = state["ampguard"]["underflow_last"]["total"][6]
     assert state["ampguard"] == {
         "steps": 40,
         "skipped": 4,
@@ -64,10 +66,12 @@ def test_state_dict_keeps_torchs_five_keys_and_adds_plain_counters():
         "underflow_last": {
             "step": 2,
             "scale": 4096.0,
-            "total": [450, 0, 0, 0, 0, safe_run.scaler.stats.underflow_grad_peak],
+            # the counts, the peak, and the squared norm of the float16 gradients counted (their energy)
+            "total": [450, 0, 0, 0, 0, safe_run.scaler.stats.underflow_grad_peak, energy],
             "modules": state["ampguard"]["underflow_last"]["modules"],
         },
     }
+    assert energy > 0 and math.isfinite(energy)
 
 
 @pytest.mark.parametrize("optimizer", ["sgd", "device_skip"])
