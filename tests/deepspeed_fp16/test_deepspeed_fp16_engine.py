@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deepspeed_environment import environment
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (DS_BUILD_OPS=0 pip install deepspeed)"
@@ -142,27 +141,16 @@ def _checkpoint_runs() -> list[dict[str, Any]]:
     return runs
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], dict[str, Any]]:
     runs = _runs()
     stats_file = tmp_path_factory.mktemp("deepspeed") / "stats.jsonl"
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")},
-        "AMPGUARD_QUIET": "1",
-        "AMPGUARD_UNDERFLOW": "report",
-        "AMPGUARD_MAX_CONSECUTIVE_SKIPS": "20",
-        "AMPGUARD_STATS_EVERY": "8",
-        "AMPGUARD_STATS_FILE": str(stats_file),
-        "MASTER_PORT": str(_free_port()),
-        "DEEPSPEED_CHECKPOINTS": str(tmp_path_factory.mktemp("checkpoints")),
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = environment(
+        AMPGUARD_MAX_CONSECUTIVE_SKIPS="20",
+        AMPGUARD_STATS_EVERY="8",
+        AMPGUARD_STATS_FILE=str(stats_file),
+        DEEPSPEED_CHECKPOINTS=str(tmp_path_factory.mktemp("checkpoints")),
+    )
     done = subprocess.run(
         [sys.executable, str(SCRIPT), json.dumps(runs)], env=env, capture_output=True, text=True, timeout=600
     )

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from deepspeed_environment import environment
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("deepspeed") is None or importlib.util.find_spec("transformers") is None,
@@ -27,16 +26,7 @@ SCRIPT = Path(__file__).with_name("hf_deepspeed_run.py")
 
 
 def test_the_hf_trainer_with_deepspeed_fp16_trains_through_what_kills_it_without_ampguard(tmp_path):
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    env = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")},
-        "AMPGUARD_QUIET": "1",
-        "AMPGUARD_UNDERFLOW": "report",
-        "MASTER_PORT": str(port),
-        "PYTHONWARNINGS": "ignore",
-    }
+    env = environment()
     done = subprocess.run(
         [sys.executable, str(SCRIPT), str(STEPS), str(tmp_path)], env=env, capture_output=True, text=True, timeout=600
     )

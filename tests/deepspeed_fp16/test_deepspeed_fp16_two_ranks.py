@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from deepspeed_environment import environment
 
 pytestmark = [
     pytest.mark.distributed,
@@ -61,20 +60,12 @@ def _runs() -> list[dict[str, Any]]:
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, dict[str, Any]]]:
     """Each rank's results by run name."""
     runs = _runs()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    base = {
-        **{k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")},
-        "AMPGUARD_QUIET": "1",
-        "AMPGUARD_UNDERFLOW": "report",
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "WORLD_SIZE": "2",
-        "LOCAL_WORLD_SIZE": "2",
-        "DEEPSPEED_CHECKPOINTS": str(tmp_path_factory.mktemp("checkpoints")),
-        "PYTHONWARNINGS": "ignore",
-    }
+    base = environment(
+        MASTER_ADDR="127.0.0.1",
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        DEEPSPEED_CHECKPOINTS=str(tmp_path_factory.mktemp("checkpoints")),
+    )
     # Each rank writes to files: a pipe read after the other rank's could fill and stall both in a collective.
     out = tmp_path_factory.mktemp("ranks")
     processes = []
