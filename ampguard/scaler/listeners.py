@@ -56,6 +56,11 @@ class StepListener:
         """``scale()`` returns ``scaled`` (a tensor, or torch's container of them): the loss whose backward pass the
         scale is for. Called on every ``scale()``: keep it to a few comparisons on a step it does not concern."""
 
+    def on_unscale(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+        """``optimizer``'s gradients are about to be unscaled (``unscale_()``, or a fused optimizer's ``step()``):
+        they still hold the scaled values of the backward passes. Called on every such call: keep it to a few
+        comparisons on a step it does not concern."""
+
     def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
         """``code`` plus this listener's field ``<< shift`` (on the device, below ``2**read_bits``)."""
         return code
@@ -143,6 +148,7 @@ _listeners: list[StepListener] = []
 Layout = tuple[tuple[StepListener, int], ...]
 _layout: Layout = ()
 _on_scale: tuple[StepListener, ...] = ()  # the listeners that override on_scale
+_on_unscale: tuple[StepListener, ...] = ()  # the listeners that override on_unscale
 
 
 def add(listener: StepListener) -> None:
@@ -168,8 +174,9 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global _layout, _on_scale
+    global _layout, _on_scale, _on_unscale
     _on_scale = tuple(known for known in _listeners if type(known).on_scale is not StepListener.on_scale)
+    _on_unscale = tuple(known for known in _listeners if type(known).on_unscale is not StepListener.on_unscale)
     layout, shift = [], FIRST_FIELD_BIT
     for listener in _listeners:
         if listener.read_bits:
@@ -198,6 +205,11 @@ def decode(layout: Layout, value: int) -> dict[StepListener, int]:
 def notify_scale(scaler: SafeGradScaler, scaled: Any) -> None:
     for listener in _on_scale:
         _guarded(listener, "scale()", "on_scale", scaler, scaled)
+
+
+def notify_unscale(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    for listener in _on_unscale:
+        _guarded(listener, "unscale_()", "on_unscale", scaler, optimizer)
 
 
 def notify_read(

@@ -172,6 +172,8 @@ class SafeGradScaler(TorchGradScaler):
         """
         if crashes.unscaled_already(self, optimizer):
             return
+        if self._enabled:
+            listeners.notify_unscale(self, optimizer)
         super().unscale_(optimizer)
         if self._enabled:
             self._iteration.unscaled_optimizers.append(optimizer)
@@ -197,6 +199,8 @@ class SafeGradScaler(TorchGradScaler):
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if not fused and state["stage"] is OptState.READY:
             self.unscale_(optimizer)
+        if fused and state["stage"] is OptState.READY:  # (it unscales inside its step)
+            listeners.notify_unscale(self, optimizer)
         if crashes.without_gradients(state, fused):
             result = crashes.step_without_gradients(self, optimizer, state, *args, **kwargs)
         else:
