@@ -242,7 +242,7 @@ def test_watch_check_fails_for_a_watch_that_sees_nothing(monkeypatch):
 
 
 def test_underflow_check_fails_for_a_sampler_that_counts_nothing(monkeypatch):
-    monkeypatch.setattr(ampguard.underflow.counts.Tally, "add", lambda self, gradient: None)
+    monkeypatch.setattr(ampguard.underflow.gradients.Gradients, "add", lambda self, *args, **kwargs: None)
     result = run("underflow_sampled")
     assert result.status == "failed" and result.measured["tiny_loss"]["underflow_values"] == 0
     assert result.reference["tiny_loss"]["underflow_values"] > 0
@@ -255,7 +255,11 @@ def injected(*args, **kwargs):
 FAULTS = [
     ("forward_overflow_healed", lambda: (watched_pass_class(), "measure"), "headroom watch stopped after an error"),
     ("headroom_watch", lambda: (watched_pass_class(), "measure"), "headroom watch stopped after an error"),
-    ("underflow_sampled", lambda: (ampguard.underflow.counts.Tally, "add"), "underflow sample (backward node hook)"),
+    (
+        "underflow_sampled",
+        lambda: (ampguard.underflow.gradients.Gradients, "add"),
+        "underflow sample (backward node hook)",
+    ),
 ]
 
 
@@ -269,7 +273,7 @@ def test_a_contained_fault_inside_the_feature_fails_its_check_and_names_it(name,
 
 def test_the_command_exits_1_and_shows_a_contained_fault(monkeypatch, capsys):
     monkeypatch.setattr(checks, "CHECKS", [checks.by_name("underflow_sampled")])
-    monkeypatch.setattr(ampguard.underflow.counts.Tally, "add", injected)
+    monkeypatch.setattr(ampguard.underflow.gradients.Gradients, "add", injected)
     from ampguard import cli
 
     assert cli.main(["selftest", "--device", "cpu", "--quick"]) == 1

@@ -107,3 +107,39 @@ def test_a_healthy_run_loses_nothing_and_a_sunk_one_almost_everything_against_fl
     sunk = Stack()
     loss = classification(sunk, 1e-8)
     assert float32_lost_share(sunk, loss) > 0.99 and measured(sunk, loss).flushed_share > 0.98
+
+
+def table() -> None:
+    """docs/underflow.md's table: each case's shares against float32's (``python tests/test_underflow_float32_reference.py``)."""
+    torch.set_num_threads(1)
+    print("| case | float32: values lost | reported | float32: norm lost | reported `lost_norm` | reported subnormal |")
+    print("|---|---|---|---|---|---|")
+    rows = [(case, make, factor, SCALE) for case, (make, factor) in CASES.items()]
+    rows += [
+        (f"2-block attention net, loss x 1e-8 at 2**{power}", None, 1e-8, 2.0**power) for power in (10, 16, 18, 20, 24)
+    ]
+    for case, make, factor, scale in rows:
+        torch.manual_seed(0)
+        if make is None:
+            model: nn.Module = AttentionNet()
+            tokens, labels = batches(1)[0]
+
+            def loss(
+                fp16: bool, model: nn.Module = model, tokens: torch.Tensor = tokens, labels: torch.Tensor = labels
+            ) -> torch.Tensor:
+                with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
+                    return nn.functional.cross_entropy(model(tokens).float(), labels) * 1e-8
+
+        else:
+            model = make()
+            loss = classification(model, factor)
+        values, norm = float32_lost(model, loss, scale)
+        got = measured(model, loss, scale)
+        print(
+            f"| {case} | {values:.2%} | {got.flushed_share:.2%} | {norm:.3%} | {got.lost_norm_share:.3%} "
+            f"| {got.subnormal_share:.2%} |"
+        )
+
+
+if __name__ == "__main__":
+    table()

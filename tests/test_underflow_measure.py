@@ -9,13 +9,22 @@ import torch
 from torch import nn
 from underflow_support import AttentionNet, batches
 
-from ampguard.underflow.counts import LOST_VALUE_SQUARE, Counts, Measurement, Tally, read
+from ampguard.underflow.counts import LOST_VALUE_SQUARE, Counts, Measurement, read
+from ampguard.underflow.gradients import Gradients
 from ampguard.underflow.measure import Sampler
 from ampguard.underflow.policy import HEADROOM, MATERIAL, ScaleState, decide
 
 
-def test_tally_counts_zeros_subnormals_and_sunk_gradients_exactly():
-    tally = Tally("layer", torch.device("cpu"))
+class Node:
+    """An autograd node as the sample's judgement of all-zero gradients walks it: what it feeds."""
+
+    def __init__(self, *feeds: Node) -> None:
+        self.next_functions = tuple((node, 0) for node in feeds)
+
+
+def test_a_samples_rows_count_zeros_subnormals_and_sunk_gradients_exactly():
+    sample = Gradients()
+    sample.names[0] = "layer"
     tiny = 2.0**-24
     # 2 zeros, one value at 2**-24 and one at 2**-23 (the density flat: half of one zero estimated flushed, 0),
     # 2 higher subnormals, 4 normal values
@@ -27,11 +36,16 @@ def test_tally_counts_zeros_subnormals_and_sunk_gradients_exactly():
         # 10 zeros, 4 values at 2**-24, 1 at 2**-23: the density rises toward zero 4x: 4 / 2 * 4 = 8 zeros flushed
         torch.tensor([0.0] * 10 + [tiny] * 4 + [2 * tiny, 1.0], dtype=torch.float16),
     ]
-    for gradient in gradients:
-        tally.add(gradient)
-    tally.fed = True
-    tally.add(torch.tensor([0.0, 0.0, 0.0], dtype=torch.float16))  # all zero, computed from a flushed one: lost
-    measurement, _ = read([tally], step=7, scale=1024.0)
+    # the second gradient (subnormal only: flushed) feeds, through a node no gradient was counted at, the last one
+    # (all zero: lost whole); the third (all zero) is fed by a gradient with normal values
+    fed, flushed, healthy = Node(), Node(), Node()
+    flushed.next_functions = ((Node(fed), 0),)
+    nodes = [healthy, flushed, Node(), Node()]
+    healthy.next_functions = ((nodes[2], 0),)
+    for node, gradient in zip(nodes, gradients):
+        sample.add(0, node, gradient, counted=True)
+    sample.add(0, fed, torch.tensor([0.0, 0.0, 0.0], dtype=torch.float16), counted=True)
+    measurement, _ = read(sample, step=7, scale=1024.0)
     counts = measurement.modules["layer"]
     energy = sum(float(g.double().square().sum()) for g in gradients)  # the kept values' squared norm
     assert counts.energy == pytest.approx(energy, rel=1e-6)
@@ -48,25 +62,33 @@ def test_sampler_counts_each_float16_gradient_once_per_module_and_leaves_no_hook
     torch.manual_seed(0)
     model = AttentionNet()
     tokens, labels = batches(1)[0]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     sampler = Sampler()
     sampler.arm()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = nn.functional.cross_entropy(model(tokens).float(), labels)
     (loss * 1024).backward()
+    sampler.count_parameters(optimizer)  # (its scaler's unscale_() has it count them)
+    sampler.count_parameters(optimizer)  # once a sample
     measurement, _ = read(sampler.finish(), step=1, scale=1024.0)
     assert not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks
     names = set(measurement.modules)
-    assert {"head", "blocks.0.qkv", "blocks.1.down", "blocks.0"} <= names
-    # The head's float16 gradients: its output (32 x 4), the float16 copies of its weight (4 x 32), bias (4)
-    # and input (32 x 32); the transposed weight's, the same values, is not counted again.
-    assert measurement.modules["head"].values == 32 * 4 + 4 * 32 + 4 + 32 * 32
+    assert {"head", "blocks.0.qkv", "blocks.1.down"} <= names and "embed" not in names
+    # the blocks' outputs are the float32 residual stream under autocast: not counted
+    assert "blocks.0" not in names
+    # The head's float16 gradients: its output's (32 x 4) and those of its float32 weight (4 x 32) and bias (4),
+    # made of the float16 copies' (autocast's); its input's is counted as its caller's output.
+    assert measurement.modules["head"].values == 32 * 4 + 4 * 32 + 4
+    # A float32 module under autocast (a LayerNorm) has float32 gradients: neither its output's nor its
+    # parameters' are counted.
+    assert not any(name.endswith("norm") for name in names)
     # A step without the sampler armed counts nothing.
     gradients_before = [p.grad.clone() for p in model.parameters()]
     with torch.autocast("cpu", dtype=torch.float16):
         loss = nn.functional.cross_entropy(model(tokens).float(), labels)
     model.zero_grad()
     (loss * 1024).backward()
-    assert sampler.finish() == []
+    assert not sampler.finish()
     # Observing changes nothing: the gradients of the sampled step equal those of the unsampled one.
     assert all(torch.equal(a, p.grad) for a, p in zip(gradients_before, model.parameters()))
 
@@ -103,3 +125,42 @@ def test_a_sample_nobody_finishes_disarms_itself():
     assert sampler.armed
     model(torch.randn(2, 4))
     assert not sampler.armed and not nn.modules.module._global_forward_hooks
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_the_scaler_tells_its_listeners_of_an_unscale_before_the_gradients_are_unscaled(fused):
+    """``on_unscale``: once per optimizer and iteration, before the gradients are divided (they still hold the
+    scaled values), whether ``unscale_()`` is called by the user, by ``step()``, or inside a fused optimizer's step;
+    never for a disabled scaler."""
+    import ampguard
+    from ampguard.scaler import listeners
+
+    heard: list[float] = []
+
+    class Listener(listeners.StepListener):
+        def on_unscale(self, scaler, optimizer):  # type: ignore[no-untyped-def]
+            heard.append(float(optimizer.param_groups[0]["params"][0].grad.abs().max()))
+
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    listener = Listener()
+    listeners.add(listener)
+    try:
+        for explicit in (True, False):
+            scaler = ampguard.SafeGradScaler("cpu", init_scale=1024.0)
+            optimizer.zero_grad()
+            scaler.scale(model(torch.ones(2, 4)).sum()).backward()
+            scaled = float(model.weight.grad.abs().max())
+            if explicit:
+                scaler.unscale_(optimizer)
+                scaler.unscale_(optimizer)  # (a no-op: heard once)
+            scaler.step(optimizer)
+            scaler.update()
+            assert heard == [scaled] and scaled == 1024.0 * 2.0  # (each weight's gradient: the batch's 2 ones)
+            heard.clear()
+        disabled = ampguard.SafeGradScaler("cpu", enabled=False)
+        disabled.scale(model(torch.ones(2, 4)).sum()).backward()
+        disabled.step(optimizer)
+        assert heard == []
+    finally:
+        listeners.remove(listener)

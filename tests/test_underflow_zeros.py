@@ -19,7 +19,8 @@ from torch import nn
 from underflow_support import AttentionNet, batches
 
 import ampguard
-from ampguard.underflow.counts import Measurement, Tally, read
+from ampguard.underflow.counts import Measurement, read
+from ampguard.underflow.gradients import Gradients
 from ampguard.underflow.measure import Sampler
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -83,6 +84,7 @@ def sampled(model: nn.Module, loss_fn: Any) -> Measurement:
     sampler.arm()
     model.zero_grad(set_to_none=True)
     (loss_fn() * SCALE).backward()
+    sampler.count_parameters(model.parameters())  # (what its scaler's unscale_() has it do)
     return read(sampler.finish(), step=2, scale=SCALE)[0]
 
 
@@ -209,12 +211,13 @@ def test_true_zeros_of_one_gradient_are_not_counted_lost_for_anothers_small_valu
     """A ReLU-masked gradient (true zeros, its other values normal) and, in the same module, a gradient with values
     in float16's two lowest subnormal octaves but no zero: nothing was flushed. Before, the module's zeros and low
     values were pooled and the mask's zeros counted as lost (min(zeros, low values))."""
-    tally = Tally("layer", torch.device("cpu"))
+    sample = Gradients()
+    sample.names[0] = "layer"
     masked = torch.tensor([0.0] * 50 + [1.0] * 50, dtype=torch.float16)
     small = torch.tensor([2.0**-24] * 10 + [1.0] * 90, dtype=torch.float16)
-    tally.add(masked)
-    tally.add(small)
-    counts = read([tally], step=2, scale=SCALE)[0].modules["layer"]
+    sample.add(0, None, masked, counted=True)
+    sample.add(0, None, small, counted=True)
+    counts = read(sample, step=2, scale=SCALE)[0].modules["layer"]
     assert counts.zeros == 50 and counts.subnormal == 10 and counts.flushed == 0
 
 

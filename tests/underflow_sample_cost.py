@@ -2,7 +2,9 @@
 
 The model of tests/test_underflow_walk.py (pre-norm blocks of width 16: all per-op overhead, the sampler's worst
 case) at 24, 96 and 384 blocks, its modules called positionally and by keyword (HF's convention). A healthy step:
-a float16-autocast forward and backward; a sampled step: the same with the sampler armed, finished and read.
+a float16-autocast forward and backward and an SGD step (momentum, torch's default foreach implementation); a
+sampled step: the same with the sampler armed, the parameters' gradients counted (as its scaler's ``unscale_()``
+has it do), finished and read.
 Steps alternate, one thread; the medians and their ratio::
 
     python tests/underflow_sample_cost.py [--depths 24 96 384] [--repeats 15] [--width 16] [--tokens 12]
@@ -27,13 +29,17 @@ from ampguard.underflow.counts import read
 from ampguard.underflow.measure import Sampler
 
 
-def step(model: torch.nn.Module, x: torch.Tensor, sampler: Sampler | None) -> float:
+def step(model: torch.nn.Module, x: torch.Tensor, sampler: Sampler | None, optimizer: torch.optim.Optimizer) -> float:
     start = time.perf_counter()
     if sampler is not None:
         sampler.arm()
     with torch.autocast("cpu", dtype=torch.float16):
         loss = model(x).float().pow(2).mean()
     loss.backward()
+    if sampler is not None:
+        sampler.count_parameters(optimizer)  # (what its scaler's unscale_() has it do)
+    optimizer.step()
+    optimizer.zero_grad()
     if sampler is not None:
         read(sampler.finish(), step=2, scale=1.0)
     return time.perf_counter() - start
@@ -54,10 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     for depth in args.depths:
         for keyword in (False, True):
             model, sampler = net(depth, keyword), Sampler()
+            optimizer = torch.optim.SGD(model.parameters(), lr=1e-9, momentum=0.9)
             x = inputs() if args.tokens == 12 else torch.randn(1, args.tokens, args.width)
             healthy, sampled = [], []
             for index in range(args.repeats + 2):
-                times = (step(model, x, None), step(model, x, sampler))
+                times = (step(model, x, None, optimizer), step(model, x, sampler, optimizer))
                 if index >= 2:  # (warm-up)
                     healthy.append(times[0])
                     sampled.append(times[1])

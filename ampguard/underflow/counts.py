@@ -1,10 +1,11 @@
 """What a sampled step's counts are, and how they reach the host.
 
-Per module, on the device (:class:`Tally`): the number of values, of exact
-zeros, of zeros estimated flushed, of subnormals and zeros, of values lost
-whole, and the largest magnitude. :class:`Transfer` brings them to the host
-without a synchronisation (:class:`~ampguard.syncs.HostCopy`: on CUDA a copy
-into pinned memory and an event polled later).
+Per gradient, on the device (:mod:`ampguard.underflow.gradients`): the number
+of exact zeros, of values at the two smallest subnormals, of subnormals and
+zeros, of zeros in sinking columns, the largest magnitude and the squared norm.
+:class:`Transfer` brings them to the host without a synchronisation
+(:class:`~ampguard.syncs.HostCopy`: on CUDA a copy into pinned memory and an
+event polled later), where :func:`judge` makes them counts per module.
 
 What the counts mean (:class:`Measurement`). A subnormal keeps fewer than 11
 significant bits (at ``2**-24`` just one). A value is *lost* where float16 holds
@@ -22,6 +23,11 @@ estimated from what float16 shows, per gradient:
   zero and is extrapolated by that ratio. Never more than that gradient's
   zeros, so a gradient whose zeros are all true (a ReLU mask) and whose
   smallest values are not at the bottom of the subnormal range loses nothing.
+  A gradient that was flushed (no normal value) or computed from a flushed one
+  also loses the zeros of its sinking columns (along its last dimension, those
+  whose largest value is ``2**-24`` or ``2**-23``: a qkv projection's queries
+  and keys, flushed inside the attention beside the values). A parameter's
+  gradient is computed from its module's output's.
   tests/test_underflow_float32_reference.py checks the estimate against the
   same backward pass in float32;
 * a gradient of exact zeros only: lost whole when a gradient it was computed
@@ -34,9 +40,9 @@ estimated from what float16 shows, per gradient:
   zeros are true zeros, unless no float16 gradient of the step held a normal
   value: then the loss itself underflowed and they are lost too.
 
-Whether a gradient was flushed (:func:`passed_on`) travels down the autograd
-graph with the sample's node hooks (:mod:`ampguard.underflow.measure`), as a
-device boolean: no read.
+Which all-zero gradients were computed from a flushed one is judged on the host
+(:mod:`ampguard.underflow.flushes`), from the autograd nodes the gradients
+reached.
 """
 
 from __future__ import annotations
@@ -48,10 +54,10 @@ from typing import Any
 import torch
 
 from ampguard.syncs import HostCopy
+from ampguard.underflow.flushes import lost_whole
+from ampguard.underflow.gradients import ROW, SMALLEST_NORMAL, Entry, Gradients, exact
 
-SMALLEST_NORMAL = 2.0**-14
 LOW_OCTAVES = 2.0**-22  # float16's two lowest subnormal octaves lie in [2**-24, 2**-22) (checkpoints before 0.2)
-SMALLEST_SUBNORMAL = 2.0**-24
 FLOAT16_MAX = 65504.0
 # The peak recorded for a step whose float16 gradients held inf or NaN (an overflow, skipped or masked further down
 # by a ReLU): finite, so that checkpoints hold it, and above every float16 value, so that no scale grows for it.
@@ -63,110 +69,6 @@ OVERFLOWED = 65536.0
 # policy's 1% in every case there; a uniform density below 2**-25 (a third of it) missed the attention net's 2.8%
 # at 2**16 (0.8%).
 LOST_VALUE_SQUARE = (2.0**-25) ** 2
-
-
-def passed_on(peak: torch.Tensor, fed: torch.Tensor | bool, below: torch.Tensor | None = None) -> torch.Tensor:
-    """Whether a gradient whose largest magnitude is ``peak`` was flushed (a boolean on its device): it held
-    nonzero values but no normal one, or only exact zeros and ``fed`` (one of the gradients it was computed from
-    was flushed; False: none was, or none was counted). NaN and inf count as normal values. ``below``: ``peak <
-    2**-14``, where the caller has it."""
-    below = peak < SMALLEST_NORMAL if below is None else below
-    if isinstance(fed, bool):
-        return below if fed else below & (peak > 0)
-    return below & ((peak > 0) | on(fed, peak.device))
-
-
-def on(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """``tensor`` on ``device`` (a copy without a synchronisation where it is elsewhere: a model across devices)."""
-    return tensor if tensor.device == device else tensor.to(device, non_blocking=True)
-
-
-class Tally:
-    """One module's counts on the device and its peak magnitude.
-
-    ``counts``: of the gradients with a nonzero value, ``[zeros, zeros + zeros estimated flushed, zeros +
-    subnormals]``; then the values of the all-zero gradients lost whole (flushed: :func:`passed_on`), and those
-    of every all-zero gradient (the difference: exact zeros not flushed, true zeros or lost where the step held
-    no normal value at all: :meth:`Transfer.result`, :func:`totals`).
-
-    :meth:`add` keeps each gradient's raw counts (a few reductions, no read); :func:`settle` turns the pending
-    ones of every tally into ``counts`` at once, at the end of the sample, so a sampled step's cost per gradient
-    stays a handful of device operations.
-
-    ``fed``: whether one of the gradients the next one added was computed from was flushed, set by the sampler
-    before each :meth:`add`.
-    """
-
-    def __init__(self, name: str, device: torch.device) -> None:
-        self.name = name
-        self.device = device
-        self.values = 0  # known on the host: the sizes of the gradients counted
-        self.counts = torch.zeros(5, dtype=torch.int64, device=device)
-        self.peak = torch.zeros((), dtype=torch.float32, device=device)
-        self.energy = torch.zeros((), dtype=torch.float64, device=device)  # the squared norms of its gradients
-        self.fed: torch.Tensor | bool = False
-        # per gradient added since the last settle: [zeros, at 2**-24, at 2**-23, below normal], peak, fed, size,
-        # norm
-        self.pending: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | bool, int, torch.Tensor]] = []
-
-    def add(self, gradient: torch.Tensor) -> torch.Tensor:
-        """Count ``gradient``, fed :attr:`fed`; returns whether it was flushed (:func:`passed_on`). No read."""
-        magnitude = gradient.detach().abs()
-        peak = magnitude.amax()
-        flushed = passed_on(peak, self.fed)
-        raw = torch.stack(
-            [
-                torch.count_nonzero(magnitude == 0),
-                torch.count_nonzero(magnitude == SMALLEST_SUBNORMAL),
-                torch.count_nonzero(magnitude == 2 * SMALLEST_SUBNORMAL),
-                torch.count_nonzero(magnitude < SMALLEST_NORMAL),
-            ]
-        )
-        norm = torch.linalg.vector_norm(magnitude, dtype=torch.float32)
-        self.pending.append(
-            (on(raw, self.device), on(peak, self.device), self.fed, gradient.numel(), on(norm, self.device))
-        )
-        self.values += gradient.numel()
-        return flushed
-
-
-def settle(tallies: list[Tally]) -> None:
-    """Fold every tally's pending gradients into its ``counts`` and ``peak``: a few operations per device for all
-    of them (the rule of the module's docstring), no read."""
-    by_device: dict[torch.device, list[Tally]] = {}
-    for tally in tallies:
-        if tally.pending:
-            by_device.setdefault(tally.device, []).append(tally)
-    for device, group in by_device.items():
-        rows = [row for tally in group for row in tally.pending]
-        slots = torch.tensor([i for i, tally in enumerate(group) for _ in tally.pending], device=device)
-        raw = torch.stack([row[0] for row in rows])
-        peaks = torch.stack([row[1] for row in rows]).float()  # (float16: the tallies count float16 gradients)
-        fed = torch.zeros(len(rows), dtype=torch.bool, device=device)
-        fed_at = [i for i, row in enumerate(rows) if row[2] is not False]
-        if fed_at:
-            values = [row[2] if isinstance(row[2], torch.Tensor) else torch.tensor(True) for row in rows]
-            fed[torch.tensor(fed_at, device=device)] = torch.stack([on(values[i], device) for i in fed_at])
-        sizes = torch.tensor([row[3] for row in rows], dtype=torch.int64, device=device)
-        zeros, lowest, next_lowest, below_normal = raw.unbind(1)
-        # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at
-        # 2**-23 where the density still rises toward zero; at most all zeros
-        estimate = lowest * torch.maximum(lowest, next_lowest) // (2 * next_lowest.clamp(min=1))
-        whole = peaks == 0
-        kept = torch.stack([zeros, zeros + torch.minimum(zeros, estimate), below_normal], dim=1)
-        per_gradient = torch.cat(
-            [kept.masked_fill(whole.unsqueeze(1), 0), torch.stack([whole & fed, whole], dim=1) * sizes.unsqueeze(1)],
-            dim=1,
-        )
-        counts = torch.zeros(len(group), 5, dtype=torch.int64, device=device).index_add_(0, slots, per_gradient)
-        maxima = torch.zeros(len(group), device=device).scatter_reduce_(0, slots, peaks, "amax")
-        squares = torch.stack([row[4] for row in rows]).double().square()
-        energies = torch.zeros(len(group), dtype=torch.float64, device=device).index_add_(0, slots, squares)
-        for index, tally in enumerate(group):
-            tally.counts = tally.counts + counts[index]
-            tally.peak = torch.maximum(tally.peak, maxima[index])
-            tally.energy = tally.energy + energies[index]
-            tally.pending = []
 
 
 def finite_peak(peak: float) -> float:
@@ -305,31 +207,82 @@ class Measurement:
         return tuple((name, round(share, 6)) for name, share in ranked[:count])
 
 
-def totals(tallies: list[Tally]) -> torch.Tensor:
-    """All tallies in one float64 tensor, ``[values, zeros, low, below_normal, sunk, energy, peak]``, on their
-    device (the peak last: the ranks take its maximum, and the sum of the others).
+def judge(entries: list[Entry], rows: list[list[float]], names: dict[int, str]) -> dict[str, Counts]:
+    """The host's counts per module from a sample's rows (one per entry, :data:`~ampguard.underflow.gradients.ROW`),
+    by the rule of this module's docstring."""
+    peaks = [row[4] for row in rows]
+    normal = any(entry.counted and peak >= SMALLEST_NORMAL for entry, peak in zip(entries, peaks))
+    sunk_rows, fed_rows = lost_whole(entries, peaks) if normal else (set(), set())
+    # a parameter's all-zero gradient is lost whole where its module's output gradient was flushed or lost whole
+    flushed_modules = {
+        entry.slot
+        for index, (entry, peak) in enumerate(zip(entries, peaks))
+        if entry.counted and not entry.parameter and (0 < peak < SMALLEST_NORMAL or index in sunk_rows)
+    }
+    sums: dict[int, list[float]] = {}  # slot -> [values, zeros, low, below_normal, sunk, peak, energy]
+    for index, (entry, row) in enumerate(zip(entries, rows)):
+        if not entry.counted:
+            continue
+        zeros, lowest, next_lowest, below_normal = (int(v) for v in row[:4])
+        peak, energy, sinking = row[4], row[5], int(row[6])
+        size = entry.size
+        if peak == 0:
+            gone = not normal or index in sunk_rows or (entry.parameter and entry.slot in flushed_modules)
+            added = [size, 0, 0, 0, size] if gone else [size, size, size, size, 0]
+        else:
+            # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at
+            # 2**-23 where the density still rises toward zero; at most all zeros
+            estimate = lowest * max(lowest, next_lowest) // (2 * max(next_lowest, 1))
+            # in a gradient that was flushed or fed by a flushed one, the zeros of its sinking columns are lost (the
+            # queries' and keys' part of a qkv projection's gradient, flushed inside the attention); the density
+            # estimate goes for its other zeros
+            fed = index in fed_rows or (entry.parameter and entry.slot in flushed_modules)
+            if sinking and (peak < SMALLEST_NORMAL or fed):
+                estimate = sinking + min(zeros - sinking, estimate)
+            added = [size, zeros, zeros + min(zeros, estimate), below_normal, 0]
+        total = sums.setdefault(entry.slot, [0, 0, 0, 0, 0, 0.0, 0.0])
+        for position, count in enumerate(added):
+            total[position] += count
+        total[5] = max(total[5], finite_peak(peak))
+        total[6] += energy
+    modules: dict[str, Counts] = {}
+    for slot, total in sums.items():
+        values, zeros, low, below_normal, sunk = (int(value) for value in total[:5])
+        counts = Counts(values, zeros, low, below_normal, sunk, total[5], total[6])
+        name = names.get(slot, "?")
+        modules[name] = modules[name] + counts if name in modules else counts
+    return modules
 
-    The same size whatever was counted (zeros on the CPU when nothing was): what
-    ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). The
-    all-zero gradients not flushed are zeros, or lost (``sunk``) when no
-    gradient of this rank held a normal value, as :meth:`Transfer.result`
-    counts them. No read.
-    """
-    settle(tallies)
-    device = tallies[0].counts.device if tallies else torch.device("cpu")
-    total = torch.zeros(7, dtype=torch.float64, device=device)
-    zeros = torch.zeros((), dtype=torch.float64, device=device)
-    total[0] = float(sum(t.values for t in tallies))
-    for t in tallies:
-        counts = t.counts.to(device, torch.float64)
-        total[1:5] += counts[:4]
-        zeros += counts[4] - counts[3]
-        total[5] += t.energy.to(device, torch.float64)
-        torch.maximum(total[6], t.peak.to(device, torch.float64), out=total[6])
-    lost = total[6] < SMALLEST_NORMAL
-    total[1:4] += zeros * ~lost
-    total[4] += zeros * lost
+
+def _by_entry(order: list[int], values: list[float]) -> list[list[float]]:
+    """The rows of ``values`` (flat, as many as ``order`` says first), in the order of the entries they are of."""
+    rows: list[list[float]] = [[] for _ in order]
+    for position, index in enumerate(order):
+        rows[index] = values[ROW * position : ROW * position + ROW]
+    return rows
+
+
+def _sum(modules: dict[str, Counts]) -> Counts:
+    total = Counts(energy=0.0)
+    for counts in modules.values():
+        total = total + counts
     return total
+
+
+def totals(gradients: Gradients) -> torch.Tensor:
+    """A sample's total in one float64 tensor, ``[values, zeros, low, below_normal, sunk, energy, peak]``, on its
+    device (the peak last: the ranks take its maximum, and the sum of the others): what ranks exchange
+    (:func:`ampguard.distributed.agree_on_underflow`). The same size whatever was counted (zeros on the CPU when
+    nothing was).
+
+    Reads the rows (judging which all-zero gradients were lost needs them on the host): on CUDA one
+    synchronisation, on the sampled step of ranks training one model only."""
+    device = gradients.device or torch.device("cpu")
+    order, rows = gradients.rows()
+    total = _sum(judge(gradients.entries, _by_entry(order, rows.flatten().tolist()), gradients.names))
+    energy = total.energy if math.isfinite(total.energy) else 0.0
+    plain = [total.values, total.zeros, total.low, total.below_normal, total.sunk, energy, total.peak]
+    return torch.tensor(plain, dtype=exact(device)).to(device, non_blocking=True)
 
 
 class Transfer:
@@ -339,6 +292,9 @@ class Transfer:
     :attr:`ready` (:class:`~ampguard.syncs.HostCopy`); on the CPU the counts are
     host memory already. On another accelerator (no event to poll) :meth:`result`
     reads them (one counted read, on the step that finds the sample finished).
+    Until then it holds the autograd nodes the gradients reached (not their saved
+    tensors, freed by the backward pass): :meth:`result` judges the all-zero
+    gradients from them (:mod:`ampguard.underflow.flushes`).
 
     ``total``: the ranks' totals (:func:`totals` agreed between them), which the
     measurement's total then is; its modules stay this rank's.
@@ -346,36 +302,29 @@ class Transfer:
 
     def __init__(
         self,
-        tallies: list[Tally],
+        gradients: Gradients,
         step: int,
         scale: float,
         extra: torch.Tensor | None = None,
         total: torch.Tensor | None = None,
     ) -> None:
-        settle(tallies)
         self.step, self.scale = step, scale
-        self.tallies = [(t.name, t.values) for t in tallies]
         self.agreed = total is not None
         device = (
-            tallies[0].counts.device
-            if tallies
-            else extra.device
-            if extra is not None
-            else total.device
-            if total is not None
-            else torch.device("cpu")
+            gradients.device
+            or (extra.device if extra is not None else None)
+            or (total.device if total is not None else None)
+            or torch.device("cpu")
         )
-        exact = torch.float32 if device.type == "mps" else torch.float64  # (MPS has no float64)
-        pieces = [total.to(device, exact)] if total is not None else []
-        pieces += [
-            torch.cat(
-                [t.counts.to(device, exact), t.peak.to(device, exact).reshape(1), t.energy.to(device, exact).reshape(1)]
-            )
-            for t in tallies
-        ]
+        self._order, rows = gradients.rows(device)
+        self._entries: list[Entry] | None = gradients.entries
+        self._names = dict(gradients.names)
+        kind = exact(device)
+        pieces = [total.to(device, kind)] if total is not None else []
+        pieces.append(rows.to(device, kind).flatten())
         if extra is not None:
-            pieces.append(extra.to(device, exact).flatten())
-        self._copy = HostCopy(torch.cat(pieces) if pieces else torch.zeros(0, dtype=exact))
+            pieces.append(extra.to(device, kind).flatten())
+        self._copy = HostCopy(torch.cat(pieces))
 
     @property
     def copying(self) -> bool:
@@ -392,29 +341,20 @@ class Transfer:
         values = self._copy.values()
         agreed = values[:7] if self.agreed else []  # (totals' layout: the energy before the peak)
         values = values[len(agreed) :]
-        rows = [values[7 * index : 7 * index + 7] for index in range(len(self.tallies))]
-        # all-zero gradients not flushed: true zeros, lost when no gradient of the step held a normal value
-        lost = max((finite_peak(row[5]) for row in rows), default=0.0) < SMALLEST_NORMAL
-        modules: dict[str, Counts] = {}
-        for (name, count), (zeros, low, below_normal, sunk, below, peak, energy) in zip(self.tallies, rows):
-            true, sunk = (0.0, below) if lost else (below - sunk, sunk)
-            counts = Counts.read(count, zeros + true, low + true, below_normal + true, sunk, peak, energy)
-            modules[name] = modules[name] + counts if name in modules else counts
-        total = Counts(energy=0.0)
-        for counts in modules.values():
-            total = total + counts
-        if agreed:
-            total = Counts.read(*agreed[:5], agreed[6], agreed[5])
-        rest = values[7 * len(self.tallies) :]
+        count = len(self._order)
+        entries, self._entries = self._entries or [], None  # (the nodes: no longer held)
+        modules = judge(entries, _by_entry(self._order, values), self._names)
+        total = Counts.read(*agreed[:5], agreed[6], agreed[5]) if agreed else _sum(modules)
+        rest = values[ROW * count :]
         scale = rest[0] if math.isnan(self.scale) and rest else self.scale
         return Measurement(self.step, scale, total, modules), rest
 
 
 def read(
-    tallies: list[Tally], step: int, scale: float, extra: torch.Tensor | None = None
+    gradients: Gradients, step: int, scale: float, extra: torch.Tensor | None = None
 ) -> tuple[Measurement, list[float]]:
-    """The tallies on the host at once, and the values of ``extra``.
+    """A sample's measurement at once, and the values of ``extra``.
 
     ``scale``: the loss scale the sampled step ran at (NaN: it is the first value of ``extra``).
     """
-    return Transfer(tallies, step, scale, extra).result()
+    return Transfer(gradients, step, scale, extra).result()

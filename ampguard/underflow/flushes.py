@@ -1,67 +1,56 @@
-"""Whether a gradient was flushed, passed down the autograd graph during a sampled backward pass.
+"""Which all-zero gradients of a sample were lost whole: those computed from a flushed one.
 
 An all-zero float16 gradient is lost whole when a gradient it was computed from
-was flushed (:func:`ampguard.underflow.counts.passed_on`), a true zero
-otherwise. The node hooks of the sample (:mod:`ampguard.underflow.measure`)
-learn it here: :meth:`Flushes.fed` before counting a node's incoming gradients,
-:meth:`Flushes.pass_on` after, to the nodes its gradients go to. The flags stay
-device booleans (no read); a node's ``metadata`` holds ``(session, cell)``, and
-the cell holds the flag only while the sample lasts (:meth:`Flushes.clear`), so
-nothing stays on a node a model keeps alive (a parameter's accumulator).
+was *flushed*: it held nonzero values but no normal one, or it was itself exact
+zeros computed from a flushed one (the flush going on down the graph).
+Otherwise its zeros are true zeros (a ``0.0 * aux_loss`` term, a zero LoRA
+``B``), which float32 has too.
+
+Judged on the host once a sample's rows are known
+(:class:`~ampguard.underflow.counts.Transfer`), from the autograd nodes the
+gradients reached: a walk down the graph from each flushed gradient's node,
+through the nodes no gradient was counted at and those whose gradients were
+all zero (or, float32 ones, below float16's normal range: what a float16
+gradient is cast from passes the flush on), to the first gradient with a value
+it could hold. No walk at all when no gradient was flushed (a healthy step).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-import ampguard.underflow.nodes as node_kinds
-from ampguard.underflow.counts import on
+from ampguard.underflow.gradients import SMALLEST_NORMAL, Entry
 
 
-class Flushes:
-    """The flags one sampler passed down, keyed in node metadata by ``key``, valid for one session at a time."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        self._session = -1
-        self._cells: list[list[torch.Tensor]] = []
-
-    def fed(self, node: Any, session: int) -> torch.Tensor | bool:
-        """Whether a gradient ``node``'s incoming gradient was computed from was flushed (False: none was passed
-        on to it in this session)."""
-        entry = node.metadata.get(self.key) if node is not None else None
-        if entry is None or entry[0] != session or self._session != session or not entry[1]:
-            return False
-        fed: torch.Tensor = entry[1][0]
-        return fed
-
-    def pass_on(self, node: Any, session: int, passes: torch.Tensor) -> None:
-        """``passes`` to the nodes ``node``'s outputs feed, through views (not hooked: their gradient is their
-        base's); a node fed by several is flushed-fed if one of them was."""
-        if self._session != session:
-            self._session, self._cells = session, []
-        stack, seen = [next_node for next_node, _ in node.next_functions], set()
-        while stack:
-            child = stack.pop()
-            if child is None or child in seen:
-                continue
-            seen.add(child)
-            if type(child).__name__ in node_kinds.SAME_VALUES:
-                stack.extend(next_node for next_node, _ in child.next_functions)
-            elif node_kinds.counted(child):  # (not a float32 leaf's accumulator: nothing is computed from its gradient)
-                entry = child.metadata.get(self.key)
-                if entry is not None and entry[0] == session and entry[1]:
-                    cell = entry[1]
-                    cell[0] = cell[0] | on(passes, cell[0].device)
-                else:
-                    cell = [passes]
-                    self._cells.append(cell)
-                    child.metadata[self.key] = (session, cell)
-
-    def clear(self) -> None:
-        """The sample ended: the cells let go of their flags (the nodes keep empty cells)."""
-        for cell in self._cells:
-            cell.clear()
-        self._session, self._cells = -1, []
+def lost_whole(entries: list[Entry], peaks: list[float]) -> tuple[set[int], set[int]]:
+    """The indices of the all-zero float16 gradients lost whole (``peaks``: each entry's largest magnitude), and
+    those of the gradients with a normal value that a flushed one fed (their all-zero columns are lost)."""
+    flushed = [
+        entry.node
+        for entry, peak in zip(entries, peaks)
+        if entry.counted and entry.node is not None and 0 < peak < SMALLEST_NORMAL
+    ]
+    lost: set[int] = set()
+    fed: set[int] = set()
+    if not flushed:
+        return lost, fed
+    by_node: dict[Any, list[int]] = {}
+    for index, entry in enumerate(entries):
+        if entry.node is not None:
+            by_node.setdefault(entry.node, []).append(index)
+    seen: set[Any] = set(flushed)
+    stack = [following for node in flushed for following, _ in node.next_functions]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        indices = by_node.get(node)
+        if indices:
+            if any(peaks[i] >= SMALLEST_NORMAL for i in indices):
+                fed.update(indices)
+                continue  # a value float16 could hold: the flush ends there
+            lost.update(i for i in indices if entries[i].counted and peaks[i] == 0)
+            # (a float16 gradient with subnormal values is flushed itself, and walked from already)
+        stack.extend(following for following, _ in node.next_functions)
+    return lost, fed

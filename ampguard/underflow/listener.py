@@ -115,6 +115,12 @@ class UnderflowListener(StepListener):
         if state is not None and state.sampler.armed:
             state.sampler.own_loss(scaled)
 
+    def on_unscale(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+        """On a sampled step, the sample counts the optimizer's gradients before they are unscaled."""
+        state = self.states.get(scaler)
+        if state is not None and state.sampler.armed:
+            state.sampler.count_parameters(optimizer)
+
     # -- host mode -------------------------------------------------------------------------------
 
     def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:

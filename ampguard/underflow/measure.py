@@ -1,30 +1,31 @@
 """The sampled step: hooks that count one backward pass's float16 gradients, per module.
 
 Armed for one optimizer step (:meth:`Sampler.arm`), a global module forward
-hook walks the autograd graph each module call just built and registers a
-pre-hook on every node found: the node's incoming gradient (the gradient of
-the tensor that op produced, or for a leaf's accumulator the leaf's gradient)
-is counted when the backward pass reaches it, if it is float16. Every gradient
-is counted once, in the innermost module whose output led to it (children
-finish their forward before their parent): a node hooked is marked in its own
-``metadata``, so the sample holds no node and no graph. The gradients of
-float16 weight copies (autocast's casts) are counted with the module that cast
-them, those of float16 parameters with the module that used them. Nothing is
-changed: the hooks return nothing, and an error inside them ends the sample
-(reported once), never the step.
+hook registers a pre-hook on the autograd node of each module call's outputs:
+the gradient of a module's output is counted when the backward pass reaches it,
+in the innermost module that returned it (children finish their forward before
+their parent; a node hooked is marked in its own ``metadata``). The gradients
+of the parameters float16 made are counted when their scaler is about to
+unscale them (:meth:`Sampler.count_parameters`): float16 parameters', and
+float32 ones' of modules whose output was float16 (autocast cast them: their
+gradient holds the float16 copy's values). So a sample counts what flows
+between modules and what reaches the update; the gradients inside a module
+(between an attention's projections) are not counted, which keeps a sampled
+step to one hook per module call and output, and no walk of the graph.
 
-The counts (:class:`~ampguard.underflow.counts.Tally`, one per module) stay on
-the device; :mod:`ampguard.underflow.counts` says what they mean and brings
-them to the host. Healthy steps run none of this: the hooks exist only between
+Each gradient goes to :class:`~ampguard.underflow.gradients.Gradients`,
+counted a batch at a time on the device; float32 gradients of module outputs
+are counted too, to tell whether a flush went on through them
+(:mod:`ampguard.underflow.flushes`). Nothing is changed: the hooks return
+nothing, and an error inside them ends the sample (reported once), never the
+step. Healthy steps run none of this: the hooks exist only between
 :meth:`Sampler.arm` and :meth:`Sampler.finish`.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -33,9 +34,8 @@ from torch import nn
 import ampguard.containment as containment
 import ampguard.underflow.nodes as node_kinds
 from ampguard.module_hooks import GlobalModuleHooks
-from ampguard.torch_privates import in_functorch_transform, is_compiling
-from ampguard.underflow.counts import Tally, on, passed_on
-from ampguard.underflow.flushes import Flushes
+from ampguard.torch_privates import in_functorch_transform
+from ampguard.underflow.gradients import Gradients
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
@@ -49,35 +49,6 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-# Where a module call's walk ends: at the nodes made before the call began. autograd numbers each node it makes
-# from a counter of the thread (``Node._sequence_nr``); read as the call begins, it tells the nodes the call made
-# from its caller's and from those of the calls before it, whichever way they came in (by position, by keyword,
-# through an attribute). Without it (a torch that renamed it) only positional inputs end a walk, as before: keyword
-# inputs then cost a walk down through every layer below (quadratic in depth) and count the caller's nodes in the
-# first child that reaches them.
-_next_sequence_nr: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
-
-# One number per module call entered or left while a sample is armed, on any thread: a call during which another
-# thread entered or left one (a DataParallel-like wrapper running replicas in threads) may reach nodes that another
-# thread's counter numbered, so its walk ends at its positional inputs only.
-_TICKETS = itertools.count()
-
-
-class _Call:
-    """A module call in progress on this thread, where its walk will end, and its children's walks so far."""
-
-    __slots__ = ("inputs", "jumps", "own", "start", "ticket")
-
-    def __init__(self, inputs: set[Any], start: int | None, ticket: int, own: int) -> None:
-        self.inputs = inputs  # the nodes of its positional tensor inputs
-        self.start = start  # the sequence number of the first node it could make (None: unknown)
-        self.ticket = ticket  # its number from _TICKETS
-        self.own = own  # the tickets this thread had taken then
-        # A finished child's output node -> the nodes where the child's walk ended: this call's walk, reaching
-        # the output, goes on from there instead of walking the child's nodes again (they are hooked already).
-        self.jumps: dict[Any, list[Any]] = {}
-
-
 # The node whose pre-hook runs (torch 2.3 to 2.14; without it nothing is passed down the graph, and every exact-zero
 # gradient is judged by the step alone: ampguard.underflow.counts).
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
@@ -87,40 +58,55 @@ _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 _current_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
 
 
+class _Count:
+    """A node hook of one module call: hands the gradients to :meth:`Sampler._count` (holds no node)."""
+
+    __slots__ = ("sampler", "session", "slot", "within")
+
+    def __init__(self, sampler: Sampler, slot: int, session: int, within: int) -> None:
+        self.sampler, self.slot, self.session, self.within = sampler, slot, session, within
+
+    def __call__(self, gradients: tuple[torch.Tensor | None, ...]) -> None:
+        self.sampler._count(self.slot, self.session, self.within, gradients)
+
+
 class Sampler:
-    """Owns one sampled step: its hooks while armed, its tallies until read.
+    """Owns one sampled step: its hooks while armed, its gradients' counts until finished.
 
     An armed sampler that is never finished (its scaler dropped, training over
     with the sample due) disarms itself after :data:`MAX_CALLS` outermost module
     calls without a backward pass through the sample between them: it never
-    keeps walking graphs. A validation that long drops the sample (the listener
+    keeps hooking module calls. A validation that long drops the sample (the listener
     tries again at the next scheduled step).
 
     Armed for a scaler (``own_losses``), it counts only the backward passes of
     the losses that scaler scaled (:meth:`own_loss`): another model's backward
-    pass, scaled by another scaler (a GAN's other half), reaches the nodes its
-    walks hooked but is not counted.
+    pass, scaled by another scaler (a GAN's other half), reaches the nodes it
+    hooked but is not counted, and its parameters are counted only for the
+    scaler's own optimizer.
     """
 
     MAX_CALLS = 1024  # a forward pass that is no module call itself may make a few hundred (a loop over layers)
 
     def __init__(self) -> None:
-        self.tallies: dict[int, Tally] = {}  # id(module) -> its tally, for this sample
-        self._modules: weakref.WeakValueDictionary[int, nn.Module] = weakref.WeakValueDictionary()
+        self.gradients = Gradients()  # this sample's
         self._mark = f"ampguard.underflow.{id(self)}"  # node.metadata key: the session that hooked the node
-        self._flushes = Flushes(f"{self._mark}.fed")  # whether the gradients counted were flushed, passed down
         # The node hooks' handles, removed when the sample ends: a node kept across samples (a parameter's
         # accumulator, which DistributedDataParallel keeps) carries no hook between them.
         self._node_hooks: list[Any] = []
         self._calls = 0  # outermost module calls since armed, or since the sample's last backward
-        # Per thread, per module call in progress: the nodes of its inputs (where its walk ends); its length is
-        # the call depth (another thread's module calls are not this thread's children).
+        # Per thread (``depth``): the module calls in progress (another thread's module calls are not this
+        # thread's children).
         self._calls_in_progress = threading.local()
         self._names: dict[int, str] = {}  # id(module) -> qualified name in the outermost module called
+        self._owners: dict[int, int] = {}  # id(parameter) -> id(the module whose own it is)
+        self._half: set[int] = set()  # id(module) of the calls that returned a float16 tensor, this sample
+        self._called: set[int] = set()  # id(module) of the calls seen returning a tensor with a gradient, this sample
+        self._optimizers_counted: set[int] = set()  # id(optimizer), this sample
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
         self._own_losses = False  # count only the backward passes (graph tasks) in _tasks
         self._tasks: set[int] = set()  # those of the losses given to own_loss, this sample
-        self._walked_now = False
+        self._seen_call = False  # a module call's output was hooked, this sample
         # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves its depth,
         # so later calls are known as outermost again
         self._hooks = GlobalModuleHooks(self._pre_forward, self._post_forward)
@@ -136,17 +122,18 @@ class Sampler:
             return
         self._session += 1
         self._remove_node_hooks()  # (a sample dropped before its finish)
-        self.tallies, self._names, self._calls_in_progress = {}, {}, threading.local()
+        self.gradients, self._names, self._calls_in_progress = Gradients(), {}, threading.local()
+        self._owners, self._half, self._called, self._optimizers_counted = {}, set(), set(), set()
         self._own_losses, self._tasks = own_losses, set()
-        self._walked_now = False  # a module call's graph was walked, this sample
+        self._seen_call = False
         self._calls = 0
         self._hooks.arm()
 
     def own_loss(self, scaled: Any) -> None:
         """``scaled`` (a tensor or a container of them) is a loss of this sample's scaler: the backward passes
         started from it are counted. Its node, the first its backward pass runs, records that pass (graph task)
-        when reached; backward passes nested in it (a reentrant checkpoint's) are counted through the walks made
-        inside it (:meth:`_count`). A loss of a model whose module calls the sample did not see
+        when reached; backward passes nested in it (a reentrant checkpoint's) are counted through the module
+        calls recomputed inside it (:meth:`_count`). A loss of a model whose module calls the sample did not see
         (``model.compile()``: they ran compiled) is said to be stepped aside here."""
         session = self._session
 
@@ -160,7 +147,7 @@ class Sampler:
             for tensor in _tensors(scaled):
                 if tensor.grad_fn is not None:
                     self._node_hooks.append(tensor.grad_fn.register_prehook(record))
-                    if not self._walked_now:
+                    if not self._seen_call:
                         node_kinds.step_aside_unseen()
         except Exception as error:
             self._fail("scaled loss", error)
@@ -179,55 +166,37 @@ class Sampler:
         """ampguard's own error inside a hook: reported once, the sample dropped, the step goes on."""
         self.disarm()
         self._session += 1  # the node hooks already registered do nothing
-        self.tallies = {}
+        self.gradients = Gradients()
         containment.report(f"underflow sample ({where})", error)
 
+    # (Both run through GlobalModuleHooks' eager_only: never while dynamo traces.)
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
-        if is_compiling():
-            return
         if in_functorch_transform():  # (the forward hook returns here too: the call depth stays as it is)
             node_kinds.step_aside_transformed()
             return
         try:
-            self._enter(module, args)
+            self._enter(module)
         except Exception as error:
             self._fail("module forward pre-hook", error)
 
-    def _inputs(self) -> list[_Call]:
-        """This thread's module calls in progress (where their walks end)."""
-        inputs: list[_Call] | None = getattr(self._calls_in_progress, "inputs", None)
-        if inputs is None:
-            inputs = self._calls_in_progress.inputs = []
-        return inputs
-
-    # The nodes visited by this sampler's walks, all samples together (tests count them: a cost linear in depth).
-    walked = 0
-
-    def _ticket(self) -> tuple[int, int]:
-        """A number from :data:`_TICKETS`, and the count of those this thread has taken."""
-        local = self._calls_in_progress
-        own: int = getattr(local, "tickets", 0) + 1
-        local.tickets = own
-        return next(_TICKETS), own
-
-    def _enter(self, module: nn.Module, args: Any) -> None:
-        in_progress = self._inputs()
-        if not in_progress:
+    def _enter(self, module: nn.Module) -> None:
+        local = self._calls_in_progress  # (per thread: another thread's module calls are not this one's children)
+        depth: int = getattr(local, "depth", 0)
+        local.depth = depth + 1
+        if depth == 0:
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
                 self.disarm()
-                self.tallies = {}
+                self.gradients = Gradients()
                 return
-        if not in_progress and id(module) not in self._names:
-            for name, child in module.named_modules():
-                self._names.setdefault(id(child), name or type(module).__name__)
-        ticket, own = self._ticket()
-        start = _next_sequence_nr() if _next_sequence_nr is not None else None
-        in_progress.append(_Call({t.grad_fn for t in _tensors(args) if t.grad_fn is not None}, start, ticket, own))
+            if id(module) not in self._names:
+                for name, child in module.named_modules():
+                    self._names.setdefault(id(child), name or type(module).__name__)
+                    for parameter in child.parameters(recurse=False):
+                        self._owners.setdefault(id(parameter), id(child))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
-        # is_compiling() first: dynamo must not trace ampguard's state (a RemovableHandle: fullgraph=True raised)
-        if is_compiling() or not self.armed or in_functorch_transform():
+        if not self.armed or in_functorch_transform():
             return
         try:
             self._leave(module, output)
@@ -235,79 +204,76 @@ class Sampler:
             self._fail("module forward hook", error)
 
     def _leave(self, module: nn.Module, output: Any) -> None:
-        in_progress = self._inputs()
-        call = in_progress.pop() if in_progress else None
-        ticket, own = self._ticket()
+        local = self._calls_in_progress
+        local.depth = max(getattr(local, "depth", 0) - 1, 0)
         if not torch.is_grad_enabled():
             return
-        nodes = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        nodes: list[Any] = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
         if not nodes:
             return
-        if call is None:
-            self._hook_graph(module, nodes, set(), None, {})
-            return
-        alone = ticket - call.ticket == own - call.own  # no other thread entered or left a module call meanwhile
-        start = call.start if alone else None
-        ended = self._hook_graph(module, list(nodes), call.inputs, start, call.jumps)
-        outputs = set(nodes)
-        if in_progress and len(outputs) == 1:  # (of several outputs, one may reach less of the walk than another)
-            [node] = outputs
-            if node not in call.inputs and (start is None or node._sequence_nr() >= start):  # (walked from)
-                in_progress[-1].jumps[node] = ended
-
-    def _hook_graph(
-        self, module: nn.Module, stack: list[Any], inputs: set[Any], start: int | None, jumps: dict[Any, list[Any]]
-    ) -> list[Any]:
-        """Hook the nodes this module call made that no module inside it hooked: from its outputs down to the
-        nodes made before it began (``start``: the first sequence number it could have given; its inputs, by
-        position or keyword, are its caller's) and its positional inputs' nodes; returns those where it ended.
-        The walk hooks the nodes it made itself between its children (an attention's matmuls between its
-        projections): reaching a child's output, it goes on from where the child's walk ended (``jumps``), so a
-        node is walked once, by the innermost call that made it, and a sampled step's walks cost what its graph
-        does (linear in depth)."""
+        self._seen_call = True
         slot = id(module)
-        session, mark, hooks = self._session, self._mark, self._node_hooks
-        self._walked_now = True
-        within = _current_task()  # (a forward run inside a backward pass: a reentrant checkpoint's recomputation)
+        if slot not in self._names:  # (called outside the outermost module's tree)
+            self._names[slot] = type(module).__name__
+        count = self._counter(slot, _current_task())
+        mark, session, hooks = self._mark, self._session, self._node_hooks
+        compiled = False
+        for node in nodes:
+            while type(node).__name__ in node_kinds.SAME_VALUES and node.next_functions:  # (a view of a child's
+                base = node.next_functions[0][0]  # output: counted there)
+                if base is None or base.metadata.get(mark) != session:
+                    break
+                node = base
+            metadata = node.metadata
+            if metadata.get(mark) == session:  # a child's output, or an output returned twice
+                continue
+            metadata[mark] = session
+            if type(node).__name__ in node_kinds.COMPILED_NODE_KINDS:  # (its output's few values would stand
+                node_kinds.step_aside_compiled(module, self._names[slot])  # for the region: not counted)
+                compiled = True
+                continue
+            hooks.append(node.register_prehook(count))  # (the handle holds no node)
+        if not compiled:
+            self._called.add(slot)
+        if any(t.dtype == torch.float16 for t in _tensors(output)):
+            self._half.add(slot)
 
-        def count(gradients: tuple[torch.Tensor | None, ...]) -> None:  # (one per walk, for all its nodes)
-            self._count(slot, session, within, gradients)
+    def count_parameters(self, optimizer: torch.optim.Optimizer | Iterable[torch.Tensor]) -> None:
+        """Count the gradients of ``optimizer``'s parameters (or of the parameters given) whose values float16 made,
+        still scaled (its scaler is about to unscale them): float16 parameters', and float32 ones' of modules whose
+        output was float16 in the sampled forward pass (autocast ran them in float16, so their parameters were
+        cast: the gradients are the float16 copies' values). A float32 module under autocast (a LayerNorm)
+        computes its parameters' gradients in float32: not counted; nor are the parameters of a module the sample
+        did not see called (compiled, or outside the model). Each optimizer once a sample (at its first unscale:
+        gradient accumulation unscales once, at the end)."""
+        if id(optimizer) in self._optimizers_counted or (self._own_losses and not self._tasks):
+            return  # (counted already; or no loss of its scaler reached the sample: nothing of this step is counted)
+        self._optimizers_counted.add(id(optimizer))
+        try:
+            sample = self.gradients
+            groups = optimizer.param_groups if isinstance(optimizer, torch.optim.Optimizer) else [{"params": optimizer}]
+            for group in groups:
+                for parameter in group["params"]:
+                    gradient = parameter.grad
+                    slot = self._owners.get(id(parameter))
+                    if slot not in self._called or not node_kinds.dense(gradient):
+                        continue
+                    if parameter.dtype == torch.float16 or (parameter.dtype == torch.float32 and slot in self._half):
+                        if slot not in sample.names:
+                            sample.names[slot] = self._names.get(slot, "?")
+                        sample.add(slot, None, gradient, True, parameter=True)
+            sample.count_now()  # (the scaler unscales them in place next)
+        except Exception as error:
+            self._fail("parameters' gradients", error)
 
-        seen: set[Any] = set()
-        ended: list[Any] = []
-        visited = 0
-        while stack:
-            node = stack.pop()
-            if node is None or node in seen:
-                continue
-            seen.add(node)
-            visited += 1
-            if node in inputs or (start is not None and node._sequence_nr() < start):  # (an accumulator's: the
-                ended.append(node)  # largest number, walked)
-                continue
-            child_ended = jumps.get(node)
-            if child_ended is not None:
-                stack.extend(child_ended)
-                continue
-            if type(node).__name__ in node_kinds.COMPILED_NODE_KINDS:  # (its incoming gradient: its output's only)
-                node_kinds.step_aside_compiled(module, self._names.get(slot) or type(module).__name__)
-            elif node_kinds.counted(node):
-                metadata = node.metadata
-                if metadata.get(mark) != session:
-                    metadata[mark] = session
-                    hooks.append(node.register_prehook(count))  # (the handle holds no node)
-            stack.extend([next_node for next_node, _ in node.next_functions])
-        self._modules[slot] = module
-        self.walked += visited
-        return ended
+    def _counter(self, slot: int, within: int) -> _Count:
+        return _Count(self, slot, self._session, within)
 
     def _count(self, slot: int, session: int, within: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
-        """Count the node's float16 gradients, fed whether a gradient they were computed from was flushed, and
-        pass on to the nodes below whether they were (:func:`~ampguard.underflow.counts.passed_on`: an all-zero
-        gradient computed from a flushed one is lost, another is a true zero). Once a float16 gradient was
-        counted, the node's other floating gradients (float32 under autocast: a float32 op's input, the residual
-        stream the float16 branches are cast from) pass it on too. Armed for a scaler, only in its losses'
-        backward passes, or in one nested in them (``within``: the backward pass the walk ran in, -1: none)."""
+        """Hand the node's gradients to the sample: float16 ones counted, float32 ones of
+        module outputs (under autocast: the residual stream its float16 branches are cast from) kept to tell
+        whether a flush went on through them. Armed for a scaler, only in its losses' backward passes, or in one
+        nested in them (``within``: the backward pass the module call ran in, -1: none)."""
         if session != self._session:
             return
         if self._own_losses and within not in self._tasks and _current_task() not in self._tasks:
@@ -318,32 +284,22 @@ class Sampler:
         self._calls = 0  # a backward pass through the sample: training goes on
         try:
             node = _current_node()
-            fed = self._flushes.fed(node, session)
-            passes: torch.Tensor | None = None
+            sample = self.gradients
             for gradient in gradients:
-                passed: torch.Tensor | None = None
-                if node_kinds.countable(gradient):
-                    tally = self.tallies.get(slot)
-                    if tally is None:
-                        module = self._modules.get(slot)
-                        name = self._names.get(slot) or (type(module).__name__ if module is not None else "?")
-                        tally = self.tallies[slot] = Tally(name, gradient.device)
-                    tally.fed = fed
-                    passed = tally.add(gradient)
-                elif self.tallies and node_kinds.dense(gradient):
-                    passed = passed_on(gradient.detach().abs().amax(), fed)
-                if passed is not None:
-                    passes = passed if passes is None else passes | on(passed, passes.device)
-            if passes is not None and node is not None:
-                self._flushes.pass_on(node, session, passes)
+                if not node_kinds.dense(gradient):
+                    continue
+                counted = gradient.dtype == torch.float16
+                if counted or sample.counted:
+                    if slot not in sample.names:
+                        sample.names[slot] = self._names.get(slot, "?")
+                    sample.add(slot, node, gradient, counted)
         except Exception as error:
             self._fail("backward node hook", error)
 
-    def finish(self) -> list[Tally]:
-        """End the sample: no more counting; the tallies, to :func:`read`."""
+    def finish(self) -> Gradients:
+        """End the sample: no more counting; its gradients, to :func:`~ampguard.underflow.counts.read`."""
         self.disarm()
         self._session += 1
         self._remove_node_hooks()
-        self._flushes.clear()
-        tallies, self.tallies = list(self.tallies.values()), {}
-        return tallies
+        gradients, self.gradients = self.gradients, Gradients()
+        return gradients

@@ -1,9 +1,9 @@
 """Which autograd nodes a sample counts the incoming gradient of, and the regions it steps aside from.
 
-A view's gradient holds its base's values (:data:`SAME_VALUES`: walked through, not counted twice); a float32
-leaf's gradient is never float16; a compiled region's backward is one node
-(:data:`COMPILED_NODE_KINDS`), whose incoming gradient is the region's output's only: counting it would
-measure a handful of values as the region's, so the sample steps aside there and says so once; so it does
+A view's gradient holds its base's values (:data:`SAME_VALUES`: a module returning a view of its child's output
+is counted in the child); a parameter's float16 gradient reaches autocast's cast of it or its accumulator
+(:func:`parameter_gradient`); a compiled region's backward is one node (:data:`COMPILED_NODE_KINDS`): its output's
+gradient is counted, the gradients inside it are not, which the sample says once; so it does
 for a loss whose model it saw no module call of (:data:`UNSEEN`), and inside torch.func transforms
 (:data:`TRANSFORMED`).
 """
@@ -19,7 +19,7 @@ from ampguard.log import event_logger
 
 logger = event_logger("underflow")
 
-# Said once per process and region at INFO when a walk meets a compiled region's backward node.
+# Said once per process and region at INFO when a module call's output comes from a compiled region's backward node.
 COMPILED = (
     "underflow sample: the gradients inside the compiled region {region} are not counted (torch.compile makes its "
     "backward one node, whose values ampguard cannot see); the rest of the model is sampled as usual."
@@ -35,7 +35,7 @@ def _say_once(message: str) -> None:
 
 
 def step_aside_compiled(module: nn.Module, name: str) -> None:
-    """Say once that the compiled region met by ``module``'s walk (``module`` named ``name``) is not counted."""
+    """Say once that the compiled region whose output ``module`` (named ``name``) returned is not counted."""
     if type(module).__name__ == "OptimizedModule":
         region = f"{name} (torch.compile of {type(getattr(module, '_orig_mod', module)).__name__})"
     else:
@@ -43,7 +43,7 @@ def step_aside_compiled(module: nn.Module, name: str) -> None:
     _say_once(COMPILED.format(region=region))
 
 
-# Said once per process at INFO when a scaled loss is given to a sample that walked no module call's graph.
+# Said once per process at INFO when a scaled loss is given to a sample that saw no module call.
 UNSEEN = (
     "underflow sample: no module call of the model ran where the sample can see it (model.compile() runs them "
     "compiled; a model of plain functions has none): its gradients are not counted, and the scale follows torch's "
@@ -80,8 +80,8 @@ def step_aside_transformed() -> None:
 
 
 # Nodes whose incoming gradient holds the same values as a gradient counted elsewhere (a view's, a slice's, a
-# split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): walked through, not
-# counted twice.
+# split's pieces, a clone's, an in-place write's through a view, CopySlices: its base's): a module returning a view
+# of its child's output leaves it to the child.
 SAME_VALUES = frozenset(
     {
         "AliasBackward0",
@@ -109,24 +109,23 @@ SAME_VALUES = frozenset(
 )
 
 
-def counted(node: Any) -> bool:
-    """Whether ``node``'s incoming gradient is counted: not a view's (counted as its base's), and a leaf's
-    accumulator only for a float16 leaf (a float32 master's gradient is never float16)."""
+def parameter_gradient(node: Any) -> bool:
+    """Whether ``node`` takes a parameter's float16 gradient: autocast's cast of a float32 parameter (its incoming
+    gradient is the float16 copy's), or a float16 parameter's accumulator."""
     kind = type(node).__name__
     if kind == "AccumulateGrad":
         return bool(node.variable.dtype == torch.float16)
-    return kind not in SAME_VALUES
-
-
-def countable(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
-    """A dense float16 gradient with values (sparse and nested ones are not counted)."""
-    return dense(gradient) and gradient.dtype == torch.float16
+    return kind == "ToCopyBackward0" and any(
+        type(following).__name__ == "AccumulateGrad" for following, _ in node.next_functions
+    )
 
 
 def dense(gradient: torch.Tensor | None) -> TypeGuard[torch.Tensor]:
-    """A dense floating gradient with values."""
+    """A dense floating gradient with values, a plain tensor (not a tensor subclass: a FakeTensor that torch.cond or
+    export traces with, FSDP2's DTensor, a functorch wrapper, whose values the sample cannot count beside
+    others)."""
     return (
-        gradient is not None
+        type(gradient) is torch.Tensor
         and gradient.is_floating_point()
         and gradient.layout == torch.strided
         and not gradient.is_nested

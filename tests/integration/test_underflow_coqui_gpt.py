@@ -3,8 +3,8 @@ against float32, and adapt leaves a run alone whose values are subnormal, not lo
 
 The recipe runs through the real coqui Trainer under float16 autocast on the CPU with the Trainer's own
 ``GradScaler()`` (a CPU SafeGradScaler; see coqui_tiny.py), 96 steps, a sample every 10. Its float16
-gradients are a fifth subnormal at ampguard's starting scale of 1024 (most in the MLPs' GELU), lost 0.2%; the
-held-out loss is float32's (docs/underflow.md has the 320-step numbers).
+gradients are 7% subnormal at ampguard's starting scale of 1024 (most in the attention's ``c_attn``), lost
+0.03%; the held-out loss is float32's (docs/underflow.md has the 320-step numbers).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def _run(tmp_path, reinstall, mode: str) -> Run:
 def test_the_xtts_gpt_recipe_underflow_is_measured_and_adapt_keeps_torchs_schedule_for_subnormal_values(
     tmp_path, reinstall, one_thread
 ):
-    """The recipe's float16 gradients are a fifth subnormal at 1024 but lose next to nothing (float32 agrees:
+    """The recipe's float16 gradients are 7% subnormal at 1024 but lose next to nothing (float32 agrees:
     the next test), and the run trains as float32 does: adapt, which acts on the lost share only (issue 32),
     keeps torch's schedule, the same run as report bit for bit. Before, it grew the scale for the subnormal
     values, for no gain in the loss (docs/underflow.md)."""

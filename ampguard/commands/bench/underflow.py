@@ -31,6 +31,7 @@ def time_sampled_step(options: Options, samples: int = SAMPLES) -> dict[str, Any
     def sampled() -> None:
         sampler.arm()
         run.step()
+        sampler.count_parameters(run.optimizer)  # (its cost; the scaler's unscale_() has it count them before)
         measured.append(read(sampler.finish(), run.index, 1.0)[0])
 
     timer = Timer(options.device)

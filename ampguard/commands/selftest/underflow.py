@@ -3,7 +3,8 @@
 A linear layer computing in float16 (its weight cast explicitly, as a model
 loaded for float16 does) whose loss is multiplied by ``factor`` before the
 scaler scales it. Its backward pass makes two float16 gradients: the output's
-and the weight copy's. The reference run (plain torch, the same steps) takes
+and the weight copy's (the float32 weight's gradient holds its values: the
+sample counts it before the scaler unscales it). The reference run (plain torch, the same steps) takes
 both with tensor hooks and counts them on the host: values, zeros, subnormals,
 the values at the two smallest subnormals, the largest magnitude
 (:class:`~ampguard.underflow.counts.Counts` turns those into the shares
@@ -33,7 +34,8 @@ from torch import nn
 from ampguard.commands.selftest.result import CheckResult, Context, seeded, verdict
 from ampguard.commands.selftest.runner import plain_torch
 from ampguard.commands.selftest.scaling import same_parameters
-from ampguard.underflow.counts import SMALLEST_NORMAL, SMALLEST_SUBNORMAL, Counts
+from ampguard.underflow.counts import Counts
+from ampguard.underflow.gradients import SMALLEST_NORMAL, SMALLEST_SUBNORMAL
 
 WIDTH, OUTPUTS, BATCH = 32, 16, 8
 TINY, HEALTHY = 2.0**-26, 2.0**-8
@@ -112,6 +114,10 @@ def count(gradients: list[torch.Tensor]) -> Counts:
             int((magnitude == 2 * SMALLEST_SUBNORMAL).sum()),
         )
         estimate = lowest * max(lowest, next_lowest) // (2 * max(next_lowest, 1))
+        if peak < SMALLEST_NORMAL or fed:  # flushed, or fed by a flushed one: its sinking columns' zeros are lost
+            table = magnitude.reshape(-1, magnitude.shape[-1] if magnitude.dim() > 1 else 1)
+            sinking = int(((table == 0) & (table.amax(0) <= 2.5 * SMALLEST_SUBNORMAL)).sum())
+            estimate = sinking + min(zeros - sinking, estimate)
         below = int((magnitude < SMALLEST_NORMAL).sum())
         rows.append((gradient.numel(), peak, zeros, min(zeros, estimate), below, peak == 0 and fed))
         fed = peak < SMALLEST_NORMAL and (peak > 0 or fed)
