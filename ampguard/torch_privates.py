@@ -12,6 +12,7 @@ with the name (``ampguard patches``) instead of failing inside a training step.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import inspect
 import sys
@@ -120,16 +121,35 @@ def is_compiling() -> bool:
     compile (torch 2.14 in CI); on 2.3 dynamo's compile context (set for the whole compile, never while compiled
     code runs) tells.
     """
+    check = _dynamo_check()
+    if check is not None and check():
+        return True
+    context = _compile_context()
+    return context is not None and context() is not None
+
+
+@functools.cache
+def _dynamo_check() -> Callable[[], bool] | None:
+    """torch's ``is_compiling``, resolved once (every module call on a sampled or watched step asks)."""
     import torch
 
     check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
     if check is None:
         check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    if check and check():
-        return True
-    guards = sys.modules.get("torch._guards")  # (imported by torch._dynamo: not there, nothing compiles)
-    context = getattr(getattr(guards, "CompileContext", None), "try_get", None)
-    return context is not None and context() is not None
+    return check
+
+
+_context_getter: list[Callable[[], Any]] = []  # dynamo's CompileContext.try_get, once torch._dynamo is imported
+
+
+def _compile_context() -> Callable[[], Any] | None:
+    if not _context_getter:
+        guards = sys.modules.get("torch._guards")  # (imported by torch._dynamo: not there, nothing compiles)
+        getter = getattr(getattr(guards, "CompileContext", None), "try_get", None)
+        if getter is None:
+            return None
+        _context_getter.append(getter)
+    return _context_getter[0]
 
 
 def in_functorch_transform() -> bool:
@@ -137,10 +157,16 @@ def in_functorch_transform() -> bool:
     the tensors there are functorch's wrappers, and their gradients belong to the transform, not to the step's
     backward pass (per-sample gradients, as Opacus-style DP training computes them). A torch without the check
     (``torch._C._functorch.maybe_current_level``: torch 2.3.1 and 2.14 have it): never."""
+    level = _functorch_level()
+    return level is not None and level() is not None
+
+
+@functools.cache
+def _functorch_level() -> Callable[[], Any] | None:
     import torch
 
-    level = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
-    return level is not None and level() is not None
+    level: Callable[[], Any] | None = getattr(getattr(torch._C, "_functorch", None), "maybe_current_level", None)
+    return level
 
 
 def functorch_unwrapped(tensor: Any) -> Any:

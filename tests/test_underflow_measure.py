@@ -164,3 +164,78 @@ def test_the_scaler_tells_its_listeners_of_an_unscale_before_the_gradients_are_u
         assert heard == []
     finally:
         listeners.remove(listener)
+
+
+class ViewOfChild(nn.Module):
+    """Returns a view of a view of its child's output; its parent reshapes it again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 32)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).view(8, 2, 16).transpose(1, 2)
+
+
+class Reshaping(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.child = ViewOfChild()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.child(x).reshape(8, 32)
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "full_backward_hook"])
+def test_views_of_a_childs_output_at_any_depth_are_counted_once_in_the_child(hooked):
+    """A module returning a view of a view of its child's output, a parent reshaping it, and a full backward hook
+    (which wraps the module's outputs): the output's gradient is counted once, in the innermost module. Before:
+    2-3 times (800 -> 1312 values)."""
+    torch.manual_seed(0)
+    model = Reshaping()
+    if hooked:
+        model.child.register_full_backward_hook(lambda module, grad_input, grad_output: None)
+    sampler = Sampler()
+    sampler.arm()
+    with torch.autocast("cpu", dtype=torch.float16):
+        out = model(torch.randn(8, 16))
+    out.float().pow(2).mean().backward()
+    sampler.count_parameters(model.parameters())
+    modules = read(sampler.finish(), step=2, scale=1.0)[0].modules
+    assert set(modules) == {"child.lin"} and modules["child.lin"].values == 8 * 32 + 16 * 32 + 32
+
+
+def test_a_backward_pass_that_raises_midway_lets_go_of_its_graph_at_the_next_forward():
+    """An out-of-memory retry on a sampled step: the failed backward pass's nodes still hold the saved tensors
+    below the failure; the sample lets go of them at the next forward pass's first module call (the retry),
+    where it would otherwise keep the failed batch's activations until update(). A backward pass that completes
+    keeps its nodes (their saved tensors freed) for the judgement of its all-zero gradients."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 32), nn.Linear(32, 4))
+    sampler = Sampler()
+    sampler.arm()
+    with torch.autocast("cpu", dtype=torch.float16):
+        hidden = model[0](torch.randn(8, 16))  # (saved by the second layer's node, below the failure)
+        middle = model[1](hidden)
+        out = model[2](middle)
+    watched = weakref.ref(hidden)
+
+    def out_of_memory(gradient: torch.Tensor) -> None:
+        raise RuntimeError("out of memory (simulated)")
+
+    middle.register_hook(out_of_memory)
+    with pytest.raises(RuntimeError, match="simulated"):
+        out.float().sum().backward()
+    del hidden, middle, out
+    gc.collect()
+    assert watched() is not None  # (the failed pass's nodes: let go of at the next forward)
+    with torch.autocast("cpu", dtype=torch.float16):
+        retry = model(torch.randn(4, 16))
+    gc.collect()
+    assert watched() is None
+    retry.float().sum().backward()
+    entries = sampler.finish().entries
+    assert [entry.node is not None for entry in entries] == [False, True, True, True]  # (failed: model[2]'s)

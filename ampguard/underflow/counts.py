@@ -207,59 +207,65 @@ class Measurement:
         return tuple((name, round(share, 6)) for name, share in ranked[:count])
 
 
-def judge(entries: list[Entry], rows: list[list[float]], names: dict[int, str]) -> dict[str, Counts]:
-    """The host's counts per module from a sample's rows (one per entry, :data:`~ampguard.underflow.gradients.ROW`),
-    by the rule of this module's docstring."""
-    peaks = [row[4] for row in rows]
-    normal = any(entry.counted and peak >= SMALLEST_NORMAL for entry, peak in zip(entries, peaks))
-    sunk_rows, fed_rows = lost_whole(entries, peaks) if normal else (set(), set())
-    # a parameter's all-zero gradient is lost whole where its module's output gradient was flushed or lost whole
-    flushed_modules = {
-        entry.slot
-        for index, (entry, peak) in enumerate(zip(entries, peaks))
-        if entry.counted and not entry.parameter and (0 < peak < SMALLEST_NORMAL or index in sunk_rows)
-    }
-    sums: dict[int, list[float]] = {}  # slot -> [values, zeros, low, below_normal, sunk, peak, energy]
-    for index, (entry, row) in enumerate(zip(entries, rows)):
-        if not entry.counted:
-            continue
-        zeros, lowest, next_lowest, below_normal = (int(v) for v in row[:4])
-        peak, energy, sinking = row[4], row[5], int(row[6])
-        size = entry.size
-        if peak == 0:
-            gone = not normal or index in sunk_rows or (entry.parameter and entry.slot in flushed_modules)
-            added = [size, 0, 0, 0, size] if gone else [size, size, size, size, 0]
-        else:
-            # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at
-            # 2**-23 where the density still rises toward zero; at most all zeros
-            estimate = lowest * max(lowest, next_lowest) // (2 * max(next_lowest, 1))
-            # in a gradient that was flushed or fed by a flushed one, the zeros of its sinking columns are lost (the
-            # queries' and keys' part of a qkv projection's gradient, flushed inside the attention); the density
-            # estimate goes for its other zeros
-            fed = index in fed_rows or (entry.parameter and entry.slot in flushed_modules)
-            if sinking and (peak < SMALLEST_NORMAL or fed):
-                estimate = sinking + min(zeros - sinking, estimate)
-            added = [size, zeros, zeros + min(zeros, estimate), below_normal, 0]
-        total = sums.setdefault(entry.slot, [0, 0, 0, 0, 0, 0.0, 0.0])
-        for position, count in enumerate(added):
-            total[position] += count
-        total[5] = max(total[5], finite_peak(peak))
-        total[6] += energy
+def judge(entries: list[Entry], rows: torch.Tensor, names: dict[int, str]) -> dict[str, Counts]:
+    """The host's counts per module from a sample's rows (a CPU tensor, one row per entry, in the entries' order:
+    :data:`~ampguard.underflow.gradients.ROW`), by the rule of this module's docstring."""
+    if not entries:
+        return {}
+    slots = {entry.slot: index for index, entry in enumerate({e.slot: e for e in entries}.values())}
+    slot = torch.tensor([slots[entry.slot] for entry in entries])
+    counted = torch.tensor([entry.counted for entry in entries])
+    parameter = torch.tensor([entry.parameter for entry in entries])
+    size = torch.tensor([entry.size for entry in entries], dtype=torch.int64)
+    zeros, lowest, next_lowest, below_normal = rows[:, :4].long().unbind(1)
+    peak, energy, sinking = rows[:, 4], rows[:, 5], rows[:, 6].long()
+    normal = bool((counted & (peak >= SMALLEST_NORMAL)).any().tolist())  # (tolist: host tensors, not a device read)
+    sunk_rows, fed_rows = lost_whole(entries, peak.tolist()) if normal else (set(), set())
+    sunk, fed = torch.zeros(len(entries), dtype=torch.bool), torch.zeros(len(entries), dtype=torch.bool)
+    sunk[list(sunk_rows)], fed[list(fed_rows)] = True, True
+    # a parameter's gradient is computed from its module's output's: fed, and lost whole where all zero, where that
+    # was flushed or lost whole
+    flushing = counted & ~parameter & (((peak > 0) & (peak < SMALLEST_NORMAL)) | sunk)
+    flushed_module = torch.zeros(len(slots), dtype=torch.int64).scatter_reduce_(0, slot, flushing.long(), "amax")
+    fed |= parameter & flushed_module.bool()[slot]
+    whole = peak == 0
+    gone = whole & (sunk | fed | (not normal))
+    # the zeros float32 would hold below 2**-25: half the values at 2**-24, times their ratio to those at 2**-23
+    # where the density still rises toward zero; at most all zeros. In a gradient that was flushed or fed by a
+    # flushed one, the zeros of its sinking columns are lost too (a qkv projection's queries and keys, flushed
+    # inside the attention beside the values)
+    estimate = lowest * torch.maximum(lowest, next_lowest) // (2 * next_lowest.clamp(min=1))
+    sinks = (sinking > 0) & ((peak < SMALLEST_NORMAL) | fed)
+    estimate = torch.where(sinks, sinking + torch.minimum(zeros - sinking, estimate), estimate)
+    low = zeros + torch.minimum(zeros, estimate)
+    none = torch.zeros_like(size)
+    added = torch.stack([size, zeros, low, below_normal, none], dim=1)
+    added = torch.where(whole.unsqueeze(1), torch.stack([size, size, size, size, none], dim=1), added)
+    added = torch.where(gone.unsqueeze(1), torch.stack([size, none, none, none, size], dim=1), added)
+    added = added * counted.unsqueeze(1)
+    sums = torch.zeros(len(slots), 5, dtype=torch.int64).index_add_(0, slot, added)
+    kept = torch.where(peak.isfinite(), peak, OVERFLOWED).masked_fill(~counted, 0.0)
+    peaks = torch.zeros(len(slots), dtype=peak.dtype).scatter_reduce_(0, slot, kept, "amax").tolist()
+    energies = torch.zeros(len(slots), dtype=energy.dtype).index_add_(0, slot, energy * counted).tolist()
+    has_counted = torch.zeros(len(slots), dtype=torch.int64).index_add_(0, slot, counted.long()).tolist()
+    totals_ = sums.tolist()
     modules: dict[str, Counts] = {}
-    for slot, total in sums.items():
-        values, zeros, low, below_normal, sunk = (int(value) for value in total[:5])
-        counts = Counts(values, zeros, low, below_normal, sunk, total[5], total[6])
-        name = names.get(slot, "?")
+    for key, index in slots.items():
+        if not has_counted[index]:
+            continue
+        values, zeros_, low_, below, sunk_ = (int(value) for value in totals_[index])
+        counts = Counts(values, zeros_, low_, below, sunk_, float(peaks[index]), float(energies[index]))
+        name = names.get(key, "?")
         modules[name] = modules[name] + counts if name in modules else counts
     return modules
 
 
-def _by_entry(order: list[int], values: list[float]) -> list[list[float]]:
+def _by_entry(order: list[int], values: list[float]) -> torch.Tensor:
     """The rows of ``values`` (flat, as many as ``order`` says first), in the order of the entries they are of."""
-    rows: list[list[float]] = [[] for _ in order]
-    for position, index in enumerate(order):
-        rows[index] = values[ROW * position : ROW * position + ROW]
-    return rows
+    rows = torch.tensor(values[: ROW * len(order)], dtype=torch.float64).view(len(order), ROW)
+    by_entry = torch.empty_like(rows)
+    by_entry[torch.tensor(order, dtype=torch.int64)] = rows
+    return by_entry
 
 
 def _sum(modules: dict[str, Counts]) -> Counts:

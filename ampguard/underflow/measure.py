@@ -53,6 +53,16 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 # gradient is judged by the step alone: ampguard.underflow.counts).
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
+
+def _when_backward_completes(callback: Callable[[], None]) -> None:
+    """``callback`` at the end of the backward pass running now, if it completes (autograd's final callbacks,
+    which DistributedDataParallel uses too; torch 2.3 to 2.14). Without them, entries keep their nodes."""
+    engine = getattr(getattr(torch.autograd, "Variable", None), "_execution_engine", None)
+    queue = getattr(engine, "queue_callback", None)
+    if queue is not None:
+        queue(callback)
+
+
 # The backward pass (graph task) this thread runs, -1 outside one (torch 2.3 to 2.14; without it every backward
 # pass is one, -1: a sample counts every backward pass through the nodes it hooked, as before).
 _current_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", lambda: -1)
@@ -106,6 +116,7 @@ class Sampler:
         self._session = 0  # node hooks of an earlier sample (a retained graph) do nothing
         self._own_losses = False  # count only the backward passes (graph tasks) in _tasks
         self._tasks: set[int] = set()  # those of the losses given to own_loss, this sample
+        self._tasks_followed: set[int] = set()  # the backward passes whose completion the sample listens for
         self._seen_call = False  # a module call's output was hooked, this sample
         # always_call: a forward that raises (a batch skipped after an out-of-memory error) still leaves its depth,
         # so later calls are known as outermost again
@@ -124,7 +135,7 @@ class Sampler:
         self._remove_node_hooks()  # (a sample dropped before its finish)
         self.gradients, self._names, self._calls_in_progress = Gradients(), {}, threading.local()
         self._owners, self._half, self._called, self._optimizers_counted = {}, set(), set(), set()
-        self._own_losses, self._tasks = own_losses, set()
+        self._own_losses, self._tasks, self._tasks_followed = own_losses, set(), set()
         self._seen_call = False
         self._calls = 0
         self._hooks.arm()
@@ -184,6 +195,8 @@ class Sampler:
         depth: int = getattr(local, "depth", 0)
         local.depth = depth + 1
         if depth == 0:
+            if _current_task() == -1:  # a new forward pass, not a recomputation inside a backward pass
+                self.gradients.let_go_of_unfinished()
             self._calls += 1
             if self._calls > self.MAX_CALLS:  # nobody finishes this sample
                 self.disarm()
@@ -208,7 +221,8 @@ class Sampler:
         local.depth = max(getattr(local, "depth", 0) - 1, 0)
         if not torch.is_grad_enabled():
             return
-        nodes: list[Any] = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+        outputs = [output] if type(output) is torch.Tensor else list(_tensors(output))
+        nodes: list[Any] = [t.grad_fn for t in outputs if t.grad_fn is not None]
         if not nodes:
             return
         self._seen_call = True
@@ -219,14 +233,9 @@ class Sampler:
         mark, session, hooks = self._mark, self._session, self._node_hooks
         compiled = False
         for node in nodes:
-            while type(node).__name__ in node_kinds.SAME_VALUES and node.next_functions:  # (a view of a child's
-                base = node.next_functions[0][0]  # output: counted there)
-                if base is None or base.metadata.get(mark) != session:
-                    break
-                node = base
             metadata = node.metadata
-            if metadata.get(mark) == session:  # a child's output, or an output returned twice
-                continue
+            if metadata.get(mark) == session or self._views_of_counted(node):  # a child's output (or a view of
+                continue  # it, at any depth), or an output returned twice: counted there
             metadata[mark] = session
             if type(node).__name__ in node_kinds.COMPILED_NODE_KINDS:  # (its output's few values would stand
                 node_kinds.step_aside_compiled(module, self._names[slot])  # for the region: not counted)
@@ -235,8 +244,20 @@ class Sampler:
             hooks.append(node.register_prehook(count))  # (the handle holds no node)
         if not compiled:
             self._called.add(slot)
-        if any(t.dtype == torch.float16 for t in _tensors(output)):
+        if any(t.dtype == torch.float16 for t in outputs):
             self._half.add(slot)
+
+    def _views_of_counted(self, node: Any) -> bool:
+        """Whether ``node`` is a view (of a view ...) of a node hooked already: its gradient holds the same values."""
+        mark, session = self._mark, self._session
+        while type(node).__name__ in node_kinds.SAME_VALUES:
+            following = node.next_functions
+            node = following[0][0] if following else None
+            if node is None:
+                return False
+            if node.metadata.get(mark) == session:
+                return True
+        return False
 
     def count_parameters(self, optimizer: torch.optim.Optimizer | Iterable[torch.Tensor]) -> None:
         """Count the gradients of ``optimizer``'s parameters (or of the parameters given) whose values float16 made,
@@ -285,6 +306,10 @@ class Sampler:
         try:
             node = _current_node()
             sample = self.gradients
+            task = _current_task()
+            if node is not None and task not in self._tasks_followed:
+                self._tasks_followed.add(task)
+                _when_backward_completes(self._finished_callback(task, session))
             for gradient in gradients:
                 if not node_kinds.dense(gradient):
                     continue
@@ -292,12 +317,20 @@ class Sampler:
                 if counted or sample.counted:
                     if slot not in sample.names:
                         sample.names[slot] = self._names.get(slot, "?")
-                    sample.add(slot, node, gradient, counted)
+                    sample.add(slot, node, gradient, counted, task=task)
         except Exception as error:
             self._fail("backward node hook", error)
 
+    def _finished_callback(self, task: int, session: int) -> Callable[[], None]:
+        def finished() -> None:  # (autograd runs it at the end of a backward pass that completed)
+            if session == self._session:
+                self.gradients.finished(task)
+
+        return finished
+
     def finish(self) -> Gradients:
         """End the sample: no more counting; its gradients, to :func:`~ampguard.underflow.counts.read`."""
+        self.gradients.let_go_of_unfinished()
         self.disarm()
         self._session += 1
         self._remove_node_hooks()

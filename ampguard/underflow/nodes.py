@@ -69,8 +69,8 @@ def step_aside_lazy_losses() -> None:
 
 # Said once per process at INFO when the sample first meets a torch.func transform.
 TRANSFORMED = (
-    "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients) "
-    "are not counted; they are the transform's, and their tensors are functorch's wrappers. The step's own backward "
+    "underflow sample: gradients computed inside a torch.func transform (vmap, grad, jacrev: per-sample gradients; "
+    "or an operation torch runs through one, as eager flex_attention) are not counted; they are the transform's, and their tensors are functorch's wrappers. The step's own backward "
     "pass is sampled as usual."
 )
 
@@ -85,6 +85,7 @@ def step_aside_transformed() -> None:
 SAME_VALUES = frozenset(
     {
         "AliasBackward0",
+        "BackwardHookFunctionBackward",  # (register_full_backward_hook's wrapper of a module's outputs)
         "AsStridedBackward0",
         "CloneBackward0",
         "CopySlices",
