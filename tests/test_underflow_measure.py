@@ -142,7 +142,10 @@ def test_the_scaler_tells_its_listeners_of_an_unscale_before_the_gradients_are_u
             heard.append(float(optimizer.param_groups[0]["params"][0].grad.abs().max()))
 
     model = nn.Linear(4, 4)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    try:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
+    except RuntimeError as error:  # (torch 2.3: no fused AdamW on the CPU)
+        pytest.skip(f"no fused AdamW on this torch's CPU: {error}")
     listener = Listener()
     listeners.add(listener)
     try:
