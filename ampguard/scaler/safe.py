@@ -27,6 +27,7 @@ each behaviour to the module that owns it.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ from ampguard.scaler.counters import Counters
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.live import TorchGradScaler, scalers_in_iteration
 from ampguard.scaler.settings import Settings, active_settings, check_device_argument
+from ampguard.scaler.view import ScalerView
 from ampguard.stats.counters import ScalerStats
 
 
@@ -256,6 +258,27 @@ class SafeGradScaler(TorchGradScaler):
         scalers_in_iteration.discard(self)
         self._iteration = Iteration()
         accounting.report_if_due(self)
+
+    def view(self) -> ScalerView:
+        """What a capability may read of this scaler now (no device read): :class:`~ampguard.scaler.view.ScalerView`."""
+        counters = self._counters
+        return ScalerView(
+            steps=counters.steps,
+            scale=counters.mirror_scale,
+            last_skipped=counters.last_skipped,
+            scale_given=self._iteration.scale_given,
+            growth_factor=self._growth_factor,
+            backoff_factor=self._backoff_factor,
+            max_scale=self._max_scale,
+            device=str(self._device),
+            scale_on_device=self._scale,
+        )
+
+    def grow_now(self, below: float = math.inf) -> float | None:
+        """Grow the scale by the growth factor now, within the cap and below ``below``, and restart the growth
+        interval: for a capability that knows the gradients have room (ampguard.underflow). No host read. Returns
+        the new scale (the old one where it cannot grow), or None in device mode, where it grows on the device."""
+        return policy.grow_now(self, below=below)
 
     @property
     def last_step_skipped(self) -> bool:

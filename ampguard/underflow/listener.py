@@ -42,11 +42,11 @@ from typing import Any
 
 import torch
 
-import ampguard.scaler.policy as scale_policy
 import ampguard.underflow.checkpoint as checkpoint
 from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
+from ampguard.scaler.view import ScalerView
 from ampguard.underflow.counts import Measurement, Transfer, totals
 from ampguard.underflow.policy import ScaleState, decide
 
@@ -74,9 +74,9 @@ MALFORMED = (
 )
 
 
-def counts_come_through_a_copy(scaler: Any) -> bool:
+def counts_come_through_a_copy(view: ScalerView) -> bool:
     """Whether a sample's counts reach the host through a copy and an event (:class:`Transfer` on CUDA)."""
-    return str(getattr(scaler, "_device", "cpu")).startswith("cuda")
+    return view.device.startswith("cuda")
 
 
 def _worst(measurement: Measurement) -> str:
@@ -125,19 +125,19 @@ class UnderflowListener(StepListener):
 
     def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:
         state = self.state_of(scaler)
-        counters = scaler._counters
-        overflowed = bool(counters.last_skipped) and not forward_overflow
-        state.note_scale(counters.mirror_scale, overflowed, scaler._backoff_factor)
+        view = scaler.view()
+        overflowed = bool(view.last_skipped) and not forward_overflow
+        state.note_scale(view.scale, overflowed, view.backoff_factor)
         fresh = self._sampled(state)
         if fresh:
-            self._start(state, counters.steps, state.sampled_at)
-            state.pending_skipped, state.pending_device = bool(counters.last_skipped), False
+            self._start(state, view.steps, state.sampled_at)
+            state.pending_skipped, state.pending_device = bool(view.last_skipped), False
         grown: bool | None = None
-        if self._due(scaler, state, fresh):
+        if self._due(view, state, fresh):
             device = state.pending_device
             measurement, extra = state.take().result()
             skipped = extra[2] > 0 if device else state.pending_skipped  # (device mode's: found)
-            grown = self._act(scaler, state, measurement, counters.mirror_scale, skipped=skipped)
+            grown = self._act(scaler, view, state, measurement, view.scale, skipped=skipped)
         self._schedule(scaler, state, grown)
 
     # -- device mode (fused optimizers) ------------------------------------------------------------
@@ -146,27 +146,28 @@ class UnderflowListener(StepListener):
         self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         state = self.state_of(scaler)
+        view = scaler.view()
         fresh = self._sampled(state)
         if fresh:
-            if row is not None and scaler._scale is not None:
+            if row is not None and view.scale_on_device is not None:
                 # after the counts: [scale the step ran at, skipped, found, loss check, scale after update()]
-                extra = torch.cat([row[3:4], row[0:3], scaler._scale.reshape(1).to(row.dtype)])
-                self._start(state, scaler._counters.steps, math.nan, extra)
+                extra = torch.cat([row[3:4], row[0:3], view.scale_on_device.reshape(1).to(row.dtype)])
+                self._start(state, view.steps, math.nan, extra)
                 state.pending_held, state.pending_device = held, True
             else:
                 state.sampler.finish()
         grown: bool | None = None
-        due = self._due(scaler, state, fresh)  # (polls the copy's event: once per update)
+        due = self._due(view, state, fresh)  # (polls the copy's event: once per update)
         if due and not state.pending_device:
             # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
             # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
             measurement, _ = state.take().result()
-            grown = self._act(scaler, state, measurement, measurement.scale, skipped=state.pending_skipped)
+            grown = self._act(scaler, view, state, measurement, measurement.scale, skipped=state.pending_skipped)
         elif due:
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
-            state.note_scale(scale, overflowed, scaler._backoff_factor)
-            grown = self._act(scaler, state, measurement, scale, skipped=found > 0)
+            state.note_scale(scale, overflowed, view.backoff_factor)
+            grown = self._act(scaler, view, state, measurement, scale, skipped=found > 0)
         self._schedule(scaler, state, grown)
         return None
 
@@ -197,7 +198,7 @@ class UnderflowListener(StepListener):
         return scheduled and self.mode == "adapt" and distributed() is not None
 
     @staticmethod
-    def _due(scaler: Any, state: ScaleState, fresh: bool) -> bool:
+    def _due(view: ScalerView, state: ScaleState, fresh: bool) -> bool:
         """Whether the sample on its way is acted on at this update (``fresh``: the update that started it).
 
         Alone: once its copy is known, never waiting. Ranks training one model: at the same update on every
@@ -211,10 +212,17 @@ class UnderflowListener(StepListener):
             return False
         if not state.pending_shared:
             return pending.ready
-        return not (fresh and counts_come_through_a_copy(scaler))
+        return not (fresh and counts_come_through_a_copy(view))
 
     def _act(
-        self, scaler: Any, state: ScaleState, measurement: Measurement, scale: float, *, skipped: bool
+        self,
+        scaler: Any,
+        view: ScalerView,
+        state: ScaleState,
+        measurement: Measurement,
+        scale: float,
+        *,
+        skipped: bool,
     ) -> bool | None:
         """Record the measurement; grow the scale when the policy says so (adapt). Returns whether it grew.
 
@@ -227,16 +235,16 @@ class UnderflowListener(StepListener):
         """
         if state.pending_shared and measurement.total.values == 0 and not state.retaking:
             state.retaking = True
-            state.next_sample = scaler._counters.steps + 1
+            state.next_sample = view.steps + 1
             return None
         state.retaking = False
         state.samples += 1
         if skipped:  # its gradients overflowed: no measurement (an inf peak, counts of what was no update)
             return False
         state.last = measurement
-        if scaler._iteration.scale_given:  # update(new_scale): the caller's scale stands
+        if view.scale_given:  # update(new_scale): the caller's scale stands
             return False
-        if not decide(scale, scaler._growth_factor, measurement, state.ceiling, scaler._max_scale):
+        if not decide(scale, view.growth_factor, measurement, state.ceiling, view.max_scale):
             return False
         unagreed = state.pending_shared and not state.last_agreed  # ranks whose scales must stay equal
         if self.mode != "adapt" or unagreed:
@@ -252,13 +260,13 @@ class UnderflowListener(StepListener):
                 )
                 logger.warning(message + (DISTRIBUTED if unagreed else ""))
             return False
-        after = scale_policy.grow_now(scaler, below=state.ceiling)
+        after = scaler.grow_now(below=state.ceiling)
         if after is not None and after <= scale:
             return False
         state.growths += 1
         message = GROWN.format(
             before=scale,
-            after=after if after is not None else scale * scaler._growth_factor,
+            after=after if after is not None else scale * view.growth_factor,
             step=measurement.step,
             share=measurement.underflow_share,
             lost=measurement.flushed_share,
@@ -278,11 +286,12 @@ class UnderflowListener(StepListener):
         Armed, the next sample is due ``every`` steps after this one: a sample the sampler dropped (a validation
         of more than its calls in between) is tried again then, not at every step.
         """
-        step = scaler._counters.steps
+        view = scaler.view()  # (after a growth this update made)
+        step = view.steps
         if grown is not None:  # a sample was just acted on
             state.next_sample = step + (1 if grown else self.every)
         if state.pending is None and step + 1 >= state.next_sample and not state.sampler.armed:
-            state.sampled_at = scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else math.nan
+            state.sampled_at = view.scale if view.scale is not None else math.nan
             state.next_sample = step + 1 + self.every
             state.sampler.arm(own_losses=True)
             state.armed_for_step = True
@@ -291,7 +300,7 @@ class UnderflowListener(StepListener):
 
     def save(self, scaler: Any) -> dict[str, Any]:
         state = self.states.get(scaler)
-        return checkpoint.entries(state, scaler._counters.steps) if state is not None else {}
+        return checkpoint.entries(state, scaler.view().steps) if state is not None else {}
 
     def load(self, scaler: Any, entries: dict[str, Any]) -> None:
         """A saved state replaces ``scaler``'s; a sample armed or in flight is dropped (its hooks with it), and the
@@ -306,7 +315,7 @@ class UnderflowListener(StepListener):
         state = self.state_of(scaler)
         state.sampler.finish()
         state.armed_for_step = False
-        saved.restore(state, scaler._counters.steps, self.every)
+        saved.restore(state, scaler.view().steps, self.every)
         self._schedule(scaler, state, None)
 
     # -- what the scaler shows -------------------------------------------------------------------

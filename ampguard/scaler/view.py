@@ -1,0 +1,31 @@
+"""What a capability may read of a SafeGradScaler, and nothing it may change: :class:`ScalerView`.
+
+The step listeners (:mod:`ampguard.scaler.listeners`) get the scaler itself;
+they read it through :meth:`SafeGradScaler.view` and ask for a change through
+its public methods (:meth:`SafeGradScaler.grow_now`), never its attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ScalerView:
+    """A snapshot of the scaler after its last ``update()`` (no device read).
+
+    ``scale``: the host's float32 mirror of the scale, None in device mode (a fused optimizer's iteration: the
+    scale is on the device only, :attr:`scale_on_device`).
+    """
+
+    steps: int  # optimizer steps requested through step()
+    scale: float | None
+    last_skipped: bool | None  # whether the last update's iteration skipped a step (None: still on the device)
+    scale_given: bool  # this iteration's update() was given its new scale (update(new_scale)): it stands
+    growth_factor: float
+    backoff_factor: float
+    max_scale: float
+    device: str
+    scale_on_device: torch.Tensor | None  # the scale tensor itself (read-only by convention)
