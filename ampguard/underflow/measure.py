@@ -49,8 +49,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(item)
 
 
-# The node whose pre-hook runs (torch 2.3 to 2.14; without it nothing is passed down the graph, and every exact-zero
-# gradient is judged by the step alone: ampguard.underflow.counts).
+# The node whose pre-hook runs (torch 2.3 to 2.14; without it the sample keeps no node, and every all-zero gradient
+# is judged by the step alone: ampguard.underflow.flushes).
 _current_node = getattr(torch._C, "_current_autograd_node", lambda: None)
 
 
