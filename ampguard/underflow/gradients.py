@@ -37,9 +37,10 @@ ALONE_VALUES = 1 << 13
 
 
 class Entry(NamedTuple):
-    """What the host knows of a gradient counted: its module (``slot``), its node (None: unknown, torch without
-    ``_current_autograd_node``), whether it is float16 (``counted``; else its row only tells whether a flush went on
-    through it) and its number of values."""
+    """What the host knows of a gradient counted: its module (``slot``), its node (None: a parameter's, one of a
+    backward pass that did not complete, or a torch without ``_current_autograd_node``), whether it is float16 or
+    float16's (``counted``; else its row only tells whether a flush went on through it), its number of values,
+    whether it is a parameter's, and the backward pass it was counted in."""
 
     slot: int
     node: Any
@@ -83,7 +84,11 @@ def count_alone(gradient: torch.Tensor, by_column: bool = True) -> torch.Tensor:
     norm = torch.linalg.vector_norm(magnitude).to(kind).reshape(1)
     peak = magnitude.amax().to(kind).reshape(1)
     table = magnitude.view(-1, columns(gradient))
-    sinking = torch.count_nonzero((table == 0) & (table.amax(0) <= SINKING)) if by_column else counts[0] * 0
+    sinking = (
+        torch.count_nonzero((table == 0) & (table.amax(0) <= SINKING))
+        if by_column
+        else torch.zeros((), dtype=torch.int64, device=gradient.device)
+    )
     return torch.cat(
         [counts[:3].to(kind), counts.sum().to(kind).reshape(1), peak, norm * norm, sinking.to(kind).reshape(1)]
     )
