@@ -212,7 +212,7 @@ def judge(entries: list[Entry], rows: torch.Tensor, names: dict[int, str]) -> di
     :data:`~ampguard.underflow.gradients.ROW`), by the rule of this module's docstring."""
     if not entries:
         return {}
-    slots = {entry.slot: index for index, entry in enumerate({e.slot: e for e in entries}.values())}
+    slots = {key: index for index, key in enumerate(dict.fromkeys(entry.slot for entry in entries))}
     slot = torch.tensor([slots[entry.slot] for entry in entries])
     counted = torch.tensor([entry.counted for entry in entries])
     parameter = torch.tensor([entry.parameter for entry in entries])
@@ -275,17 +275,19 @@ def _sum(modules: dict[str, Counts]) -> Counts:
     return total
 
 
-def totals(gradients: Gradients) -> torch.Tensor:
-    """A sample's total in one float64 tensor, ``[values, zeros, low, below_normal, sunk, energy, peak]``, on its
-    device (the peak last: the ranks take its maximum, and the sum of the others): what ranks exchange
-    (:func:`ampguard.distributed.agree_on_underflow`). The same size whatever was counted (zeros on the CPU when
-    nothing was).
-
-    Reads the rows (judging which all-zero gradients were lost needs them on the host): on CUDA one
-    synchronisation, on the sampled step of ranks training one model only."""
-    device = gradients.device or torch.device("cpu")
+def judged_now(gradients: Gradients) -> dict[str, Counts]:
+    """A sample's counts per module at once: reads its rows (on CUDA one synchronisation: for the sampled step of
+    ranks training one model only, whose totals are exchanged at once)."""
     order, rows = gradients.rows()
-    total = _sum(judge(gradients.entries, _by_entry(order, rows.flatten().tolist()), gradients.names))
+    return judge(gradients.entries, _by_entry(order, rows.flatten().tolist()), gradients.names)
+
+
+def totals(modules: dict[str, Counts], device: torch.device | None) -> torch.Tensor:
+    """The modules' total in one float64 tensor, ``[values, zeros, low, below_normal, sunk, energy, peak]``, on
+    ``device`` (the CPU where none; the peak last: the ranks take its maximum, and the sum of the others): what
+    ranks exchange (:func:`ampguard.distributed.agree_on_underflow`). The same size whatever was counted."""
+    device = device or torch.device("cpu")
+    total = _sum(modules)
     energy = total.energy if math.isfinite(total.energy) else 0.0
     plain = [total.values, total.zeros, total.low, total.below_normal, total.sunk, energy, total.peak]
     return torch.tensor(plain, dtype=exact(device)).to(device, non_blocking=True)
@@ -303,7 +305,9 @@ class Transfer:
     gradients from them (:mod:`ampguard.underflow.flushes`).
 
     ``total``: the ranks' totals (:func:`totals` agreed between them), which the
-    measurement's total then is; its modules stay this rank's.
+    measurement's total then is; its modules stay this rank's: ``modules``, where
+    they were judged already (:func:`judged_now`), and then only ``total`` and
+    ``extra`` travel.
     """
 
     def __init__(
@@ -313,24 +317,29 @@ class Transfer:
         scale: float,
         extra: torch.Tensor | None = None,
         total: torch.Tensor | None = None,
+        modules: dict[str, Counts] | None = None,
     ) -> None:
         self.step, self.scale = step, scale
         self.agreed = total is not None
+        self._modules = modules
         device = (
             gradients.device
             or (extra.device if extra is not None else None)
             or (total.device if total is not None else None)
             or torch.device("cpu")
         )
-        self._order, rows = gradients.rows(device)
-        self._entries: list[Entry] | None = gradients.entries
-        self._names = dict(gradients.names)
         kind = exact(device)
         pieces = [total.to(device, kind)] if total is not None else []
-        pieces.append(rows.to(device, kind).flatten())
+        self._order: list[int] = []
+        self._entries: list[Entry] | None = None
+        self._names: dict[int, str] = {}
+        if modules is None:
+            self._order, rows = gradients.rows(device)
+            self._entries, self._names = gradients.entries, dict(gradients.names)
+            pieces.append(rows.to(device, kind).flatten())
         if extra is not None:
             pieces.append(extra.to(device, kind).flatten())
-        self._copy = HostCopy(torch.cat(pieces))
+        self._copy = HostCopy(torch.cat(pieces) if pieces else torch.zeros(0, dtype=kind, device=device))
 
     @property
     def copying(self) -> bool:
@@ -348,8 +357,10 @@ class Transfer:
         agreed = values[:7] if self.agreed else []  # (totals' layout: the energy before the peak)
         values = values[len(agreed) :]
         count = len(self._order)
-        entries, self._entries = self._entries or [], None  # (the nodes: no longer held)
-        modules = judge(entries, _by_entry(self._order, values), self._names)
+        modules = self._modules
+        if modules is None:
+            entries, self._entries = self._entries or [], None  # (the nodes: no longer held)
+            modules = judge(entries, _by_entry(self._order, values), self._names)
         total = Counts.read(*agreed[:5], agreed[6], agreed[5]) if agreed else _sum(modules)
         rest = values[ROW * count :]
         scale = rest[0] if math.isnan(self.scale) and rest else self.scale

@@ -47,7 +47,7 @@ from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
 from ampguard.scaler.listeners import StepListener
 from ampguard.scaler.view import ScalerView
-from ampguard.underflow.counts import Measurement, Transfer, totals
+from ampguard.underflow.counts import Measurement, Transfer, judged_now, totals
 from ampguard.underflow.policy import ScaleState, decide
 
 logger = event_logger("underflow")
@@ -182,10 +182,14 @@ class UnderflowListener(StepListener):
     def _start(self, state: ScaleState, step: int, scale: float, extra: torch.Tensor | None = None) -> None:
         """End the sample; its counts start for the host. Ranks training one model first agree on its totals
         (adapt only: report mode reports each rank's own)."""
-        tallies = state.sampler.finish()
+        gradients = state.sampler.finish()
         state.pending_shared = self.mode == "adapt" and distributed() is not None
-        agreed = agree_on_underflow(totals(tallies)) if state.pending_shared else None
-        state.pending = Transfer(tallies, step, scale, extra, total=agreed)
+        if not state.pending_shared:
+            state.pending = Transfer(gradients, step, scale, extra)
+            return
+        modules = judged_now(gradients)  # (judged once: the totals exchanged and this rank's modules)
+        agreed = agree_on_underflow(totals(modules, gradients.device))
+        state.pending = Transfer(gradients, step, scale, extra, total=agreed, modules=modules)
 
     def _sampled(self, state: ScaleState) -> bool:
         """Whether the iteration this update ends was sampled. Ranks training one model (adapt) go by the schedule,
