@@ -121,7 +121,10 @@ class HeadroomWatch:
     # -- the end of the watched iteration ---------------------------------------------------------
 
     def finish(self) -> Sighting | None:
-        """Stop watching; the pass's peaks and verdict, on the device (no read). None: nothing was seen."""
+        """Stop watching; the pass's peaks and verdict, on the device (no read). None: nothing was seen, or this
+        thread is not the one watched (threads training at once: the watch and its verdict are its thread's)."""
+        if not self._pass.owned_here():
+            return None
         sampled = self._pass.end()
         if not sampled or self.broken:
             return None
@@ -154,6 +157,8 @@ class HeadroomWatch:
 
     def add_to(self, code: torch.Tensor, weight: float) -> torch.Tensor:
         """``code + weight * verdict`` when this iteration was watched (the scaler's one read carries it)."""
+        if not self._pass.owned_here():
+            return code
         if self._pass.armed:
             self.finish()
         if self.pending is None:
@@ -166,6 +171,8 @@ class HeadroomWatch:
 
         A sighting of an iteration without forward overflow becomes :attr:`last`, which a later overflow blames.
         """
+        if not self._pass.owned_here():
+            return None
         if self._pass.armed:  # watched, but no step() read its verdict (no optimizer stepped): seen all the same
             self.finish()
         sighting, self.pending, self.in_read = self.pending, None, False

@@ -62,6 +62,10 @@ def _dynamo_compiled() -> bool:
     return bool(counters is not None and counters["stats"]["unique_graphs"])
 
 
+def _alive(thread: int) -> bool:
+    return any(running.ident == thread for running in threading.enumerate())
+
+
 def _in_backward() -> bool:
     """Whether the autograd engine is running a backward pass on this thread (checkpointing recomputes there)."""
     current = getattr(torch._C, "_current_graph_task_id", None)
@@ -92,6 +96,10 @@ class WatchedPass:
         self._fail = fail
         self._measuring = True
         self._thread = 0
+        # The hooks run in the training thread; begin() and end() may come from any (another thread's scaler, an
+        # uninstall): reentrant, since a hook can end the pass (an interrupted forward).
+        self._lock = threading.RLock()
+        self._leaving: WatchedModule | None = None  # ended elsewhere while this call held the mode: left with it
         self._stack: list[WatchedModule] = []
         self._modules: dict[int, WatchedModule] = {}
         self._mode: Any = None
@@ -106,25 +114,47 @@ class WatchedPass:
     def armed(self) -> bool:
         return self._hooks.armed
 
+    def owned_here(self) -> bool:
+        """Whether this thread is the one the pass watches (or that thread is gone): only it may end the pass."""
+        return threading.get_ident() == self._thread or not _alive(self._thread)
+
     def begin(self) -> None:
         """Watch the module calls from now on, in this thread."""
-        self._passes = 0
-        self._modules = {}
-        self._stack = []
-        self._thread = threading.get_ident()
-        self._hooks.arm()
+        with self._lock:
+            self._passes = 0
+            self._modules = {}
+            self._stack = []
+            self._unwritten.clear()
+            self._thread = threading.get_ident()
+            self._hooks.arm()
 
     def end(self) -> list[WatchedModule]:
-        """Stop watching and forget the pass; the candidate modules that were sampled."""
-        sampled = [watched for watched in self._modules.values() if watched.candidate and watched.samples]
+        """Stop watching and forget the pass; the candidate modules that were sampled.
+
+        From another thread while the watched thread runs the model under the mode (an uninstall, an error):
+        torch's mode stack is per thread, so the mode is left there, when the call that entered it returns.
+        """
+        with self._lock:
+            sampled = [watched for watched in self._modules.values() if watched.candidate and watched.samples]
+            elsewhere = self._mode is not None and threading.get_ident() != self._thread
+            if elsewhere and _alive(self._thread):
+                if self._leaving is None:
+                    self._leaving = self._stack[self._mode_depth - 1]
+            else:
+                if elsewhere:
+                    self._mode = None  # (its thread ended, and its mode stack with it)
+                self._stop()
+            self._stack = []  # (rebound, not cleared: a measure() running in the watched thread keeps its list)
+            self._modules = {}
+            self._opaque = None
+            return sampled
+
+    def _stop(self) -> None:
         self._hooks.disarm()
         self._leave_mode()
+        self._leaving = None
         forget_higher_order_operators()
-        self._stack = []
-        self._modules = {}
-        self._opaque = None
         self._unwritten.clear()
-        return sampled
 
     def stop_measuring(self) -> None:
         """Sample nothing more (after an error inside the watch)."""
@@ -160,8 +190,18 @@ class WatchedPass:
             return
         if _in_backward():  # activation checkpointing recomputing a forward: not a new pass
             return
+        with self._lock:
+            if not self._hooks.armed or threading.get_ident() != self._thread:
+                return  # ended (or begun again) by another thread since this hook was called
+            if self._leaving is not None:
+                if not live_depth([self._leaving], sys._getframe(1)):
+                    self._stop()  # the call holding the mode ended in an exception no hook saw
+                return
+            self._enter_call(module)
+
+    def _enter_call(self, module: torch.nn.Module) -> None:
         try:
-            if self._stack and not self._drop_ended_calls(sys._getframe(1)):
+            if self._stack and not self._drop_ended_calls(sys._getframe(2)):
                 return  # the watched pass ended in an exception its hooks never saw: this call runs as under torch
             if self._opaque is not None:
                 return
@@ -201,7 +241,7 @@ class WatchedPass:
             watched = self._modules[id(module)] = WatchedModule(weakref.ref(module), root_ref, candidate, named)
         elif not self._stack:
             watched.candidate = False  # called as the root too: its own code is never islanded
-        watched.call = sys._getframe(3)  # torch's frame calling the hooks: it runs until the module call ends
+        watched.call = sys._getframe(4)  # torch's frame calling the hooks: it runs until the module call ends
         self._stack.append(watched)
         if self._mode is None and (watched.candidate or module is unwrap(self._stack[0].module() or module)):
             self._enter_mode()
@@ -244,6 +284,14 @@ class WatchedPass:
     def _after(self, module: torch.nn.Module, args: Any, output: Any) -> None:
         if is_compiling() or threading.get_ident() != self._thread:  # (compiled: _before pushed nothing either)
             return
+        with self._lock:
+            if self._leaving is not None:
+                if self._leaving.module() is module:
+                    self._stop()
+            elif self._hooks.armed and threading.get_ident() == self._thread:
+                self._leave_call(module, output)
+
+    def _leave_call(self, module: torch.nn.Module, output: Any) -> None:
         if self._opaque is not None:
             if self._opaque is module:
                 self._opaque = None
@@ -262,9 +310,10 @@ class WatchedPass:
 
     def measure(self, output: Any) -> None:
         """One op's output, inside the innermost module running: its float16 extremes, on the device."""
-        if not self._stack or not self._measuring or self._opaque is not None:
+        stack = self._stack  # (end() in another thread rebinds it)
+        if not stack or not self._measuring or self._opaque is not None:
             return
-        watched = self._stack[-1]
+        watched = stack[-1]
         if not watched.candidate:
             return
         for tensor in output if isinstance(output, (tuple, list)) else (output,):
