@@ -11,6 +11,13 @@ from __future__ import annotations
 import gc
 import os
 import sys
+from pathlib import Path
+
+# The shared helpers (scaler_support, islands_support, ...) live in tests/support/ and are imported by name from
+# every folder of tests/ (the folders have no __init__.py: pytest puts each test file's own folder on sys.path).
+SUPPORT = Path(__file__).resolve().parent / "support"
+if str(SUPPORT) not in sys.path:
+    sys.path.insert(0, str(SUPPORT))
 
 os.environ["AMPGUARD_QUIET"] = "1"
 for _variable in [
@@ -18,7 +25,7 @@ for _variable in [
 ]:
     del os.environ[_variable]
 # The suite compares against torch's own loss-scale schedule; the underflow policy's default, adapt, departs from
-# it by design where gradients underflow (tiny test models often do). Its tests (tests/test_underflow*.py) set
+# it by design where gradients underflow (tiny test models often do). Its tests (tests/underflow/) set
 # adapt themselves; everything else measures without acting (docs/underflow.md).
 os.environ["AMPGUARD_UNDERFLOW"] = "report"
 

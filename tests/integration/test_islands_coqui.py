@@ -1,6 +1,6 @@
 """fp32 islands inside the coqui ``trainer`` (what XTTS fine-tuning runs): an overflowing block healed.
 
-The model is the multi-block attention net of tests/islands_support.py, whose
+The model is the multi-block attention net of tests/support/islands_support.py, whose
 ``blocks.1.attn`` overflows float16 on the overflowing batches (here every 3rd);
 the coqui Trainer runs it under its own ``torch.autocast`` (``mixed_precision``;
 float16 as on CUDA, see the test) and builds its scaler with its own

@@ -72,7 +72,7 @@ def test_the_xtts_gpt_recipes_lost_share_agrees_with_the_same_backward_pass_in_f
     """Issue 32: what a user reads for the recipe agrees with float32. The recipe's model at its first step and
     after 40 steps of float32 training, one batch of 8, the recipe's weighted loss at ampguard's starting scale:
     the share reported lost is within the tolerance of docs/underflow.md of the share float32 says float16 lost
-    (tests/float32_reference.py), and small: the recipe trains like float32 (the 320-step tables)."""
+    (tests/support/float32_reference.py), and small: the recipe trains like float32 (the 320-step tables)."""
     from coqui_xtts_gpt import MEL_LOSS_WEIGHT, TEXT_LOSS_WEIGHT, TinyXttsGpt, make_samples
     from float32_reference import float32_lost_share, measured, within_tolerance
     from torch.utils.data import DataLoader

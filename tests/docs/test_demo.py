@@ -1,0 +1,141 @@
+"""The README's first command: the demo shows torch's failures and ampguard training through them."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ampguard.patch import torch_release
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _demo_module():
+    spec = importlib.util.spec_from_file_location("ampguard_demo", EXAMPLES / "demo.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*command: str, **env: str) -> dict:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    result = subprocess.run(
+        [sys.executable, *command, str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
+        capture_output=True,
+        text=True,
+        env={**base, **env},
+        check=True,
+    )
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    return {r["scenario"]: r for r in summary["results"]} | {
+        "results": summary["results"],
+        "warnings": summary["future_warnings"],
+        "stderr": result.stderr,
+    }
+
+
+@pytest.fixture(scope="module")
+def runs() -> tuple[dict, dict]:
+    """The script run plain and under ``ampguard run`` (40 steps per scenario), once for this module's tests."""
+    return _run(), _run("-m", "ampguard", "run", AMPGUARD_STATS_EVERY="10")
+
+
+def test_demo_script_fails_plain_and_trains_through_with_ampguard(runs):
+    plain, guarded = runs
+
+    assert plain["calibration"]["skipped_steps"] > 0  # 65536 overflows first
+    assert guarded["calibration"]["skipped_steps"] == 0
+
+    # 24 corrupt batches: torch halves its scale at each, far below 1, where it stays; ampguard skips
+    # them and keeps its scale (a non-finite loss says nothing about the loss scale).
+    assert plain["storm"]["skipped_steps"] >= 24 and plain["storm"]["final_scale"] < 0.01
+    assert guarded["storm"]["skipped_steps"] == 24 and guarded["storm"]["final_scale"] == 1024.0
+    assert "forward overflow" in guarded["stderr"] and "the batch itself held inf/NaN" in guarded["stderr"]
+    assert "loss scale collapsed" not in guarded["stderr"]
+
+    assert plain["hot_block"]["skipped_steps"] == 40 and plain["hot_block"]["final_scale"] < 1e-6  # every step
+    assert guarded["hot_block"]["skipped_steps"] <= 4 and guarded["hot_block"]["final_scale"] >= 1024.0
+    assert "fp32 island: blocks.0.linear1 (Linear)" in guarded["stderr"]
+    assert guarded["hot_block"]["fp32_islands"][0] == "blocks.0.linear1" and plain["hot_block"]["fp32_islands"] == []
+
+    assert plain["no_grad"]["outcome"].startswith("crashed: AssertionError: No inf checks were recorded")
+    assert guarded["no_grad"]["outcome"] == "finished"
+    assert "got no gradient" in guarded["stderr"]
+
+    assert "stats step=10 " in guarded["stderr"]
+    assert guarded["warnings"] == []
+    if torch_release() >= torch_release("2.4"):
+        assert plain["warnings"]  # torch.cpu.amp.autocast is deprecated from 2.4
+
+
+def test_demo_driver_prints_the_side_by_side_summary():
+    result = subprocess.run([sys.executable, str(EXAMPLES / "demo.py")], capture_output=True, text=True, check=True)
+    summary = result.stdout.split("===== summary")[1]
+    assert "crashed (AssertionError)" in summary
+    assert "with ampguard" in summary and "FutureWarnings" in summary
+    # The closing text says what the table's numbers say: ampguard's skips in hot_block, in both.
+    row = next(line for line in summary.splitlines() if line.startswith("hot_block "))
+    skipped = re.findall(r"(\d+) skipped", row)[-1]
+    assert re.search(rf"^hot_block: .*\n.*\n    ampguard: skipped {skipped} of ", summary, flags=re.M)
+    assert "--- scenario hot_block (60 steps) ---" in result.stdout
+    stats = [line for line in result.stdout.splitlines() if "stats step=" in line]
+    assert stats and all("| now: consecutive_skipped=" in line for line in stats)  # shortened, never that part
+
+
+def _sections(stderr: str) -> dict[str, list[str]]:
+    """The stats lines under each ``--- scenario NAME ---`` header."""
+    sections: dict[str, list[str]] = {}
+    current = None
+    for line in stderr.splitlines():
+        header = re.match(r"^--- scenario (\w+) \(\d+ steps\) ---$", line)
+        if header:
+            current = sections.setdefault(header.group(1), [])
+        elif "stats step=" in line:
+            assert current is not None, f"a stats line before any scenario: {line}"
+            current.append(line)
+    return sections
+
+
+def test_each_scenarios_stats_lines_follow_its_header_and_match_its_numbers(runs):
+    _, guarded = runs
+    sections = _sections(guarded["stderr"])
+    assert list(sections) == ["calibration", "storm", "no_grad", "hot_block"]
+    for name, lines in sections.items():
+        result = guarded[name]
+        assert lines, name
+        last = lines[-1]
+        assert f"skipped_total={result['skipped_steps']} " in last, (name, last)
+        assert (
+            ("fp32_islands=" + ",".join(result["fp32_islands"])) in last
+            if result["fp32_islands"]
+            else ("fp32_islands=" not in last)
+        )
+    assert all(" no_grad=0 " not in line for line in sections["no_grad"])
+    assert all(" no_grad=0 " in line for name in ("calibration", "storm", "hot_block") for line in sections[name])
+
+
+def test_closing_text_is_written_from_the_runs_results(runs):
+    plain, guarded = runs
+    text = _demo_module().closing(plain["results"], guarded["results"])
+    blocks = dict(re.findall(r"^(\w+): .*\n((?:    .*\n?)+)", text, flags=re.M))
+    assert list(blocks) == ["calibration", "storm", "no_grad", "hot_block"]
+    for name, block in blocks.items():
+        torch_line, ampguard_line = block.splitlines()[:2]
+        for line, result in ((torch_line, plain[name]), (ampguard_line, guarded[name])):
+            if result["outcome"] == "finished":
+                assert f"skipped {result['skipped_steps']} of {result['steps_run']} steps" in line, (name, line)
+                assert f"-> {result['final_scale']:g}" in line
+            else:
+                assert "crashed" in line
+    islands = guarded["hot_block"]["fp32_islands"]
+    assert f"made fp32 island{'s' if len(islands) > 1 else ''} of {', then '.join(islands)}" in blocks["hot_block"]
+    assert "linear2" not in text or "blocks.0.linear2" in islands  # only the islands this run made
+    assert f"{guarded['storm']['corrupt_batches']} corrupt batches" in text
