@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-if __name__ == "__main__":  # the helper modules next to this file and in tests/ import by name
+if __name__ == "__main__":  # the helper modules next to this file and in tests/support/ import by name
     sys.path[:0] = [str(Path(__file__).parent), str(Path(__file__).parents[1] / "support")]
 
 import test_master_weights_hf
