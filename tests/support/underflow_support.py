@@ -115,7 +115,7 @@ def train(
     return run
 
 
-# -- the review tests' modules (tests/underflow/test_underflow_training_loops.py) ---------------------------------------------
+# -- the training-loop tests' modules (tests/underflow/test_underflow_training_loops.py) ---------------------------
 
 
 class Marker:
