@@ -91,6 +91,24 @@ class Bindings:
         self._queued[id(original)] = (original, replacement)
         self._replacements.setdefault(id(replacement), (replacement, original, set()))
 
+    def take_queued(self) -> dict[int, tuple[Any, Any]]:
+        """The queued rebindings (original id -> (original, replacement)), the queue emptied: for
+        :func:`rebind_queued`."""
+        queued, self._queued = self._queued, {}
+        return queued
+
+    def replacements(self) -> dict[int, tuple[Any, Any, set[str]]]:
+        """Replacement id -> (replacement, original, the names the original was bound under)."""
+        return self._replacements
+
+    def rebind(self, module: types.ModuleType, name: str, value: Any, original: Any, replacement: Any) -> None:
+        """``module.name`` (``value``: ``original`` itself, or a ``functools.partial`` of it) gets ``replacement``;
+        undo gives ``original`` back."""
+        if value is original:
+            self._rebind_global(module, name, original, replacement)
+        else:
+            self._retarget_partial(value, replacement, f"{module.__name__}.{name}")
+
     def _rebind_global(self, module: types.ModuleType, name: str, original: Any, replacement: Any) -> None:
         setattr(module, name, replacement)
         self._replacements[id(replacement)][2].add(name)
@@ -130,16 +148,12 @@ def rebind_queued(all_bindings: list[Bindings]) -> int:
     """
     wanted: dict[int, tuple[Any, Any, Bindings]] = {}
     for bindings in all_bindings:
-        for key, (original, replacement) in bindings._queued.items():
+        for key, (original, replacement) in bindings.take_queued().items():
             wanted[key] = (original, replacement, bindings)
-        bindings._queued.clear()
     changed = 0
     for module, name, value, holds in _module_globals(wanted):
         original, replacement, bindings = wanted[id(holds)]
-        if value is holds:
-            bindings._rebind_global(module, name, original, replacement)
-        else:
-            bindings._retarget_partial(value, replacement, f"{module.__name__}.{name}")
+        bindings.rebind(module, name, value, original, replacement)
         changed += 1
     return changed
 
@@ -152,7 +166,7 @@ def restore_imported_since(all_bindings: list[Bindings]) -> int:
     """
     known: dict[int, tuple[Any, Any, set[str]]] = {}
     for bindings in all_bindings:
-        known.update(bindings._replacements)
+        known.update(bindings.replacements())
     changed = 0
     for module, name, value, holds in _module_globals(known):
         _replacement, original, names = known[id(holds)]

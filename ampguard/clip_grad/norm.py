@@ -348,7 +348,7 @@ def scaled_threshold(scaler: SafeGradScaler) -> bool:
     own tests. ``inf * scaler.get_scale()`` is such a threshold too: the norm
     returned is then torch's, that of the scaled gradients.
     """
-    return scaler._iteration.scale_read
+    return scaler.view().scale_read
 
 
 def _clip_without_scaler(

@@ -33,23 +33,19 @@ def scalers_in_play() -> list[SafeGradScaler]:
     scalers = [s for s in live_scalers() if getattr(s, "_scale", None) is not None]
     if len(scalers) > 1:  # threads training models of their own: each clips with its own scaler
         here = threading.get_ident()
-        scalers = [s for s in scalers if s._iteration.scaling_thread == here] or scalers
+        scalers = [s for s in scalers if s.view().scaling_thread == here] or scalers
     return scalers
 
 
 def unscaled_optimizers(scalers: list[SafeGradScaler]) -> list[tuple[SafeGradScaler, Any, set[int]]]:
     """``(scaler, optimizer, ids of its parameters)`` for every optimizer the scalers already unscaled."""
-    return [
-        (scaler, optimizer, params_of([optimizer]))
-        for scaler in scalers
-        for optimizer in scaler._iteration.unscaled_optimizers
-    ]
+    return [(scaler, optimizer, params_of([optimizer])) for scaler in scalers for optimizer in scaler.view().unscaled]
 
 
 def single_scale(scalers: list[SafeGradScaler]) -> Tensor | None:
     """The scale still-scaled gradients carry: None when several scalers are in play (one WARNING)."""
     if len(scalers) == 1:
-        return scalers[0]._scale
+        return scalers[0].view().scale_on_device
     if not state.warned_ambiguous:
         state.warned_ambiguous = True
         logger.warning(AMBIGUOUS_SCALERS.format(count=len(scalers)))
@@ -62,13 +58,8 @@ def raise_found_inf(
     """Optimizers already unscaled have their found_inf recorded; a non-finite norm must skip them too."""
     nonfinite = torch.nan_to_num(nan_if_nonfinite, nan=1.0)  # 1.0 for a non-finite norm, else 0.0
     for scaler, optimizer, ids in unscaled_by:
-        if ids.isdisjoint(clipped):
-            continue
-        optimizer_state = scaler._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
-        if optimizer_state is None:
-            continue
-        for found_inf in optimizer_state["found_inf_per_device"].values():
-            torch.maximum(found_inf, nonfinite.to(device=found_inf.device, dtype=found_inf.dtype), out=found_inf)
+        if not ids.isdisjoint(clipped):
+            scaler.skip_step_if(optimizer, nonfinite)
 
 
 def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:

@@ -179,7 +179,8 @@ def _follow(holder: object, counts: DeepSpeedLossScale) -> None:
 
 
 def _gone(counts: DeepSpeedLossScale) -> None:
-    summary.remember_stats(counts, counts.stats)
+    stats = counts.stats
+    summary.remember(counts, stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps, stats.scale)
 
 
 def of(optimizer: object) -> DeepSpeedLossScale | None:

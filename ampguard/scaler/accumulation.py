@@ -31,32 +31,33 @@ no-op as before (torch would raise); no trainer does this.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.amp import grad_scaler
 
 import ampguard.master_weights as master_weights
-
-if TYPE_CHECKING:
-    from ampguard.scaler.safe import SafeGradScaler
+from ampguard.scaler.parts import ScalerParts
 
 
-def rescale_unscaled_gradients(scaler: SafeGradScaler) -> None:
-    """Multiply the gradients of every optimizer unscaled (and not stepped) this iteration back by the scale."""
-    scale = scaler._scale
-    if scale is None:
-        return
-    kept: list[Any] = []
-    for optimizer in scaler._iteration.unscaled_optimizers:
-        state = scaler._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
-        if state is None or state["stage"] is not grad_scaler.OptState.UNSCALED:
-            kept.append(optimizer)
-            continue
-        _multiply_gradients(optimizer, scale)
-        state["stage"] = grad_scaler.OptState.READY
-        state["found_inf_per_device"] = {}
-    scaler._iteration.unscaled_optimizers = kept
+class Accumulation(ScalerParts):
+    """``scale()`` again after ``unscale_()`` in one iteration: the gradients multiplied back first."""
+
+    def _rescale_unscaled_gradients(self) -> None:
+        """Multiply the gradients of every optimizer unscaled (and not stepped) this iteration back by the scale."""
+        scale = self._scale
+        if scale is None:
+            return
+        kept: list[Any] = []
+        for optimizer in self._iteration.unscaled_optimizers:
+            state = self._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
+            if state is None or state["stage"] is not grad_scaler.OptState.UNSCALED:
+                kept.append(optimizer)
+                continue
+            _multiply_gradients(optimizer, scale)
+            state["stage"] = grad_scaler.OptState.READY
+            state["found_inf_per_device"] = {}
+        self._iteration.unscaled_optimizers = kept
 
 
 def _multiply_gradients(optimizer: Any, scale: torch.Tensor) -> None:

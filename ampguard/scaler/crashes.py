@@ -16,76 +16,24 @@ gradients would be made now, scaled and unchecked.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 import ampguard.master_weights as master_weights
 import ampguard.messages as messages
 from ampguard.log import event, label, logger
+from ampguard.scaler.parts import ScalerParts
 
 try:
     from torch.amp.grad_scaler import OptState, _MultiDeviceReplicator
 except ImportError:  # a torch that renamed them: the grad_scaler patch reports itself unavailable
     OptState = _MultiDeviceReplicator = None  # type: ignore[assignment, misc]
 
-if TYPE_CHECKING:
-    from ampguard.scaler.safe import SafeGradScaler
 
 # Device types whose _amp_foreach_non_finite_check_and_unscale_ kernel has no
 # bfloat16 implementation (pytorch issue 127176).
 DEVICES_WITHOUT_BF16_UNSCALE = frozenset({"cuda"})
-
-
-def unscaled_already(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> bool:
-    """Whether this ``unscale_()`` is a second one with no ``scale()`` in between (then ignored)."""
-    if scaler._enabled and scaler._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-        logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
-        return True
-    return False
-
-
-def unscale_grads(
-    scaler: SafeGradScaler,
-    optimizer: torch.optim.Optimizer,
-    inv_scale: torch.Tensor,
-    found_inf: torch.Tensor,
-    allow_fp16: bool,
-) -> dict[torch.device, torch.Tensor]:
-    """torch's ``_unscale_grads_`` loop, plus: float16 parameters allowed (with one warning, or
-    torch's error with AMPGUARD_FP16_GRADS=error) and bfloat16 gradients unscaled without the
-    CUDA kernel that lacks them."""
-    refuse_fp16 = not allow_fp16 and scaler._settings.fp16_grads == "error"
-    per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
-    per_device_found_inf = _MultiDeviceReplicator(found_inf)
-    grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
-    saw_fp16 = False
-    with torch.no_grad():
-        # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
-        for param, grad in master_weights.gradients(optimizer, None if refuse_fp16 else scaler):
-            if grad is None:
-                continue
-            if grad.dtype == torch.float16:
-                if refuse_fp16:
-                    raise ValueError("Attempting to unscale FP16 gradients.")
-                saw_fp16 = True
-            if grad.is_sparse:
-                if grad.dtype is torch.float16:
-                    param.grad = grad = grad.coalesce()
-                grad = grad._values()
-            grouped[grad.device][grad.dtype].append(grad)
-        for device, per_dtype in grouped.items():
-            for dtype, grads in per_dtype.items():
-                if dtype == torch.bfloat16 and device.type in DEVICES_WITHOUT_BF16_UNSCALE:
-                    unscale_without_kernel_(grads, per_device_found_inf.get(device), per_device_inv_scale.get(device))
-                else:
-                    torch._amp_foreach_non_finite_check_and_unscale_(
-                        grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
-                    )
-    if saw_fp16 and not allow_fp16 and not scaler._counters.warned_fp16:
-        scaler._counters.warned_fp16 = True
-        logger.warning(messages.FP16_GRADIENTS.format(optimizer=label(optimizer)))
-    return per_device_found_inf._per_device_tensors
 
 
 def unscale_without_kernel_(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor) -> None:
@@ -100,21 +48,75 @@ def without_gradients(state: dict[str, Any], fused: bool) -> bool:
     return not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]
 
 
-def step_without_gradients(
-    scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, state: dict[str, Any], *args: Any, **kwargs: Any
-) -> Any:
-    """The optimizer's own step, as in float32, where torch raises "No inf checks were recorded"."""
-    if args and callable(args[0]):
-        # A positional closure would make the gradients now, scaled and unchecked: torch's error.
-        raise AssertionError(messages.NO_INF_CHECKS_CLOSURE)
-    note_no_gradients(scaler, optimizer)
-    result = optimizer.step(*args, **kwargs)
-    state["stage"] = OptState.STEPPED
-    return result
+class CrashGuards(ScalerParts):
+    """Where torch's scaler raises on an optimizer without gradients, float16/bfloat16 gradients, a second
+    ``unscale_()``: SafeGradScaler's methods that carry on."""
 
+    def _unscaled_already(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether this ``unscale_()`` is a second one with no ``scale()`` in between (then ignored)."""
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+            logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
+            return True
+        return False
 
-def note_no_gradients(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
-    scaler._counters.no_grad_steps += 1
-    if id(optimizer) not in scaler._counters.warned_no_grad:
-        scaler._counters.warned_no_grad.add(id(optimizer))
-        logger.warning(messages.NO_GRADIENTS.format(optimizer=label(optimizer)), extra=event("no_grad"))
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor,
+        allow_fp16: bool,
+    ) -> dict[torch.device, torch.Tensor]:
+        """torch's ``_unscale_grads_`` loop, plus: float16 parameters allowed (with one warning, or
+        torch's error with AMPGUARD_FP16_GRADS=error) and bfloat16 gradients unscaled without the
+        CUDA kernel that lacks them."""
+        refuse_fp16 = not allow_fp16 and self._settings.fp16_grads == "error"
+        per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
+        per_device_found_inf = _MultiDeviceReplicator(found_inf)
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        saw_fp16 = False
+        with torch.no_grad():
+            # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
+            for param, grad in master_weights.gradients(optimizer, None if refuse_fp16 else self):
+                if grad is None:
+                    continue
+                if grad.dtype == torch.float16:
+                    if refuse_fp16:
+                        raise ValueError("Attempting to unscale FP16 gradients.")
+                    saw_fp16 = True
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grouped[grad.device][grad.dtype].append(grad)
+            for device, per_dtype in grouped.items():
+                for dtype, grads in per_dtype.items():
+                    if dtype == torch.bfloat16 and device.type in DEVICES_WITHOUT_BF16_UNSCALE:
+                        unscale_without_kernel_(
+                            grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                        )
+                    else:
+                        torch._amp_foreach_non_finite_check_and_unscale_(
+                            grads, per_device_found_inf.get(device), per_device_inv_scale.get(device)
+                        )
+        if saw_fp16 and not allow_fp16 and not self._counters.warned_fp16:
+            self._counters.warned_fp16 = True
+            logger.warning(messages.FP16_GRADIENTS.format(optimizer=label(optimizer)))
+        return per_device_found_inf._per_device_tensors
+
+    def _step_without_gradients(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """The optimizer's own step, as in float32, where torch raises "No inf checks were recorded"."""
+        if args and callable(args[0]):
+            # A positional closure would make the gradients now, scaled and unchecked: torch's error.
+            raise AssertionError(messages.NO_INF_CHECKS_CLOSURE)
+        self._note_no_gradients(optimizer)
+        result = optimizer.step(*args, **kwargs)
+        state["stage"] = OptState.STEPPED
+        return result
+
+    def _note_no_gradients(self, optimizer: torch.optim.Optimizer) -> None:
+        self._counters.no_grad_steps += 1
+        if id(optimizer) not in self._counters.warned_no_grad:
+            self._counters.warned_no_grad.add(id(optimizer))
+            logger.warning(messages.NO_GRADIENTS.format(optimizer=label(optimizer)), extra=event("no_grad"))

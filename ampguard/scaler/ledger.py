@@ -28,15 +28,18 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+import ampguard.containment as containment
 import ampguard.distributed as distributed
 import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
+from ampguard.scaler.policy import ScalePolicy
 from ampguard.scaler.row_copies import KnownRow, RowCopies
 from ampguard.syncs import read_to_host
 
@@ -44,9 +47,6 @@ try:
     from torch.amp.grad_scaler import OptState
 except ImportError:  # a torch that renamed it: the grad_scaler patch reports itself unavailable
     OptState = None  # type: ignore[assignment, misc]
-
-if TYPE_CHECKING:
-    from ampguard.scaler.safe import SafeGradScaler
 
 
 @dataclass
@@ -122,9 +122,9 @@ class DeviceLedger:
         rows = [values[4 * i : 4 * i + 4] for i in range(len(self._held))]
         return rows, values[-2], int(values[-1])
 
-    def replay(self, scaler: SafeGradScaler, rows: list[list[float]], scale: float) -> Replay:
-        """The host-mode policy over the rows."""
-        limit = scaler._settings.max_consecutive_skips
+    def replay(self, rows: list[list[float]], scale: float, limit: int, collapses: Callable[[float], bool]) -> Replay:
+        """The host-mode policy over the rows: ``limit``, the stall limit; ``collapses(scale)``, whether an overflow
+        at that scale is a collapse."""
         replay = Replay(consecutive=self.consecutive, max_consecutive=self.consecutive, low=scale, high=scale)
         for (skipped, found, check, before), held in zip(rows, self._held):
             nonfinite = math.isnan(check)
@@ -139,102 +139,9 @@ class DeviceLedger:
             replay.consecutive += 1
             replay.max_consecutive = max(replay.max_consecutive, replay.consecutive)
             replay.stalls += replay.consecutive == limit
-            if not held and policy.in_collapse_zone(scaler, before):
+            if not held and collapses(before):
                 replay.collapse_scale = min(replay.collapse_scale or before, before)
         return replay
-
-
-def update_in_device_mode(
-    scaler: SafeGradScaler, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None
-) -> None:
-    """``update()`` with the bookkeeping on the device: no host read, 3 kernels."""
-    assert scaler._scale is not None and scaler._growth_tracker is not None
-    if scaler._counters.ledger is None:
-        scaler._counters.ledger = DeviceLedger(scaler._scale, scaler._counters.consecutive)
-    ledger = scaler._counters.ledger
-    scale = scaler._scale
-    recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
-    check: torch.Tensor | None = None
-    row: torch.Tensor | None = None
-    hold = False
-    scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(), False
-    if recorded:
-        found_per_optimizer = {
-            key: found_flag(scaler, list(s["found_inf_per_device"].values()), scale.device)
-            for key, s in recorded.items()
-        }
-        flags = list(found_per_optimizer.values())
-        found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-        stepped_keys = [key for key in recorded if recorded[key]["stage"] is OptState.STEPPED]
-        stepped = [found_per_optimizer[key] for key in stepped_keys]
-        skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
-        if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)...
-            host_found = scaler._iteration.host_found
-            # ...unless torch's step() already read it for every optimizer stepped (update(new_scale), non-fused)
-            known = any(host_found[key] for key in stepped_keys) if all(k in host_found for k in stepped_keys) else None
-            scaler._counters.last_stepped, scaler._counters.last_skipped = frozenset(stepped_keys), known
-        check = _check_on(scaler._iteration.loss_check, ledger)
-        # Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
-        hold = new_scale is None and scaler._iteration.loss_check is not None and distributed.distributed() is None
-        row = ledger.record(skipped, found, check, scale, hold)
-        if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
-            unread = [scaler._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
-            read_skips = sum(host_found[key] for key in stepped_keys if key in host_found)
-            ledger.copies.add(row, hold, unread, read_skips)
-            for optimizer in unread:
-                listeners.notify_step_pending(scaler, optimizer)
-        if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
-            for s in recorded.values():
-                for found_inf in s["found_inf_per_device"].values():
-                    torch.heaviside(check.to(found_inf.device, found_inf.dtype), found_inf, out=found_inf)
-    scaler._torch_update(new_scale)
-    if scaler._min_scale > 0 or math.isfinite(scaler._max_scale):
-        scale.clamp_(min=scaler._min_scale or None, max=scaler._max_scale)
-    scaler._counters.mirror_scale = None
-    known = listeners.notify_device_update(scaler, check, hold, row)
-    if known is not None and scaler._counters.last_skipped is None:
-        scaler._counters.last_skipped = known
-    rows = tell_known_rows(scaler, ledger)
-    if hold and rows and rows[-1].held and ledger.rows_current:
-        _keep_scale(scaler, rows[-1].scale)  # this iteration's forward overflow, known at its own update (CPU)
-    if ledger.full:
-        fold_device_ledger(scaler)
-
-
-def _keep_scale(scaler: SafeGradScaler, scale: float) -> None:
-    """After a forward overflow's update: the scale and growth tracker as before it, as host mode keeps them.
-
-    The hold made torch's ``update()`` count the iteration as one without
-    overflow: the tracker went up by one, or wrapped to 0 and the scale grew.
-    A few ops, after a failure only.
-    """
-    assert scaler._scale is not None and scaler._growth_tracker is not None
-    tracker = scaler._growth_tracker
-    tracker.copy_(torch.where(tracker == 0, scaler._growth_interval - 1, tracker - 1))
-    scaler._scale.fill_(scale)
-
-
-def tell_known_rows(scaler: SafeGradScaler, ledger: DeviceLedger) -> list[KnownRow]:
-    """The listeners learn the rows whose host copies are complete (no sync): forward overflows, skipped steps."""
-    rows = ledger.copies.known() if ledger.copies is not None else []
-    if not rows:
-        return rows
-    ledger.told += len(rows)
-    if scaler._counters.last_skipped is None and ledger.rows_current:
-        scaler._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-    forward_overflows = sum(policy.forward_overflow(row.found, row.nonfinite_loss) for row in rows)
-    listeners.notify_counters_read(scaler, forward_overflows, len(rows), at_read=False, current=ledger.rows_current)
-    for row in rows:
-        if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
-            listeners.notify_overflow_known(scaler, row.scale)
-        _tell_steps(scaler, row)
-    return rows
-
-
-def _tell_steps(scaler: SafeGradScaler, row: KnownRow) -> None:
-    skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
-    for optimizer in row.unread:
-        listeners.notify_step_known(scaler, optimizer, skipped)
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
@@ -244,53 +151,150 @@ def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Te
     return loss_check.to(ledger.device, torch.float32, non_blocking=True)  # itself when it is already that
 
 
-def found_flag(scaler: SafeGradScaler, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
-    if len(found_infs) == 1 and scaler._host_mirror_exact and found_infs[0].device == device:
-        return found_infs[0]  # (ShardedGradScaler all-reduces a sum over ranks: that one needs the clamp)
-    return torch.stack([t.to(device, non_blocking=True) for t in found_infs]).amax().clamp(max=1.0)
+class DeviceBooks(ScalePolicy):
+    """Device mode: ``update()`` writes the iteration's row; the rows are replayed on the host at a read."""
 
+    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
+        self._torch_updated = True
 
-def fold_device_ledger(scaler: SafeGradScaler) -> None:
-    """Bring the device-mode rows back to the host (one host read) and replay them."""
-    ledger = scaler._counters.ledger
-    if ledger is None or scaler._scale is None or scaler._growth_tracker is None:
-        return
-    rows, scale, tracker = ledger.read(scaler._scale, scaler._growth_tracker)
-    scaler._counters.ledger = None
-    replay = ledger.replay(scaler, rows, scale)
-    if scaler._counters.last_skipped is None and rows:  # the last row is the last iteration's
-        scaler._counters.last_skipped = rows[-1][0] > 0
-    scaler._counters.skipped += replay.skipped
-    scaler._counters.nonfinite_loss += replay.nonfinite_loss
-    scaler._counters.consecutive = replay.consecutive
-    scaler._counters.min_seen = min(scaler._counters.min_seen, replay.low)
-    scaler._counters.max_seen = max(scaler._counters.max_seen, replay.high)
-    scaler._counters.mirror_scale, scaler._counters.mirror_tracker = scale, tracker
-    if logger.isEnabledFor(logging.DEBUG):
-        logger.debug(
-            "loss scale %g at step %d (range %g..%g since the last report)",
-            scale,
-            scaler._counters.steps,
-            replay.low,
-            replay.high,
-        )
-    untold = range(ledger.told, len(rows))  # the rows no host copy told yet
-    forward_overflows = sum(policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2])) for i in untold)
-    listeners.notify_counters_read(scaler, forward_overflows, len(untold), at_read=True, current=True)
-    for i in untold:  # [skipped, found, check, scale]: gradients that overflowed, not a held forward overflow
-        held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
-        if rows[i][1] > 0 and not held:
-            listeners.notify_overflow_known(scaler, rows[i][3])
-    if ledger.copies is not None:  # the steps whose copies had not landed (a GPU): told now, as they would have been
-        for row in ledger.copies.settle(rows[ledger.told :]):
-            _tell_steps(scaler, row)
-    # Collapses and stalls since the last read, even those that ended since.
-    if replay.collapse_scale is not None:
-        policy.report_collapse(scaler, replay.collapse_scale)
-    if not policy.in_collapse_zone(scaler, scale):
-        scaler._counters.collapse_reported = False
-    if replay.stalls:  # a streak reached the limit since the last read: not reported yet
-        scaler._counters.stall_reported = False
-        policy.check_stall(scaler, replay.max_consecutive)
-    scaler._counters.stall_reported = scaler._counters.consecutive >= scaler._settings.max_consecutive_skips
+    def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
+        """``update()`` with the bookkeeping on the device: no host read, 3 kernels."""
+        assert self._scale is not None and self._growth_tracker is not None
+        if self._counters.ledger is None:
+            self._counters.ledger = DeviceLedger(self._scale, self._counters.consecutive)
+        ledger = self._counters.ledger
+        scale = self._scale
+        recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
+        check: torch.Tensor | None = None
+        row: torch.Tensor | None = None
+        hold = False
+        self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
+        if recorded:
+            found_per_optimizer = {
+                key: self._found_flag(list(s["found_inf_per_device"].values()), scale.device)
+                for key, s in recorded.items()
+            }
+            flags = list(found_per_optimizer.values())
+            found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
+            stepped_keys = [key for key in recorded if recorded[key]["stage"] is OptState.STEPPED]
+            stepped = [found_per_optimizer[key] for key in stepped_keys]
+            skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
+            if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)...
+                host_found = self._iteration.host_found
+                # ...unless torch's step() already read it for every optimizer stepped (update(new_scale), non-fused)
+                known = (
+                    any(host_found[key] for key in stepped_keys) if all(k in host_found for k in stepped_keys) else None
+                )
+                self._counters.last_stepped, self._counters.last_skipped = frozenset(stepped_keys), known
+            check = _check_on(self._iteration.loss_check, ledger)
+            # Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
+            hold = new_scale is None and self._iteration.loss_check is not None and distributed.distributed() is None
+            row = ledger.record(skipped, found, check, scale, hold)
+            if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
+                unread = [self._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
+                read_skips = sum(host_found[key] for key in stepped_keys if key in host_found)
+                ledger.copies.add(row, hold, unread, read_skips)
+                for optimizer in unread:
+                    listeners.notify_step_pending(self, optimizer)
+            if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
+                for s in recorded.values():
+                    for found_inf in s["found_inf_per_device"].values():
+                        torch.heaviside(check.to(found_inf.device, found_inf.dtype), found_inf, out=found_inf)
+        self._torch_update(new_scale)
+        if self._min_scale > 0 or math.isfinite(self._max_scale):
+            scale.clamp_(min=self._min_scale or None, max=self._max_scale)
+        self._counters.mirror_scale = None
+        known = listeners.notify_device_update(self, check, hold, row)
+        if known is not None and self._counters.last_skipped is None:
+            self._counters.last_skipped = known
+        rows = self._tell_known_rows(ledger)
+        if hold and rows and rows[-1].held and ledger.rows_current:
+            self._keep_scale(rows[-1].scale)  # this iteration's forward overflow, known at its own update (CPU)
+        if ledger.full:
+            self._fold_device_ledger()
+
+    def _keep_scale(self, scale: float) -> None:
+        """After a forward overflow's update: the scale and growth tracker as before it, as host mode keeps them.
+
+        The hold made torch's ``update()`` count the iteration as one without
+        overflow: the tracker went up by one, or wrapped to 0 and the scale grew.
+        A few ops, after a failure only.
+        """
+        assert self._scale is not None and self._growth_tracker is not None
+        tracker = self._growth_tracker
+        tracker.copy_(torch.where(tracker == 0, self._growth_interval - 1, tracker - 1))
+        self._scale.fill_(scale)
+
+    def _tell_known_rows(self, ledger: DeviceLedger) -> list[KnownRow]:
+        """The listeners learn the rows whose host copies are complete (no sync): forward overflows, skipped steps."""
+        rows = ledger.copies.known() if ledger.copies is not None else []
+        if not rows:
+            return rows
+        ledger.told += len(rows)
+        if self._counters.last_skipped is None and ledger.rows_current:
+            self._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
+        forward_overflows = sum(policy.forward_overflow(row.found, row.nonfinite_loss) for row in rows)
+        listeners.notify_counters_read(self, forward_overflows, len(rows), at_read=False, current=ledger.rows_current)
+        for row in rows:
+            if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
+                listeners.notify_overflow_known(self, row.scale)
+            self._tell_steps(row)
+        return rows
+
+    def _tell_steps(self, row: KnownRow) -> None:
+        skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
+        for optimizer in row.unread:
+            listeners.notify_step_known(self, optimizer, skipped)
+
+    def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+        """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
+        if len(found_infs) == 1 and self._host_mirror_exact and found_infs[0].device == device:
+            return found_infs[0]  # (ShardedGradScaler all-reduces a sum over ranks: that one needs the clamp)
+        return torch.stack([t.to(device, non_blocking=True) for t in found_infs]).amax().clamp(max=1.0)
+
+    def _fold_device_ledger(self) -> None:
+        """Bring the device-mode rows back to the host (one host read) and replay them."""
+        ledger = self._counters.ledger
+        if ledger is None or self._scale is None or self._growth_tracker is None:
+            return
+        rows, scale, tracker = ledger.read(self._scale, self._growth_tracker)
+        self._counters.ledger = None
+        replay = ledger.replay(rows, scale, self._settings.max_consecutive_skips, self._in_collapse_zone)
+        if self._counters.last_skipped is None and rows:  # the last row is the last iteration's
+            self._counters.last_skipped = rows[-1][0] > 0
+        self._counters.skipped += replay.skipped
+        self._counters.nonfinite_loss += replay.nonfinite_loss
+        self._counters.consecutive = replay.consecutive
+        self._counters.min_seen = min(self._counters.min_seen, replay.low)
+        self._counters.max_seen = max(self._counters.max_seen, replay.high)
+        self._counters.mirror_scale, self._counters.mirror_tracker = scale, tracker
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(
+                "loss scale %g at step %d (range %g..%g since the last report)",
+                scale,
+                self._counters.steps,
+                replay.low,
+                replay.high,
+            )
+        untold = range(ledger.told, len(rows))  # the rows no host copy told yet
+        forward_overflows = sum(policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2])) for i in untold)
+        listeners.notify_counters_read(self, forward_overflows, len(untold), at_read=True, current=True)
+        for i in untold:  # [skipped, found, check, scale]: gradients that overflowed, not a held forward overflow
+            held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
+            if rows[i][1] > 0 and not held:
+                listeners.notify_overflow_known(self, rows[i][3])
+        if (
+            ledger.copies is not None
+        ):  # the steps whose copies had not landed (a GPU): told now, as they would have been
+            for row in ledger.copies.settle(rows[ledger.told :]):
+                self._tell_steps(row)
+        # Collapses and stalls since the last read, even those that ended since.
+        if replay.collapse_scale is not None:
+            self._report_collapse(replay.collapse_scale)
+        if not self._in_collapse_zone(scale):
+            self._counters.collapse_reported = False
+        if replay.stalls:  # a streak reached the limit since the last read: not reported yet
+            self._counters.stall_reported = False
+            self._check_stall(replay.max_consecutive)
+        self._counters.stall_reported = self._counters.consecutive >= self._settings.max_consecutive_skips

@@ -38,6 +38,7 @@ import torch
 import ampguard.containment as containment
 
 if TYPE_CHECKING:
+    from ampguard.scaler.parts import ScalerParts
     from ampguard.scaler.safe import SafeGradScaler
 
 FOUND = 1  # bit 0: the optimizer's found_inf
@@ -188,7 +189,7 @@ def _relayout() -> None:
 # -- the scaler's side ----------------------------------------------------------------------------
 
 
-def encode(scaler: SafeGradScaler, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+def encode(scaler: ScalerParts, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     """``code`` with every listener's field added, and the layout to decode the value read with."""
     layout = _layout
     for listener, shift in layout:
@@ -202,30 +203,30 @@ def decode(layout: Layout, value: int) -> dict[StepListener, int]:
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
 
 
-def notify_scale(scaler: SafeGradScaler, scaled: Any) -> None:
+def notify_scale(scaler: ScalerParts, scaled: Any) -> None:
     for listener in _on_scale:
         _guarded(listener, "scale()", "on_scale", scaler, scaled)
 
 
-def notify_unscale(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+def notify_unscale(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
     for listener in _on_unscale:
         _guarded(listener, "unscale_()", "on_unscale", scaler, optimizer)
 
 
 def notify_read(
-    scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
+    scaler: ScalerParts, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
 ) -> None:
     for listener in _listeners:
         _guarded(listener, "step()", "on_read", scaler, optimizer, fields.get(listener, 0), skipped)
 
 
-def notify_update(scaler: SafeGradScaler, forward_overflow: bool, fields: dict[StepListener, int]) -> None:
+def notify_update(scaler: ScalerParts, forward_overflow: bool, fields: dict[StepListener, int]) -> None:
     for listener in _listeners:
         _guarded(listener, "update()", "on_update", scaler, forward_overflow, fields.get(listener, 0))
 
 
 def notify_device_update(
-    scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    scaler: ScalerParts, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
 ) -> bool | None:
     """Every listener's ``on_device_update``; whether a step was skipped, if one of them read it."""
     known: bool | None = None
@@ -236,23 +237,23 @@ def notify_device_update(
 
 
 def notify_counters_read(
-    scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+    scaler: ScalerParts, forward_overflows: int, iterations: int, at_read: bool, current: bool
 ) -> None:
     for listener in _listeners:
         _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read, current)
 
 
-def notify_step_pending(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+def notify_step_pending(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
     for listener in _listeners:
         _guarded(listener, "step pending", "on_step_pending", scaler, optimizer)
 
 
-def notify_step_known(scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+def notify_step_known(scaler: ScalerParts, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
     for listener in _listeners:
         _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
 
 
-def notify_overflow_known(scaler: SafeGradScaler, scale: float) -> None:
+def notify_overflow_known(scaler: ScalerParts, scale: float) -> None:
     for listener in _listeners:
         _guarded(listener, "overflow known", "on_overflow_known", scaler, scale)
 
@@ -262,17 +263,17 @@ def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:
         _guarded(listener, "foreign step", "on_foreign_step", owner, forward_overflow)
 
 
-def stats_fields(scaler: SafeGradScaler) -> dict[str, Any]:
+def stats_fields(scaler: ScalerParts) -> dict[str, Any]:
     """The fields every listener fills in ``scaler.stats``."""
     return _merged("stats", "stats_fields", scaler)
 
 
-def save(scaler: SafeGradScaler, where: str = "state_dict()") -> dict[str, Any]:
+def save(scaler: ScalerParts, where: str = "state_dict()") -> dict[str, Any]:
     """Every listener's entries for ``scaler.state_dict()["ampguard"]`` (or its pickle: ``where``)."""
     return _merged(where, "save", scaler)
 
 
-def load(scaler: SafeGradScaler, entries: dict[str, Any], where: str = "load_state_dict()") -> None:
+def load(scaler: ScalerParts, entries: dict[str, Any], where: str = "load_state_dict()") -> None:
     """Every listener's part of ``entries``, loaded into ``scaler``."""
     for listener in _listeners:
         _guarded(listener, where, "load", scaler, entries)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -20,9 +19,7 @@ import ampguard.messages as messages
 import ampguard.scaler.diagnose as diagnose
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import event, logger
-
-if TYPE_CHECKING:
-    from ampguard.scaler.safe import SafeGradScaler
+from ampguard.scaler.parts import ScalerParts
 
 
 def f32(value: float) -> float:
@@ -71,74 +68,72 @@ def counted(
     return next_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
-def bounded(scaler: SafeGradScaler, scale: float) -> float:
-    """``scale`` within the scaler's floor and cap."""
-    return min(max(scale, scaler._min_scale), scaler._max_scale)
+class ScalePolicy(ScalerParts):
+    """The floor and cap, the collapse zone, collapse and stall reports, and a growth asked for."""
 
+    def _bounded(self, scale: float) -> float:
+        """``scale`` within the scaler's floor and cap."""
+        return min(max(scale, self._min_scale), self._max_scale)
 
-def in_collapse_zone(scaler: SafeGradScaler, scale: float) -> bool:
-    """An overflow at this scale means collapse: at the floor, or the scale would fall below 1."""
-    return (scaler._min_scale > 0 and scale <= scaler._min_scale) or scale * scaler._backoff_factor < 1.0
+    def _in_collapse_zone(self, scale: float) -> bool:
+        """An overflow at this scale means collapse: at the floor, or the scale would fall below 1."""
+        return (self._min_scale > 0 and scale <= self._min_scale) or scale * self._backoff_factor < 1.0
 
+    def _report_collapse(self, scale: float) -> None:
+        """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
+        if self._counters.collapse_reported:
+            return
+        self._counters.collapse_reported = True
+        at_floor = self._min_scale > 0 and scale <= self._min_scale
+        floor = f" (the floor, AMPGUARD_MIN_SCALE={self._min_scale:g})" if at_floor else ""
+        note = diagnose.parameters_note(self)  # inf/NaN parameters: the usual causes do not apply
+        template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
+        logger.critical(
+            template.format(step=self._counters.steps, scale=scale, floor=floor, note=note), extra=event("collapse")
+        )
 
-def report_collapse(scaler: SafeGradScaler, scale: float) -> None:
-    """CRITICAL once per episode; an episode ends when the scale grows out of the collapse zone."""
-    if scaler._counters.collapse_reported:
-        return
-    scaler._counters.collapse_reported = True
-    at_floor = scaler._min_scale > 0 and scale <= scaler._min_scale
-    floor = f" (the floor, AMPGUARD_MIN_SCALE={scaler._min_scale:g})" if at_floor else ""
-    note = diagnose.parameters_note(scaler)  # inf/NaN parameters: the usual causes do not apply
-    template = messages.SCALE_COLLAPSE_PARAMETERS if note else messages.SCALE_COLLAPSE
-    logger.critical(
-        template.format(step=scaler._counters.steps, scale=scale, floor=floor, note=note), extra=event("collapse")
-    )
+    def _check_stall(self, consecutive: int) -> None:
+        """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
+        settings, counters = self._settings, self._counters
+        if consecutive < settings.max_consecutive_skips or counters.stall_reported:
+            return
+        counters.stall_reported = True
+        raising = settings.on_stall == "raise"
+        message = (messages.STALL_RAISED if raising else messages.STALL).format(
+            count=consecutive,
+            step=counters.steps,
+            scale=counters.mirror_scale if counters.mirror_scale is not None else float("nan"),
+            loss=diagnose.parameters_note(self) or (messages.LOSS_WAS_NONFINITE if counters.nonfinite_loss else ""),
+            limit=settings.max_consecutive_skips,
+        )
+        if raising:
+            counters.stall_error = ScaleCollapseError(message)
+        else:
+            logger.critical(message, extra=event("stall"))
 
+    def grow_now(self, below: float = math.inf) -> float | None:
+        """Grow the scale by the growth factor now, within the cap and below ``below``, and restart the growth
+        interval: for a capability that knows the gradients have room (ampguard.underflow).
 
-def check_stall(scaler: SafeGradScaler, consecutive: int) -> None:
-    """CRITICAL once per streak of consecutive skipped steps, or ScaleCollapseError from update()."""
-    settings = scaler._settings
-    if consecutive < settings.max_consecutive_skips or scaler._counters.stall_reported:
-        return
-    scaler._counters.stall_reported = True
-    raising = settings.on_stall == "raise"
-    message = (messages.STALL_RAISED if raising else messages.STALL).format(
-        count=consecutive,
-        step=scaler._counters.steps,
-        scale=scaler._counters.mirror_scale if scaler._counters.mirror_scale is not None else float("nan"),
-        loss=diagnose.parameters_note(scaler)
-        or (messages.LOSS_WAS_NONFINITE if scaler._counters.nonfinite_loss else ""),
-        limit=settings.max_consecutive_skips,
-    )
-    if raising:
-        scaler._counters.stall_error = ScaleCollapseError(message)
-    else:
-        logger.critical(message, extra=event("stall"))
-
-
-def grow_now(scaler: SafeGradScaler, below: float = math.inf) -> float | None:
-    """Grow the scale by the growth factor now, within the cap and below ``below``; restart the growth interval.
-
-    For a capability that knows the gradients have room (ampguard.underflow). No
-    host read: in host mode the mirror is grown with the device's scale and the
-    new scale returned (the old one when it cannot grow); in device mode (no
-    mirror) the growth is made on the device and None returned (the ledger's
-    rows record it).
-    """
-    assert scaler._scale is not None and scaler._growth_tracker is not None
-    counters = scaler._counters
-    current = counters.mirror_scale
-    if current is None:
-        grown_tensor = (scaler._scale * scaler._growth_factor).clamp(max=scaler._max_scale)  # as bounded() on the host
-        allowed = (grown_tensor < below) & (grown_tensor > scaler._scale)
-        scaler._scale.copy_(torch.where(allowed, grown_tensor, scaler._scale))
-        scaler._growth_tracker.copy_(torch.where(allowed, 0, scaler._growth_tracker))
-        return None
-    grown = bounded(scaler, f32(current * scaler._growth_factor))
-    if not math.isfinite(grown) or grown <= current or grown >= below:
-        return current
-    scaler._scale.fill_(grown)
-    scaler._growth_tracker.fill_(0)
-    counters.mirror_scale, counters.mirror_tracker = grown, 0
-    counters.min_seen, counters.max_seen = min(counters.min_seen, grown), max(counters.max_seen, grown)
-    return grown
+        No host read: in host mode the mirror is grown with the device's scale and
+        the new scale returned (the old one when it cannot grow); in device mode
+        (no mirror) the growth is made on the device and None returned (the
+        ledger's rows record it).
+        """
+        assert self._scale is not None and self._growth_tracker is not None
+        counters = self._counters
+        current = counters.mirror_scale
+        if current is None:
+            grown_tensor = (self._scale * self._growth_factor).clamp(max=self._max_scale)  # as _bounded() on the host
+            allowed = (grown_tensor < below) & (grown_tensor > self._scale)
+            self._scale.copy_(torch.where(allowed, grown_tensor, self._scale))
+            self._growth_tracker.copy_(torch.where(allowed, 0, self._growth_tracker))
+            return None
+        grown = self._bounded(f32(current * self._growth_factor))
+        if not math.isfinite(grown) or grown <= current or grown >= below:
+            return current
+        self._scale.fill_(grown)
+        self._growth_tracker.fill_(0)
+        counters.mirror_scale, counters.mirror_tracker = grown, 0
+        counters.min_seen, counters.max_seen = min(counters.min_seen, grown), max(counters.max_seen, grown)
+        return grown

@@ -27,7 +27,6 @@ each behaviour to the module that owns it.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -38,23 +37,21 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
     OptState = None  # type: ignore[assignment, misc]
 
 import ampguard.containment as containment
-import ampguard.scaler.accounting as accounting
-import ampguard.scaler.checkpoint as checkpoint
 import ampguard.scaler.crashes as crashes
-import ampguard.scaler.ledger as ledger
 import ampguard.scaler.listeners as listeners
-import ampguard.scaler.policy as policy
 import ampguard.stats.summary as summary
-from ampguard.scaler.accumulation import rescale_unscaled_gradients
+from ampguard.scaler.accumulation import Accumulation
+from ampguard.scaler.checkpoint import Checkpoints
 from ampguard.scaler.counters import Counters
+from ampguard.scaler.crashes import CrashGuards
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.live import TorchGradScaler, scalers_in_iteration
+from ampguard.scaler.policy import f32
 from ampguard.scaler.settings import Settings, active_settings, check_device_argument
 from ampguard.scaler.view import ScalerView
-from ampguard.stats.counters import ScalerStats
 
 
-class SafeGradScaler(TorchGradScaler):
+class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
     """A drop-in :class:`torch.amp.GradScaler` that is safe for short fp16 fine-tunes.
 
     Differences from torch's scaler, each visible in the logs:
@@ -96,11 +93,6 @@ class SafeGradScaler(TorchGradScaler):
         max_scale: cap; None means ``AMPGUARD_MAX_SCALE`` (default 2**24).
     """
 
-    # The host replay of the scale update is exact for torch's update(); a
-    # subclass whose update() differs (ShardedGradScaler) sets this False and
-    # always keeps its bookkeeping on the device.
-    _host_mirror_exact = True
-
     def __init__(
         self,
         device: str = "cuda",
@@ -128,8 +120,8 @@ class SafeGradScaler(TorchGradScaler):
     def _ampguard_setup(self, settings: Settings) -> None:
         self._settings = settings
         self._min_scale, self._max_scale = settings.min_scale, settings.max_scale
-        bounded = policy.bounded(self, settings.init_scale)
-        self._counters = Counters.at_start(policy.f32(bounded), settings.stats_every)  # f32: the scale tensor's
+        bounded = self._bounded(settings.init_scale)
+        self._counters = Counters.at_start(f32(bounded), settings.stats_every)  # f32: the scale tensor's
         self._iteration = Iteration()
         if self._enabled:
             summary.track(self)
@@ -145,7 +137,7 @@ class SafeGradScaler(TorchGradScaler):
         """
         if self._enabled and self._iteration.unscaled_optimizers:
             try:
-                rescale_unscaled_gradients(self)
+                self._rescale_unscaled_gradients()
             except Exception as error:
                 containment.report("re-scaling of gradients unscaled earlier (scale())", error)
         scaled = super().scale(outputs)
@@ -172,23 +164,13 @@ class SafeGradScaler(TorchGradScaler):
         ``scale()`` (gradient accumulation) the gradients were multiplied back,
         and this call unscales and checks all of them (:mod:`ampguard.scaler.accumulation`).
         """
-        if crashes.unscaled_already(self, optimizer):
+        if self._unscaled_already(optimizer):
             return
         if self._enabled:
             listeners.notify_unscale(self, optimizer)
         super().unscale_(optimizer)
         if self._enabled:
             self._iteration.unscaled_optimizers.append(optimizer)
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool,
-    ) -> dict[torch.device, torch.Tensor]:
-        # torch's loop, plus float16 and bfloat16 gradients where torch's crashes (ampguard.scaler.crashes).
-        return crashes.unscale_grads(self, optimizer, inv_scale, found_inf, allow_fp16)
 
     def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
         """As torch's ``step()``; an optimizer without any gradient is stepped as in fp32 instead of raising."""
@@ -204,11 +186,11 @@ class SafeGradScaler(TorchGradScaler):
         if fused and state["stage"] is OptState.READY:  # (it unscales inside its step)
             listeners.notify_unscale(self, optimizer)
         if crashes.without_gradients(state, fused):
-            result = crashes.step_without_gradients(self, optimizer, state, *args, **kwargs)
+            result = self._step_without_gradients(optimizer, state, *args, **kwargs)
         else:
             result = super().step(optimizer, *args, **kwargs)
             if fused and not state["found_inf_per_device"]:
-                crashes.note_no_gradients(self, optimizer)
+                self._note_no_gradients(optimizer)
         self._counters.steps += 1
         return result
 
@@ -217,13 +199,13 @@ class SafeGradScaler(TorchGradScaler):
     ) -> Any:
         # The single host read torch makes here also carries "was the loss finite?" and the listeners' fields.
         try:
-            code, layout = accounting.step_code(self, optimizer_state)
+            code, layout = self._step_code(optimizer_state)
         except Exception as error:
             containment.report("skip check (step())", error)
             return super()._maybe_opt_step(optimizer, optimizer_state, *args, **kwargs)
         value = int(code.item())
         try:
-            found = accounting.note_verdict(self, optimizer, value, layout)
+            found = self._note_verdict(optimizer, value, layout)
         except Exception as error:
             containment.report("bookkeeping of a step's verdict (step())", error)
             found = bool(value & 1)
@@ -243,21 +225,17 @@ class SafeGradScaler(TorchGradScaler):
         if not self._enabled or self._scale is None:  # (no scale: torch's error, scale() was never called)
             return super().update(new_scale)
         try:
-            accounting.update(self, new_scale)
+            self._update_books(new_scale)
         finally:
             self._end_iteration()
         stall, self._counters.stall_error = self._counters.stall_error, None
         if stall is not None:
             raise stall
 
-    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
-        self._torch_updated = True
-
     def _end_iteration(self) -> None:
         scalers_in_iteration.discard(self)
         self._iteration = Iteration()
-        accounting.report_if_due(self)
+        self._report_if_due()
 
     def view(self) -> ScalerView:
         """What a capability may read of this scaler now (no device read): :class:`~ampguard.scaler.view.ScalerView`."""
@@ -272,67 +250,32 @@ class SafeGradScaler(TorchGradScaler):
             max_scale=self._max_scale,
             device=str(self._device),
             scale_on_device=self._scale,
+            unscaled=tuple(self._iteration.unscaled_optimizers),
+            scaling_thread=self._iteration.scaling_thread,
+            scale_read=self._iteration.scale_read,
         )
 
-    def grow_now(self, below: float = math.inf) -> float | None:
-        """Grow the scale by the growth factor now, within the cap and below ``below``, and restart the growth
-        interval: for a capability that knows the gradients have room (ampguard.underflow). No host read. Returns
-        the new scale (the old one where it cannot grow), or None in device mode, where it grows on the device."""
-        return policy.grow_now(self, below=below)
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """Whether the iteration ended by the last ``update()`` skipped an optimizer step (inf/NaN gradients).
-
-        True for every skip, a forward overflow's included, which keeps the scale:
-        ``get_scale() < scale_before`` misses those. Free after a non-fused step;
-        after a fused one it reads the device once, as :attr:`stats` does.
-        """
-        return accounting.last_step_skipped(self)
-
-    @property
-    def stats(self) -> ScalerStats:
-        """A snapshot of the counters (reads the device only after fused-optimizer iterations)."""
-        return accounting.snapshot(self)
-
-    def state_dict(self) -> dict[str, Any]:
-        """torch's five keys, plus ``ampguard``: the counters, as plain Python numbers."""
-        return checkpoint.add_counters(self, super().state_dict())
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Load a state saved by this class or by torch's GradScaler.
-
-        torch's five keys keep torch's meaning (a stock checkpoint's 65536 loads
-        as 65536), bounded by the floor and cap; ``AMPGUARD_GROWTH_INTERVAL``, when
-        set, still overrides the checkpoint's growth interval. ampguard's counters
-        are restored from the ``ampguard`` entry; a checkpoint without one (torch's)
-        leaves the counters this scaler already holds.
-        """
-        if self._enabled:
-            ledger.fold_device_ledger(self)  # counters the checkpoint may not replace
-        super().load_state_dict(state_dict)
-        if not self._enabled:
-            return
-        checkpoint.load_counters(self, state_dict)
+    def skip_step_if(self, optimizer: torch.optim.Optimizer, flag: torch.Tensor) -> None:
+        """Skip ``optimizer``'s next ``step()`` when ``flag`` (on the device, 0 or 1) is 1, as for inf gradients
+        found by ``unscale_()``: for a capability that finds them non-finite after it (ampguard.clip_grad's norm of
+        unscaled gradients). No host read; nothing when ``optimizer`` was not unscaled in this iteration."""
+        state = self._per_optimizer_states.get(id(optimizer))  # .get: never create an entry
+        for found_inf in state["found_inf_per_device"].values() if state is not None else ():
+            torch.maximum(found_inf, flag.to(device=found_inf.device, dtype=found_inf.dtype), out=found_inf)
 
     def __del__(self) -> None:
         try:  # the exit summary keeps this scaler's tally (host counters only)
-            summary.remember(self)
+            counters = self._counters
+            summary.remember(
+                self,
+                counters.steps,
+                counters.skipped,
+                counters.nonfinite_loss,
+                counters.no_grad_steps,
+                counters.mirror_scale,
+            )
         except Exception:  # at interpreter exit modules may be half torn down
             pass
-
-    def __getstate__(self) -> dict[str, Any]:
-        if self._enabled:
-            ledger.fold_device_ledger(self)
-        return checkpoint.for_pickle(self, super().__getstate__())
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state, listener_entries = checkpoint.without_listener_entries(state)
-        super().__setstate__(state)
-        if "_settings" not in state:  # pickled by torch's own GradScaler
-            checkpoint.adopt_torch_pickle(self, state)
-        else:
-            checkpoint.restore_iteration(self, listener_entries)
 
 
 SafeGradScaler.__module__ = "ampguard.scaler"  # the name pickles store, before and after this module split

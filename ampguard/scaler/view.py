@@ -8,13 +8,14 @@ its public methods (:meth:`SafeGradScaler.grow_now`), never its attributes.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 
 @dataclass(frozen=True)
 class ScalerView:
-    """A snapshot of the scaler after its last ``update()`` (no device read).
+    """A snapshot of the scaler now (no device read): as its last ``update()`` left it, and the iteration since.
 
     ``scale``: the host's float32 mirror of the scale, None in device mode (a fused optimizer's iteration: the
     scale is on the device only, :attr:`scale_on_device`).
@@ -29,3 +30,7 @@ class ScalerView:
     max_scale: float
     device: str
     scale_on_device: torch.Tensor | None  # the scale tensor itself (read-only by convention)
+    # The iteration in progress: the optimizers unscale_()d since the last scale(), the thread that called scale().
+    unscaled: tuple[Any, ...] = ()
+    scaling_thread: int | None = None
+    scale_read: bool = False  # get_scale() was called after scale() in this iteration

@@ -41,25 +41,10 @@ def track(scaler: Any) -> None:
     arm()
 
 
-def remember(scaler: Any) -> None:
-    """A scaler about to be collected (``SafeGradScaler.__del__``): keep its line, from host counters only."""
-    if scaler in _scalers:
-        line = _line(
-            scaler,
-            scaler._counters.steps,
-            scaler._counters.skipped,
-            scaler._counters.nonfinite_loss,
-            scaler._counters.no_grad_steps,
-            scaler._counters.mirror_scale,
-        )
-        if line is not None:
-            _gone.append(line)
-
-
-def remember_stats(counted: Any, stats: Any) -> None:
-    """An object counted here with its own ``stats`` (not a SafeGradScaler), about to go: keep its line."""
+def remember(counted: Any, steps: int, skipped: int, nonfinite: int, no_grad: int, scale: float | None) -> None:
+    """An object counted here about to go (``SafeGradScaler.__del__``, a DeepSpeed engine's counts): keep its line."""
     if counted in _scalers:
-        line = _line(counted, stats.steps, stats.skipped, stats.nonfinite_loss, stats.no_grad_steps, stats.scale)
+        line = _line(counted, steps, skipped, nonfinite, no_grad, scale)
         if line is not None:
             _gone.append(line)
 

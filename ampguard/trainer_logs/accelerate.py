@@ -8,7 +8,7 @@ of a non-fused optimizer, forward overflows included. A fused optimizer
 on the device, so accelerate never reports its skips, under torch's scaler as
 under ampguard's. ``AcceleratedOptimizer.step_was_skipped`` is wrapped to also
 be true when the SafeGradScaler's verdict for that optimizer's last step is
-already on the host (:func:`ampguard.scaler.accounting.known_skip`): after a
+already on the host (:meth:`SafeGradScaler.knows_skipped <ampguard.scaler.accounting.HostBooks.knows_skipped>`): after a
 fused step that is while ampguard reads each step anyway (the forward-overflow
 probe watching) or once it has read its counters since (a stats line,
 ``scaler.stats``). It never reads the device itself.
@@ -39,10 +39,8 @@ def _step_was_skipped(accelerate_s: Any) -> Any:
         if accelerate_s(self):
             return True
         try:
-            import ampguard.scaler.accounting as accounting  # (late: the scaler package imports much of ampguard)
-
             scaler = integrations.safe_scaler(getattr(self, "scaler", None))
-            return scaler is not None and accounting.known_skip(scaler, self.optimizer)
+            return scaler is not None and scaler.knows_skipped(self.optimizer)
         except Exception as error:  # never the reason a run dies: accelerate's answer
             containment.report("accelerate's step_was_skipped", error)
             return False

@@ -69,7 +69,7 @@ _current_task: Callable[[], int] = getattr(torch._C, "_current_graph_task_id", l
 
 
 class _Count:
-    """A node hook of one module call: hands the gradients to :meth:`Sampler._count` (holds no node)."""
+    """A node hook of one module call: hands the gradients to :meth:`Sampler.count` (holds no node)."""
 
     __slots__ = ("sampler", "session", "slot", "within")
 
@@ -77,7 +77,7 @@ class _Count:
         self.sampler, self.slot, self.session, self.within = sampler, slot, session, within
 
     def __call__(self, gradients: tuple[torch.Tensor | None, ...]) -> None:
-        self.sampler._count(self.slot, self.session, self.within, gradients)
+        self.sampler.count(self.slot, self.session, self.within, gradients)
 
 
 class Sampler:
@@ -290,7 +290,7 @@ class Sampler:
     def _counter(self, slot: int, within: int) -> _Count:
         return _Count(self, slot, self._session, within)
 
-    def _count(self, slot: int, session: int, within: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
+    def count(self, slot: int, session: int, within: int, gradients: tuple[torch.Tensor | None, ...]) -> None:
         """Hand the node's gradients to the sample: float16 ones counted, float32 ones of
         module outputs (under autocast: the residual stream its float16 branches are cast from) kept to tell
         whether a flush went on through them. Armed for a scaler, only in its losses' backward passes, or in one

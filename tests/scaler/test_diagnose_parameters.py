@@ -82,7 +82,7 @@ def test_stall_and_collapse_blame_the_parameters_not_clipping_or_bf16(reinstall,
     # The forward overflows whatever the scale, so whether the scale backs off into a collapse is the
     # forward-overflow policy's business: the collapse report is asked for directly.
     scaler._counters.collapse_reported = False
-    ampguard.scaler.policy.report_collapse(scaler, 1.0)
+    scaler._report_collapse(1.0)
     critical = [r.getMessage() for r in records(ampguard_log, logging.CRITICAL)]
     assert len(critical) == 2
     for message in critical:

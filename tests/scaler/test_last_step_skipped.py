@@ -14,7 +14,6 @@ import torch
 from scaler_support import DeviceSkipSGD, iteration, one_thread, safe, stock  # noqa: F401 (a fixture)
 
 from ampguard import syncs
-from ampguard.scaler import accounting
 from ampguard.scaler.row_copies import RowCopies
 from ampguard.syncs import HostReadCounter
 
@@ -170,10 +169,10 @@ def test_two_optimizers_one_skipped_the_flag_is_true_and_accelerate_s_per_optimi
     iteration(scaler, model, weight_optimizer, bias_optimizer, fault=True)  # the weight's gradient is inf
     assert scaler.last_step_skipped is True and scaler.stats.skipped == 1
     # accelerate steps and updates one optimizer at a time; an iteration of two cannot say which skipped
-    assert not accounting.known_skip(scaler, weight_optimizer) and not accounting.known_skip(scaler, bias_optimizer)
+    assert not scaler.knows_skipped(weight_optimizer) and not scaler.knows_skipped(bias_optimizer)
     iteration(scaler, model, weight_optimizer, fault=True)
-    assert scaler.last_step_skipped and accounting.known_skip(scaler, weight_optimizer)
-    assert not accounting.known_skip(scaler, bias_optimizer)
+    assert scaler.last_step_skipped and scaler.knows_skipped(weight_optimizer)
+    assert not scaler.knows_skipped(bias_optimizer)
 
 
 # -- update(new_scale) with a non-fused optimizer: torch's step() read the verdict (found by review) --
