@@ -26,6 +26,8 @@ import ampguard.scaler.policy as policy
 from ampguard.log import logger
 from ampguard.scaler.ledger import DeviceBooks
 from ampguard.scaler.live import TorchGradScaler
+from ampguard.scaler.policy import Alarms
+from ampguard.scaler.verdict import StepVerdict
 from ampguard.stats.counters import ScalerStats, log_stats
 
 try:
@@ -124,27 +126,18 @@ class HostBooks(DeviceBooks):
             assert self._scale is not None
             self._scale.fill_(bounded)
         self._counters.mirror_scale, self._counters.mirror_tracker = bounded, tracker
-        self._counters.min_seen = min(self._counters.min_seen, bounded)
-        self._counters.max_seen = max(self._counters.max_seen, bounded)
-        self._counters.skipped += skipped_steps
         self._counters.last_stepped, self._counters.last_skipped = (
             frozenset(self._iteration.host_found),
             skipped_steps > 0,
         )
-        if self._iteration.loss_nonfinite:
-            self._counters.nonfinite_loss += 1
         if bounded != scale_before and logger.isEnabledFor(logging.DEBUG):
             logger.debug("loss scale %g -> %g at step %d", scale_before, bounded, self._counters.steps)
-        if found:
-            self._counters.consecutive += 1
-            if not forward_overflow and self._in_collapse_zone(scale_before):
-                self._report_collapse(scale_before)
-            self._check_stall(self._counters.consecutive)
-        else:
-            self._counters.consecutive = 0
-            self._counters.stall_reported = False
-        if not self._in_collapse_zone(bounded):
-            self._counters.collapse_reported = False
+        verdict = StepVerdict(
+            found, skipped_steps, self._iteration.loss_nonfinite, forward_overflow, scale_before, bounded
+        )
+        alarms = Alarms()
+        self._count(verdict, alarms)
+        self._raise_alarms(alarms)
         listeners.notify_update(self, forward_overflow, fields)
 
     def _resync_mirror(self) -> None:

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,29 +37,15 @@ import ampguard.distributed as distributed
 import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
-from ampguard.scaler.policy import ScalePolicy
+from ampguard.scaler.policy import Alarms, ScalePolicy
 from ampguard.scaler.row_copies import KnownRow, RowCopies
+from ampguard.scaler.verdict import StepVerdict
 from ampguard.syncs import read_to_host
 
 try:
     from torch.amp.grad_scaler import OptState
 except ImportError:  # a torch that renamed it: the grad_scaler patch reports itself unavailable
     OptState = None  # type: ignore[assignment, misc]
-
-
-@dataclass
-class Replay:
-    """What the host learns from the rows since the last read."""
-
-    consecutive: int  # the streak of iterations with an overflow, now
-    max_consecutive: int
-    low: float  # the scale's range, including now
-    high: float
-    skipped: int = 0
-    nonfinite_loss: int = 0
-    forward_overflows: int = 0  # non-finite losses held (no back-off): the ones fp32 islands may heal
-    stalls: int = 0  # streaks that reached the stall limit
-    collapse_scale: float | None = None  # the lowest scale an overflow collapsed at
 
 
 class DeviceLedger:
@@ -122,26 +106,15 @@ class DeviceLedger:
         rows = [values[4 * i : 4 * i + 4] for i in range(len(self._held))]
         return rows, values[-2], int(values[-1])
 
-    def replay(self, rows: list[list[float]], scale: float, limit: int, collapses: Callable[[float], bool]) -> Replay:
-        """The host-mode policy over the rows: ``limit``, the stall limit; ``collapses(scale)``, whether an overflow
-        at that scale is a collapse."""
-        replay = Replay(consecutive=self.consecutive, max_consecutive=self.consecutive, low=scale, high=scale)
-        for (skipped, found, check, before), held in zip(rows, self._held):
+    def verdicts(self, rows: list[list[float]], scale: float) -> list[StepVerdict]:
+        """Each row's verdict (``scale``: the scale now, after the last row's update)."""
+        afters = [row[3] for row in rows[1:]] + [scale]
+        verdicts = []
+        for (skipped, found, check, before), held, after in zip(rows, self._held, afters):
             nonfinite = math.isnan(check)
-            held = held and policy.forward_overflow(bool(found), nonfinite)
-            replay.skipped += int(skipped)
-            replay.nonfinite_loss += nonfinite
-            replay.forward_overflows += held
-            replay.low, replay.high = min(replay.low, before), max(replay.high, before)
-            if not found:
-                replay.consecutive = 0
-                continue
-            replay.consecutive += 1
-            replay.max_consecutive = max(replay.max_consecutive, replay.consecutive)
-            replay.stalls += replay.consecutive == limit
-            if not held and collapses(before):
-                replay.collapse_scale = min(replay.collapse_scale or before, before)
-        return replay
+            forward = held and policy.forward_overflow(found > 0, nonfinite)
+            verdicts.append(StepVerdict(found > 0, int(skipped), nonfinite, forward, before, after))
+        return verdicts
 
 
 def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Tensor:
@@ -260,41 +233,32 @@ class DeviceBooks(ScalePolicy):
             return
         rows, scale, tracker = ledger.read(self._scale, self._growth_tracker)
         self._counters.ledger = None
-        replay = ledger.replay(rows, scale, self._settings.max_consecutive_skips, self._in_collapse_zone)
         if self._counters.last_skipped is None and rows:  # the last row is the last iteration's
             self._counters.last_skipped = rows[-1][0] > 0
-        self._counters.skipped += replay.skipped
-        self._counters.nonfinite_loss += replay.nonfinite_loss
-        self._counters.consecutive = replay.consecutive
-        self._counters.min_seen = min(self._counters.min_seen, replay.low)
-        self._counters.max_seen = max(self._counters.max_seen, replay.high)
+        verdicts, alarms = ledger.verdicts(rows, scale), Alarms()
+        for verdict in verdicts:  # counted as host mode counts them
+            self._count(verdict, alarms)
         self._counters.mirror_scale, self._counters.mirror_tracker = scale, tracker
+        self._raise_alarms(alarms)  # the collapses and stalls since the last read, even those that ended since
         if logger.isEnabledFor(logging.DEBUG):
+            seen = [row[3] for row in rows] + [scale]
             logger.debug(
-                "loss scale %g at step %d (range %g..%g since the last report)",
+                "loss scale %g at step %d (range %g..%g since the last read)",
                 scale,
                 self._counters.steps,
-                replay.low,
-                replay.high,
+                min(seen),
+                max(seen),
             )
-        untold = range(ledger.told, len(rows))  # the rows no host copy told yet
-        forward_overflows = sum(policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2])) for i in untold)
+        untold = verdicts[ledger.told :]  # the rows no host copy told yet
+        forward_overflows = sum(
+            policy.forward_overflow(verdict.found_inf, verdict.loss_nonfinite) for verdict in untold
+        )
         listeners.notify_counters_read(self, forward_overflows, len(untold), at_read=True, current=True)
-        for i in untold:  # [skipped, found, check, scale]: gradients that overflowed, not a held forward overflow
-            held = ledger.held_at(i) and policy.forward_overflow(rows[i][1] > 0, math.isnan(rows[i][2]))
-            if rows[i][1] > 0 and not held:
-                listeners.notify_overflow_known(self, rows[i][3])
+        for verdict in untold:  # gradients that overflowed, not a held forward overflow
+            if verdict.found_inf and not verdict.forward_overflow:
+                listeners.notify_overflow_known(self, verdict.scale_before)
         if (
             ledger.copies is not None
         ):  # the steps whose copies had not landed (a GPU): told now, as they would have been
             for row in ledger.copies.settle(rows[ledger.told :]):
                 self._tell_steps(row)
-        # Collapses and stalls since the last read, even those that ended since.
-        if replay.collapse_scale is not None:
-            self._report_collapse(replay.collapse_scale)
-        if not self._in_collapse_zone(scale):
-            self._counters.collapse_reported = False
-        if replay.stalls:  # a streak reached the limit since the last read: not reported yet
-            self._counters.stall_reported = False
-            self._check_stall(replay.max_consecutive)
-        self._counters.stall_reported = self._counters.consecutive >= self._settings.max_consecutive_skips

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -20,6 +21,7 @@ import ampguard.scaler.diagnose as diagnose
 from ampguard.errors import ScaleCollapseError
 from ampguard.log import event, logger
 from ampguard.scaler.parts import ScalerParts
+from ampguard.scaler.verdict import StepVerdict
 
 
 def f32(value: float) -> float:
@@ -68,8 +70,48 @@ def counted(
     return next_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
+@dataclass
+class Alarms:
+    """Collapses and stalls counted, not reported yet."""
+
+    collapse_at: float | None = None  # the lowest scale an overflow collapsed at
+    stall: int = 0  # the longest streak of skipped iterations that reached the stall limit
+
+
 class ScalePolicy(ScalerParts):
-    """The floor and cap, the collapse zone, collapse and stall reports, and a growth asked for."""
+    """The floor and cap, the counting of each verdict, collapse and stall reports, and a growth asked for."""
+
+    def _count(self, verdict: StepVerdict, alarms: Alarms) -> None:
+        """The one counting path: each iteration's verdict, at its update (host mode) or at the ledger's read
+        (device mode, in row order): skips, non-finite losses, the scale's range, the streak; the collapses and
+        stalls found go into ``alarms``, raised by :meth:`_raise_alarms` (at once in host mode, after the rows)."""
+        counters = self._counters
+        counters.skipped += verdict.skipped_steps
+        counters.nonfinite_loss += verdict.loss_nonfinite
+        counters.min_seen = min(counters.min_seen, verdict.scale_before, verdict.scale)
+        counters.max_seen = max(counters.max_seen, verdict.scale_before, verdict.scale)
+        if verdict.found_inf:
+            counters.consecutive += 1
+            if not verdict.forward_overflow and self._in_collapse_zone(verdict.scale_before):
+                alarms.collapse_at = min(alarms.collapse_at or verdict.scale_before, verdict.scale_before)
+            if counters.consecutive >= self._settings.max_consecutive_skips and not counters.stall_reported:
+                alarms.stall = max(alarms.stall, counters.consecutive)
+        else:
+            counters.consecutive = 0
+            counters.stall_reported = False
+        if not self._in_collapse_zone(verdict.scale):
+            counters.collapse_reported = False
+
+    def _raise_alarms(self, alarms: Alarms) -> None:
+        """CRITICAL for the collapse (its lowest scale) and the longest stall ``alarms`` hold, once per episode."""
+        if alarms.collapse_at is not None:
+            self._report_collapse(alarms.collapse_at)
+            if not self._in_collapse_zone(self._counters.mirror_scale or 0.0):
+                self._counters.collapse_reported = False  # it ended since (device mode): the next one is news
+        if alarms.stall:
+            self._counters.stall_reported = False
+            self._check_stall(alarms.stall)
+            self._counters.stall_reported = self._counters.consecutive >= self._settings.max_consecutive_skips
 
     def _bounded(self, scale: float) -> float:
         """``scale`` within the scaler's floor and cap."""
