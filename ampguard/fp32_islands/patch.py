@@ -29,6 +29,7 @@ from ampguard.patch import Patch, torch_release
 
 if TYPE_CHECKING:
     from ampguard.scaler.safe import SafeGradScaler
+    from ampguard.scaler.verdict import StepVerdict
 
 # Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
 # outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
@@ -45,9 +46,9 @@ class IslandsListener(listeners.StepListener):
     def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
         return healing.add_verdict(code, float(2**shift))
 
-    def on_update(self, scaler: SafeGradScaler, forward_overflow: bool, field: int) -> None:
+    def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
         healing.note_verdict(field)
-        healing.end_iteration(scaler, forward_overflow)
+        healing.end_iteration(scaler, verdict.forward_overflow)
 
     def on_device_update(
         self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None

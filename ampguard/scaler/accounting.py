@@ -138,7 +138,7 @@ class HostBooks(DeviceBooks):
         alarms = Alarms()
         self._count(verdict, alarms)
         self._raise_alarms(alarms)
-        listeners.notify_update(self, forward_overflow, fields)
+        listeners.notify_update(self, verdict, self._counters.steps, fields)
 
     def _resync_mirror(self) -> None:
         """After a failure in ampguard's bookkeeping (torch's update done): the device's truth, bounded."""

@@ -6,10 +6,13 @@ instance with :func:`add` in ``apply()`` and :func:`remove` in ``revert()``.
 The scaler calls every registered listener at fixed points of an iteration:
 
 ======================  ======================================================================
-``on_scale``             ``scale()``: the scaled loss (only listeners that override it are called)
+``on_scale``             ``scale()``: the scaled loss (while subscribed to ``"scale"``)
+``on_unscale``           ``unscale_()`` or a fused ``step()``: gradients still scaled (while subscribed to ``"unscale"``)
 ``add_to_read``          ``step()``, before torch's one host read: the listener's field of the packed value
+                         (while subscribed to ``"read"``)
 ``on_read``              ``step()``, after that read: the optimizer was stepped, or skipped
-``on_update``            ``update()`` in host mode: the iteration's verdict is known on the host
+``on_update``            ``update()`` in host mode: the iteration's :class:`~ampguard.scaler.verdict.StepVerdict`,
+                         when it overflowed, changed the scale, or the step reached the listener's ``wake_at``
 ``on_device_update``     ``update()`` in device mode (fused optimizers): nothing is known on the host
 ``on_counters_read``     device-mode iterations became known (their rows' host copies, or the ledger's read)
 ``on_step_pending``      ``update()`` in device mode: a fused optimizer's step was made, its verdict still on the device
@@ -25,6 +28,17 @@ found_inf, bit 1 "a loss was inf/NaN", and the listeners own the bits above,
 ``read_bits`` each, in registration order. It is a float32 on the device,
 exact up to 2**24, so the listeners' fields share :data:`FIELD_BITS` bits.
 
+**What a healthy step costs.** Subscriptions are data the listener keeps up
+to date, so that the scaler calls nobody on a healthy step that concerns
+nobody: ``scale``, ``unscale`` and ``read`` reach the listeners subscribed to
+them (:func:`subscribe`, :func:`unsubscribe`: a sampler armed, a probe
+watching); ``on_update`` reaches a listener when the iteration overflowed or
+changed the scale, or when that scaler's optimizer steps reach the listener's
+``wake_at[id(scaler)]`` (none there: every update), which the listener keeps
+itself (and drops with the scaler).
+
+Listeners read the scaler through :meth:`SafeGradScaler.view` and ask for a
+change through its public methods (``grow_now``): never its attributes.
 A listener that raises is reported once (:mod:`ampguard.containment`) and the
 step goes on as torch's.
 """
@@ -40,6 +54,7 @@ import ampguard.containment as containment
 if TYPE_CHECKING:
     from ampguard.scaler.parts import ScalerParts
     from ampguard.scaler.safe import SafeGradScaler
+    from ampguard.scaler.verdict import StepVerdict
 
 FOUND = 1  # bit 0: the optimizer's found_inf
 LOSS_NONFINITE = 2  # bit 1: a loss of the iteration was inf/NaN
@@ -52,6 +67,11 @@ class StepListener:
 
     name = "listener"  # in reports of its failures
     read_bits = 0  # the bits of the packed host read this listener owns
+
+    def __init__(self) -> None:
+        # id(scaler) -> the optimizer steps (``scaler.view().steps``) from which a healthy update of that scaler
+        # concerns this listener; a scaler not in it: every update (an overflow or a change of scale always).
+        self.wake_at: dict[int, int] = {}
 
     def on_scale(self, scaler: SafeGradScaler, scaled: Any) -> None:
         """``scale()`` returns ``scaled`` (a tensor, or torch's container of them): the loss whose backward pass the
@@ -69,12 +89,12 @@ class StepListener:
     def on_read(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
         """After the read in ``step()``: ``optimizer`` was skipped, or stepped; ``field`` is this listener's."""
 
-    def on_update(self, scaler: SafeGradScaler, forward_overflow: bool, field: int) -> None:
-        """The end of a host-mode ``update()``.
+    def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
+        """The end of a host-mode ``update()`` that concerns this listener (see ``wake_at``).
 
-        ``forward_overflow``: a step was skipped because a loss itself was inf/NaN
-        (agreed between ranks). ``field``: the largest this listener's field was
-        in the iteration's reads (on any rank).
+        ``verdict.forward_overflow``: a step was skipped because a loss itself was
+        inf/NaN (agreed between ranks). ``field``: the largest this listener's
+        field was in the iteration's reads (on any rank).
         """
 
     def on_device_update(
@@ -148,18 +168,24 @@ _listeners: list[StepListener] = []
 # (listener, shift) for each listener owning bits of the read, in registration order.
 Layout = tuple[tuple[StepListener, int], ...]
 _layout: Layout = ()
-_on_scale: tuple[StepListener, ...] = ()  # the listeners that override on_scale
-_on_unscale: tuple[StepListener, ...] = ()  # the listeners that override on_unscale
+EVENTS = ("scale", "unscale", "read")  # the events a listener hears only while subscribed
+_subscribed: dict[str, list[StepListener]] = {event: [] for event in EVENTS}
+_on_scale: tuple[StepListener, ...] = ()
+_on_unscale: tuple[StepListener, ...] = ()
+_on_read: Layout = ()  # (listener, shift) of the subscribed listeners owning bits of the read
 
 
-def add(listener: StepListener) -> None:
-    """Register ``listener`` (a patch's ``apply()``); registering it again changes nothing."""
+def add(listener: StepListener, subscribed: tuple[str, ...] = EVENTS) -> None:
+    """Register ``listener`` (a patch's ``apply()``), subscribed to ``subscribed``; registering it again changes
+    nothing."""
     if listener in _listeners:
         return
     bits = sum(known.read_bits for known in _listeners) + listener.read_bits
     if bits > FIELD_BITS:
         raise ValueError(f"the listeners' fields need {bits} bits of the packed read; it has {FIELD_BITS}")
     _listeners.append(listener)
+    for event in subscribed:
+        _subscribed[event].append(listener)
     _relayout()
 
 
@@ -167,7 +193,23 @@ def remove(listener: StepListener) -> None:
     """Unregister ``listener`` (a patch's ``revert()``)."""
     if listener in _listeners:
         _listeners.remove(listener)
-        _relayout()
+        unsubscribe(listener, *EVENTS)
+
+
+def subscribe(listener: StepListener, *events: str) -> None:
+    """``listener`` hears ``events`` (of :data:`EVENTS`) from now on."""
+    for event in events:
+        if listener in _listeners and listener not in _subscribed[event]:
+            _subscribed[event].append(listener)
+    _relayout()
+
+
+def unsubscribe(listener: StepListener, *events: str) -> None:
+    """``listener`` no longer hears ``events``."""
+    for event in events:
+        if listener in _subscribed[event]:
+            _subscribed[event].remove(listener)
+    _relayout()
 
 
 def registered() -> tuple[StepListener, ...]:
@@ -175,31 +217,34 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global _layout, _on_scale, _on_unscale
-    _on_scale = tuple(known for known in _listeners if type(known).on_scale is not StepListener.on_scale)
-    _on_unscale = tuple(known for known in _listeners if type(known).on_unscale is not StepListener.on_unscale)
+    global _layout, _on_scale, _on_unscale, _on_read
+    _on_scale = tuple(known for known in _subscribed["scale"] if type(known).on_scale is not StepListener.on_scale)
+    _on_unscale = tuple(
+        known for known in _subscribed["unscale"] if type(known).on_unscale is not StepListener.on_unscale
+    )
     layout, shift = [], FIRST_FIELD_BIT
     for listener in _listeners:
         if listener.read_bits:
             layout.append((listener, shift))
             shift += listener.read_bits
     _layout = tuple(layout)
+    _on_read = tuple((listener, shift) for listener, shift in _layout if listener in _subscribed["read"])
 
 
 # -- the scaler's side ----------------------------------------------------------------------------
 
 
 def encode(scaler: ScalerParts, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
-    """``code`` with every listener's field added, and the layout to decode the value read with."""
+    """``code`` with the subscribed listeners' fields added, and the layout to decode the value read with."""
     layout = _layout
-    for listener, shift in layout:
+    for listener, shift in _on_read:
         added = _guarded(listener, "step()", "add_to_read", scaler, code, shift)
         code = code if added is None else added
     return code, layout
 
 
 def decode(layout: Layout, value: int) -> dict[StepListener, int]:
-    """Each listener's field of the value read (bits 2 and up), by listener."""
+    """Each listener's field of the value read (bits 2 and up), by listener (every one: ranks exchange them)."""
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
 
 
@@ -220,9 +265,12 @@ def notify_read(
         _guarded(listener, "step()", "on_read", scaler, optimizer, fields.get(listener, 0), skipped)
 
 
-def notify_update(scaler: ScalerParts, forward_overflow: bool, fields: dict[StepListener, int]) -> None:
+def notify_update(scaler: ScalerParts, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
+    """The listeners this update concerns: all when it overflowed or changed the scale, else those awake."""
+    quiet = not verdict.found_inf and verdict.scale == verdict.scale_before
     for listener in _listeners:
-        _guarded(listener, "update()", "on_update", scaler, forward_overflow, fields.get(listener, 0))
+        if not quiet or steps >= listener.wake_at.get(id(scaler), 0) or fields.get(listener):
+            _guarded(listener, "update()", "on_update", scaler, verdict, fields.get(listener, 0))
 
 
 def notify_device_update(

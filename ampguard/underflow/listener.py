@@ -38,10 +38,11 @@ from __future__ import annotations
 import logging
 import math
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+import ampguard.scaler.listeners as listeners
 import ampguard.underflow.checkpoint as checkpoint
 from ampguard.distributed import agree_on_underflow, distributed
 from ampguard.log import event_logger
@@ -49,6 +50,9 @@ from ampguard.scaler.listeners import StepListener
 from ampguard.scaler.view import ScalerView
 from ampguard.underflow.counts import Measurement, Transfer, judged_now, totals
 from ampguard.underflow.policy import ScaleState, decide
+
+if TYPE_CHECKING:
+    from ampguard.scaler.verdict import StepVerdict
 
 logger = event_logger("underflow")
 
@@ -90,6 +94,7 @@ class UnderflowListener(StepListener):
     name = "underflow"
 
     def __init__(self, mode: str, every: int) -> None:
+        super().__init__()
         self.mode = mode
         self.every = every
         self.states: weakref.WeakKeyDictionary[Any, ScaleState] = weakref.WeakKeyDictionary()
@@ -101,6 +106,7 @@ class UnderflowListener(StepListener):
         if state is None:
             state = self.states[scaler] = ScaleState()
             weakref.finalize(scaler, state.sampler.disarm)  # a scaler dropped mid-sample leaves no hook behind
+            weakref.finalize(scaler, self.wake_at.pop, id(scaler), None)
         return state
 
     def stop(self) -> None:
@@ -123,10 +129,10 @@ class UnderflowListener(StepListener):
 
     # -- host mode -------------------------------------------------------------------------------
 
-    def on_update(self, scaler: Any, forward_overflow: bool, field: int) -> None:
+    def on_update(self, scaler: Any, verdict: StepVerdict, field: int) -> None:
         state = self.state_of(scaler)
         view = scaler.view()
-        overflowed = bool(view.last_skipped) and not forward_overflow
+        overflowed = bool(view.last_skipped) and not verdict.forward_overflow
         state.note_scale(view.scale, overflowed, view.backoff_factor)
         fresh = self._sampled(state)
         if fresh:
@@ -299,6 +305,17 @@ class UnderflowListener(StepListener):
             state.next_sample = step + 1 + self.every
             state.sampler.arm(own_losses=True)
             state.armed_for_step = True
+        self._rest(scaler, state)
+
+    def _rest(self, scaler: Any, state: ScaleState) -> None:
+        """Hear the scaler only when it concerns a sample: ``scale()`` and ``unscale_()`` while a sampler is armed,
+        a healthy update once a sample is due or on its way (:attr:`StepListener.wake_at`)."""
+        busy = state.pending is not None or state.armed_for_step
+        self.wake_at[id(scaler)] = 0 if busy else state.next_sample - 1
+        if any(known.sampler.armed for known in self.states.values()):
+            listeners.subscribe(self, "scale", "unscale")
+        else:
+            listeners.unsubscribe(self, "scale", "unscale")
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------
 

@@ -39,7 +39,7 @@ class UnderflowPatch(Patch):
         if config.underflow == "off":
             return
         self.listener = UnderflowListener(config.underflow, config.underflow_every)
-        listeners.add(self.listener)
+        listeners.add(self.listener, subscribed=())  # it subscribes while it samples
         export = getattr(torch, "export", None)
         if export is not None and hasattr(export, "export"):
             self.bindings.set_attribute(export, "export", without_global_hooks(export.export))

@@ -358,8 +358,8 @@ def test_a_parameters_accumulator_kept_alive_across_samples_is_never_hooked(rein
     unscale it; the output's node is hooked on the sampled steps only (2 and 5)."""
     reinstall(AMPGUARD_UNDERFLOW="report", AMPGUARD_UNDERFLOW_EVERY="3")
     calls: list[int] = []
-    count = Sampler._count
-    monkeypatch.setattr(Sampler, "_count", lambda self, *args: calls.append(1) or count(self, *args))
+    count = Sampler.count
+    monkeypatch.setattr(Sampler, "count", lambda self, *args: calls.append(1) or count(self, *args))
     torch.manual_seed(0)
     model = nn.Linear(8, 4).half()
     accumulators = [p.view_as(p).grad_fn.next_functions[0][0] for p in model.parameters()]  # as DDP keeps them
