@@ -24,7 +24,9 @@ all-reduced on skipped steps only (docs/islands.md).
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +37,7 @@ import ampguard.fp32_islands.model_inputs as model_inputs
 import ampguard.fp32_islands.rerun as rerun
 import ampguard.fp32_islands.watch_verdicts as watch_verdicts
 import ampguard.messages as messages
+import ampguard.scaler.live as live
 from ampguard.distributed import distributed
 from ampguard.fp32_islands.back_off import BackOff
 from ampguard.fp32_islands.buffers import BufferGuard
@@ -74,6 +77,7 @@ class _Healing:
     # pass (armed by a read after it, in device mode) and has nothing to judge.
     armed_since_update: bool = False
     stopped: bool = False  # after an error inside ampguard: the probe does not arm again
+    on_engaged: Callable[[], None] | None = None  # told when a watch begins off the schedule (bench)
 
 
 _active: _Healing | None = None
@@ -85,11 +89,14 @@ def _steps_of(scaler: Any) -> int:
     return steps if isinstance(steps, int) else 0
 
 
-def activate(config: Config) -> None:
+def activate(config: Config, on_engaged: Callable[[], None] | None = None) -> None:
+    """Heal from now on; ``on_engaged()`` is told when a watch begins off the schedule (:func:`watch_next_iteration`),
+    where no update would have told the listener that the next read concerns the healing."""
     global _active
     deactivate()
     watch = HeadroomWatch(config.watch_every, config.headroom)
     _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps, config.forward_rerun, watch=watch)
+    _active.on_engaged = on_engaged
 
 
 def deactivate() -> None:
@@ -113,6 +120,23 @@ def state() -> _Healing | None:
     return _active
 
 
+def engaged() -> bool:
+    """Whether every iteration concerns the healing now: the probe watches, the headroom watch is busy or due,
+    buffers are discovered or guarded, islands are being restored (then its listener hears every read and update)."""
+    active = _active
+    if active is None:
+        return False
+    return active.probe.armed or active.watch.busy() or not active.buffers.idle() or islands.restoring()
+
+
+def quiet_until(scaler: Any) -> int:
+    """The optimizer steps of ``scaler`` from which a healthy update concerns the healing again (0: the next)."""
+    active = _active
+    if active is None:
+        return sys.maxsize
+    return 0 if engaged() else active.watch.next_due(scaler)
+
+
 def watch_next_iteration() -> bool:
     """Have the headroom watch observe the next iteration, off its schedule (for ``ampguard bench``).
 
@@ -121,7 +145,10 @@ def watch_next_iteration() -> bool:
     """
     if _active is None or not _active.watch.every or not _may_watch(_active):
         return False
-    return _active.watch.watch_next(0)
+    watching = _active.watch.watch_next(0)
+    if watching and _active.on_engaged is not None:
+        _active.on_engaged()
+    return watching
 
 
 # -- the scaler's one read -----------------------------------------------------------------
@@ -151,7 +178,6 @@ def end_iteration(scaler: Any, overflow: bool) -> None:
     active = _active
     if active is None:
         return
-    active.inputs.end_update()
     _host_iteration(active, scaler, overflow)
 
 
@@ -293,6 +319,8 @@ def _judge_watch(
         return False
     finally:
         _note_limit(active)
+        if active.watch.last is not None:  # the models it saw keep their inputs (a quiet update hears nothing)
+            active.inputs.follow_safely(active.watch.last.roots())
 
 
 def _follow(active: _Healing, scaler: Any) -> bool:
@@ -323,7 +351,7 @@ def end_foreign_step(owner: Any, forward_overflow: bool) -> None:
     active = _active
     if active is None:
         return
-    active.inputs.end_update()
+    live.updates.count += 1  # (a SafeGradScaler's update() counts its own)
     try:
         if forward_overflow and active.probe.armed and active.probe.verdict is not None:
             active.verdict = max(active.verdict, int(read_to_host(active.probe.verdict.reshape(1))[0]))
@@ -351,7 +379,6 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
     active = _active
     if active is None:
         return None
-    active.inputs.end_update()
     owner = _follow(active, scaler)
     if active.watch.every:  # its verdict waits for the next read of the counters (after_stats_read)
         if active.watch.watching:

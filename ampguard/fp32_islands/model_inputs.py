@@ -33,6 +33,7 @@ from typing import Any, NamedTuple
 import torch
 
 import ampguard.messages as messages
+import ampguard.scaler.live as live
 from ampguard.distributed import agree_on_skip, distributed
 from ampguard.fp32_islands.island_io import autocast_dtype, autocast_enabled
 from ampguard.fp32_islands.probe import is_compiled
@@ -100,14 +101,14 @@ class ModelInputs:
         inputs.follow(sighting_roots)  # a pre-hook on each model the watch saw
         ...                            # forward passes: references kept
         inputs.nonfinite()             # at a forward overflow: True when the batch held inf/NaN (one read)
-        inputs.end_update()            # after each update
         inputs.close()                 # hooks off (uninstall)
     """
 
     def __init__(self) -> None:
         self._handles: dict[int, Any] = {}
         # One list of (args, kwargs) per update, the last one open (this update's passes so far).
-        self._cycles: deque[list[Pass]] = deque([[]], maxlen=KEEP_UPDATES + 1)
+        # (update count when made, its passes) per update, the last one open (this update's passes so far).
+        self._cycles: deque[tuple[int, list[Pass]]] = deque(maxlen=KEEP_UPDATES + 1)
         self._refused: set[int] = set()
         self.bad_batches = 0  # forward overflows found to come from inputs holding inf/NaN
         self.broken = False  # after an error: no more keeping or judging
@@ -126,7 +127,10 @@ class ModelInputs:
             _kept[key] = (weakref.ref(root), self)
 
     def note(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        passes = self._cycles[-1]
+        begun = live.updates.count
+        if not self._cycles or self._cycles[-1][0] != begun:
+            self._cycles.append((begun, []))
+        passes = self._cycles[-1][1]
         if len(passes) < MAX_PASSES:
             autocast = tuple((device, _autocast_dtype(device)) for device in AUTOCAST_DEVICES if _autocast_on(device))
             passes.append(Pass(weakref.ref(module), args, kwargs, autocast))
@@ -134,20 +138,24 @@ class ModelInputs:
     def last_passes(self) -> list[Pass]:
         """The forward passes of the last update (its micro-batches, in order), less those a ``torch.func``
         transform ran (per-sample gradients: their inputs are functorch's wrappers, run again only inside it)."""
-        passes = list(self._cycles[-2]) if len(self._cycles) > 1 else []
+        last = self._last(1)
+        passes = last[0] if last else []
         return [p for p in passes if not any(functorch_unwrapped(t) is not t for t in tensors((p.args, p.kwargs)))]
 
-    def end_update(self) -> None:
-        """An optimizer update begins its bookkeeping: the passes so far are its own, the next ones the next's."""
-        self._cycles.append([])
+    def _last(self, updates: int) -> list[list[Pass]] | None:
+        """The passes of each of the last ``updates`` updates begun (an update in its bookkeeping has begun: the
+        passes since the one before are its own); None when some of them are no longer kept."""
+        now, cycles = live.updates.count, self._cycles
+        if updates > KEEP_UPDATES or (len(cycles) == cycles.maxlen and cycles[0][0] > now - updates):
+            return None
+        return [passes for begun, passes in cycles if now - updates <= begun < now]
 
     def nonfinite(self, updates: int = 1) -> bool | None:
         """Whether the first model called in each of the last ``updates`` updates was given NaN or +inf (one read).
 
         None: nothing kept. Training passes only (autograd on: an evaluation pass is not kept).
         """
-        ended = list(self._cycles)[:-1]
-        cycles = ended[-updates:] if 0 < updates <= len(ended) else []
+        cycles = (self._last(updates) or []) if updates > 0 else []
         # The data as it came: the inputs of the first model called in each update (a second one, a head or a GAN's
         # discriminator, is fed what the first computed, inf where that overflowed).
         first = [[p for p in cycle if p.module() is cycle[0].module()] for cycle in cycles if cycle]
@@ -201,7 +209,7 @@ class ModelInputs:
             _kept.pop(key, None)
         self._handles.clear()
         self._refused.clear()
-        self._cycles = deque([[]], maxlen=KEEP_UPDATES + 1)
+        self._cycles = deque(maxlen=KEEP_UPDATES + 1)
 
 
 def strip(module: torch.nn.Module) -> None:

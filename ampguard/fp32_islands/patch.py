@@ -13,6 +13,7 @@ docs/islands.md describes it.
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -48,17 +49,37 @@ class IslandsListener(listeners.StepListener):
 
     def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
         healing.note_verdict(field)
-        healing.end_iteration(scaler, verdict.forward_overflow)
+        try:
+            healing.end_iteration(scaler, verdict.forward_overflow)
+        finally:
+            self.rest(scaler)
 
     def on_device_update(
         self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
-        return healing.end_device_iteration(scaler, check, held=held, row=row)
+        try:
+            return healing.end_device_iteration(scaler, check, held=held, row=row)
+        finally:
+            self.rest(scaler)
 
     def on_counters_read(
         self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
     ) -> None:
-        healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
+        try:
+            healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
+        finally:
+            self.rest(scaler)
+
+    def rest(self, scaler: Any) -> None:
+        """Hear the reads while the healing is engaged, and the healthy updates of ``scaler`` when due."""
+        key = id(scaler)
+        if key not in self.wake_at:
+            weakref.finalize(scaler, self.wake_at.pop, key, None)
+        self.wake_at[key] = healing.quiet_until(scaler)
+        self.engage() if healing.engaged() else listeners.unsubscribe(self, "read")
+
+    def engage(self) -> None:
+        listeners.subscribe(self, "read")
 
     def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
         healing.end_foreign_step(owner, forward_overflow)
@@ -93,6 +114,7 @@ class IslandsListener(listeners.StepListener):
         if state is not None and state.mode == "auto" and names:
             full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
             islands.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
+            self.wake_at.pop(id(scaler), None)  # the next update ends the restore window
 
 
 class Fp32IslandsPatch(Patch):
@@ -105,7 +127,8 @@ class Fp32IslandsPatch(Patch):
     requires_privates = torch_privates.FP32_ISLANDS
 
     def apply(self, config: Config) -> None:
-        healing.activate(config)
+        healing.activate(config, on_engaged=LISTENER.engage)
+        LISTENER.wake_at.clear()  # (an earlier install's schedule)
         listeners.add(LISTENER)
         # A model saved, scripted or exported comes out without ampguard's hooks (portable.py).
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))

@@ -37,6 +37,7 @@ gloo worker thread freeing such a bucket at exit hung the job on torch < 2.8
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import Any
 
@@ -99,6 +100,14 @@ class HeadroomWatch:
             self._due = False
             self._watched_step = step + 1
             self._pass.begin()
+
+    def next_due(self, scaler: Any) -> int:
+        """The optimizer steps of ``scaler`` at whose update a watch is next due (0: its next update; a very large
+        number: never, the watch off)."""
+        if not self.every:
+            return sys.maxsize
+        period = self._periods.get(scaler)
+        return 0 if period is None else (period + 1) * self.every + 1
 
     def restart(self) -> None:
         """Another model trains now (the scaler before was freed): forget the last sighting, watch its 2nd step."""

@@ -178,7 +178,7 @@ class DeviceBooks(ScalePolicy):
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         self._counters.mirror_scale = None
-        known = listeners.notify_device_update(self, check, hold, row)
+        known = listeners.notify_device_update(self, self._counters.steps, check, hold, row)
         if known is not None and self._counters.last_skipped is None:
             self._counters.last_skipped = known
         rows = self._tell_known_rows(ledger)
@@ -208,7 +208,9 @@ class DeviceBooks(ScalePolicy):
         if self._counters.last_skipped is None and ledger.rows_current:
             self._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
         forward_overflows = sum(policy.forward_overflow(row.found, row.nonfinite_loss) for row in rows)
-        listeners.notify_counters_read(self, forward_overflows, len(rows), at_read=False, current=ledger.rows_current)
+        listeners.notify_counters_read(
+            self, self._counters.steps, forward_overflows, len(rows), at_read=False, current=ledger.rows_current
+        )
         for row in rows:
             if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
                 listeners.notify_overflow_known(self, row.scale)
@@ -253,7 +255,9 @@ class DeviceBooks(ScalePolicy):
         forward_overflows = sum(
             policy.forward_overflow(verdict.found_inf, verdict.loss_nonfinite) for verdict in untold
         )
-        listeners.notify_counters_read(self, forward_overflows, len(untold), at_read=True, current=True)
+        listeners.notify_counters_read(
+            self, self._counters.steps, forward_overflows, len(untold), at_read=True, current=True
+        )
         for verdict in untold:  # gradients that overflowed, not a held forward overflow
             if verdict.found_inf and not verdict.forward_overflow:
                 listeners.notify_overflow_known(self, verdict.scale_before)

@@ -198,18 +198,20 @@ def remove(listener: StepListener) -> None:
 
 def subscribe(listener: StepListener, *events: str) -> None:
     """``listener`` hears ``events`` (of :data:`EVENTS`) from now on."""
-    for event in events:
-        if listener in _listeners and listener not in _subscribed[event]:
+    missing = [event for event in events if listener not in _subscribed[event]]
+    if missing and listener in _listeners:
+        for event in missing:
             _subscribed[event].append(listener)
-    _relayout()
+        _relayout()
 
 
 def unsubscribe(listener: StepListener, *events: str) -> None:
     """``listener`` no longer hears ``events``."""
-    for event in events:
-        if listener in _subscribed[event]:
+    subscribed = [event for event in events if listener in _subscribed[event]]
+    if subscribed:
+        for event in subscribed:
             _subscribed[event].remove(listener)
-    _relayout()
+        _relayout()
 
 
 def registered() -> tuple[StepListener, ...]:
@@ -274,21 +276,27 @@ def notify_update(scaler: ScalerParts, verdict: StepVerdict, steps: int, fields:
 
 
 def notify_device_update(
-    scaler: ScalerParts, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    scaler: ScalerParts, steps: int, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
 ) -> bool | None:
-    """Every listener's ``on_device_update``; whether a step was skipped, if one of them read it."""
+    """The awake listeners' ``on_device_update`` (nothing is known on the host to wake the others); whether a step
+    was skipped, if one of them read it."""
     known: bool | None = None
     for listener in _listeners:
-        skipped = _guarded(listener, "update()", "on_device_update", scaler, check, held, row)
-        known = skipped if known is None else known
+        if steps >= listener.wake_at.get(id(scaler), 0):
+            skipped = _guarded(listener, "update()", "on_device_update", scaler, check, held, row)
+            known = skipped if known is None else known
     return known
 
 
 def notify_counters_read(
-    scaler: ScalerParts, forward_overflows: int, iterations: int, at_read: bool, current: bool
+    scaler: ScalerParts, steps: int, forward_overflows: int, iterations: int, at_read: bool, current: bool
 ) -> None:
+    """The listeners the rows concern: all at a read of the ledger or when a forward overflow is among them, else
+    the awake ones."""
     for listener in _listeners:
-        _guarded(listener, "counters read", "on_counters_read", scaler, forward_overflows, iterations, at_read, current)
+        if at_read or forward_overflows or steps >= listener.wake_at.get(id(scaler), 0):
+            args = (scaler, forward_overflows, iterations, at_read, current)
+            _guarded(listener, "counters read", "on_counters_read", *args)
 
 
 def notify_step_pending(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:

@@ -21,6 +21,17 @@ TorchGradScaler = torch.amp.grad_scaler.GradScaler  # torch's class, whatever na
 scalers_in_iteration: weakref.WeakSet[SafeGradScaler] = weakref.WeakSet()
 
 
+class Updates:
+    """How many optimizer updates began in this process (a SafeGradScaler's ``update()``, a DeepSpeed fp16 step):
+    the iterations' boundaries, for data kept per iteration by code that does not hear every update (the inputs
+    fp32 islands keep). A count, bumped with no call."""
+
+    count = 0
+
+
+updates = Updates()
+
+
 def live_scalers() -> list[SafeGradScaler]:
     """The scalers in :data:`scalers_in_iteration`, safe while other threads add or discard some.
 

@@ -39,6 +39,7 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
 import ampguard.containment as containment
 import ampguard.scaler.crashes as crashes
 import ampguard.scaler.listeners as listeners
+import ampguard.scaler.live as live
 import ampguard.stats.summary as summary
 from ampguard.scaler.accumulation import Accumulation
 from ampguard.scaler.checkpoint import Checkpoints
@@ -224,6 +225,7 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         """
         if not self._enabled or self._scale is None:  # (no scale: torch's error, scale() was never called)
             return super().update(new_scale)
+        live.updates.count += 1  # an update begins: the forward passes since the last one were this one's
         try:
             self._update_books(new_scale)
         finally:

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 
 import ampguard
 import ampguard.messages as messages
+import ampguard.scaler.live as live
 from ampguard.fp32_islands import healing, model_inputs
 from ampguard.fp32_islands.model_inputs import KEEP_UPDATES, KeepInputs, ModelInputs
 
@@ -73,13 +74,16 @@ def test_only_the_last_updates_inputs_are_kept():
         for update in range(KEEP_UPDATES + 3):
             for _ in range(2):  # two micro-batches per update
                 model(torch.full((1, 2), float(update)))
-            inputs.end_update()
-        kept = [float(p.args[0][0, 0]) for cycle in inputs._cycles for p in cycle]
-        assert kept == [float(u) for u in range(3, KEEP_UPDATES + 3) for _ in range(2)]
+            live.updates.count += 1  # an update begins (a SafeGradScaler's update(), a DeepSpeed step)
+        kept = [float(p.args[0][0, 0]) for _, cycle in inputs._cycles for p in cycle]
+        # the last KEEP_UPDATES updates' passes, and those of the one before until the next pass begins another
+        assert kept == [float(u) for u in range(2, KEEP_UPDATES + 3) for _ in range(2)]
         assert inputs.nonfinite(1) is False and inputs.nonfinite(KEEP_UPDATES + 1) is None
         model(torch.tensor([[1.0, float("inf")]]))
+        kept = [float(p.args[0][0, 0]) for _, cycle in inputs._cycles for p in cycle]
+        assert kept[: 2 * KEEP_UPDATES] == [float(u) for u in range(3, KEEP_UPDATES + 3) for _ in range(2)]
         assert inputs.nonfinite(1) is False  # the pass after the last update is the next update's
-        inputs.end_update()
+        live.updates.count += 1
         assert inputs.nonfinite(1) is True
     finally:
         inputs.close()
@@ -105,9 +109,9 @@ def test_a_copy_keeps_nothing_a_saved_model_loads_and_uninstall_strips_both(rein
     ema = copy.deepcopy(model)
     state = healing.state()
     assert state is not None
-    before = [len(cycle) for cycle in state.inputs._cycles]
+    before = [(begun, len(passes)) for begun, passes in state.inputs._cycles]
     ema(batch(0)[0])  # the copy's hook does nothing: not its keeper's model
-    assert [len(cycle) for cycle in state.inputs._cycles] == before
+    assert [(begun, len(passes)) for begun, passes in state.inputs._cycles] == before
     saved = io.BytesIO()
     torch.save(model, saved)
     saved.seek(0)
@@ -205,12 +209,14 @@ def test_evaluation_passes_are_not_kept(reinstall):
     train(model, 3)
     state = healing.state()
     assert state is not None
+    before = [(begun, len(passes)) for begun, passes in state.inputs._cycles]
+    assert before and before[-1][1] > 0  # the training passes are kept
     with torch.no_grad():
         for _ in range(100):  # a validation loop: 100 batches that must not stay alive
             model(batch(0)[0])
     with torch.inference_mode():
         model(batch(0)[0])
-    assert state.inputs._cycles[-1] == []
+    assert [(begun, len(passes)) for begun, passes in state.inputs._cycles] == before
 
 
 def test_a_model_saved_whole_loads_without_ampguard_and_scripts_and_keeps_its_hooks(reinstall, tmp_path):
