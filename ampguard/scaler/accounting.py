@@ -36,6 +36,14 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
     _refresh_per_optimizer_state = None  # type: ignore[assignment]
 
 
+def _any_recorded(states: dict[int, dict[str, Any]]) -> bool:
+    """Whether an optimizer recorded found_inf this iteration (torch's "inf checks")."""
+    for state in states.values():  # noqa: SIM110  (a loop: no generator frame on a healthy update)
+        if state["found_inf_per_device"]:
+            return True
+    return False
+
+
 class HostBooks(DeviceBooks):
     """Host mode: what torch's one read in ``step()`` tells, counted at ``update()``; ``stats``; the stats line."""
 
@@ -71,7 +79,7 @@ class HostBooks(DeviceBooks):
         self._torch_updated = False
         self._iteration.scale_given = new_scale is not None
         try:
-            if new_scale is None and not any(s["found_inf_per_device"] for s in states.values()):
+            if new_scale is None and not _any_recorded(states):
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # no inf checks: scale kept
                 self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
             elif new_scale is None and self._host_saw_everything(states):
@@ -89,11 +97,13 @@ class HostBooks(DeviceBooks):
 
     def _host_saw_everything(self, states: dict[int, dict[str, Any]]) -> bool:
         """Every optimizer with a found_inf was read on the host this iteration (no fused one, no ledger pending)."""
-        return (
-            self._counters.ledger is None
-            and self._host_mirror_exact
-            and all(key in self._iteration.host_found for key, s in states.items() if s["found_inf_per_device"])
-        )
+        if self._counters.ledger is not None or not self._host_mirror_exact:
+            return False
+        host_found = self._iteration.host_found
+        for key, state in states.items():  # noqa: SIM110  (as above)
+            if state["found_inf_per_device"] and key not in host_found:
+                return False
+        return True
 
     def _update_in_host_mode(self) -> None:
         found = any(self._iteration.host_found.values())
@@ -137,7 +147,8 @@ class HostBooks(DeviceBooks):
         )
         alarms = Alarms()
         self._count(verdict, alarms)
-        self._raise_alarms(alarms)
+        if alarms.collapse_at is not None or alarms.stall:
+            self._raise_alarms(alarms)
         listeners.notify_update(self, verdict, self._counters.steps, fields)
 
     def _resync_mirror(self) -> None:

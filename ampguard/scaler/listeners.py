@@ -173,6 +173,9 @@ _subscribed: dict[str, list[StepListener]] = {event: [] for event in EVENTS}
 _on_scale: tuple[StepListener, ...] = ()
 _on_unscale: tuple[StepListener, ...] = ()
 _on_read: Layout = ()  # (listener, shift) of the subscribed listeners owning bits of the read
+_stepped: tuple[StepListener, ...] = ()  # the listeners that override on_read
+_updated: tuple[StepListener, ...] = ()  # the listeners that override on_update
+_no_fields: dict[StepListener, int] = {}  # every field 0: a read that carried none
 
 
 def add(listener: StepListener, subscribed: tuple[str, ...] = EVENTS) -> None:
@@ -219,7 +222,9 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global _layout, _on_scale, _on_unscale, _on_read
+    global _layout, _on_scale, _on_unscale, _on_read, _stepped, _updated, _no_fields
+    _stepped = tuple(known for known in _listeners if type(known).on_read is not StepListener.on_read)
+    _updated = tuple(known for known in _listeners if type(known).on_update is not StepListener.on_update)
     _on_scale = tuple(known for known in _subscribed["scale"] if type(known).on_scale is not StepListener.on_scale)
     _on_unscale = tuple(
         known for known in _subscribed["unscale"] if type(known).on_unscale is not StepListener.on_unscale
@@ -231,6 +236,7 @@ def _relayout() -> None:
             shift += listener.read_bits
     _layout = tuple(layout)
     _on_read = tuple((listener, shift) for listener, shift in _layout if listener in _subscribed["read"])
+    _no_fields = dict.fromkeys((listener for listener, _ in _layout), 0)
 
 
 # -- the scaler's side ----------------------------------------------------------------------------
@@ -247,6 +253,8 @@ def encode(scaler: ScalerParts, code: torch.Tensor) -> tuple[torch.Tensor, Layou
 
 def decode(layout: Layout, value: int) -> dict[StepListener, int]:
     """Each listener's field of the value read (bits 2 and up), by listener (every one: ranks exchange them)."""
+    if value < 1 << FIRST_FIELD_BIT and layout is _layout:
+        return _no_fields  # (read only)
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
 
 
@@ -263,14 +271,14 @@ def notify_unscale(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> Non
 def notify_read(
     scaler: ScalerParts, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
 ) -> None:
-    for listener in _listeners:
+    for listener in _stepped:
         _guarded(listener, "step()", "on_read", scaler, optimizer, fields.get(listener, 0), skipped)
 
 
 def notify_update(scaler: ScalerParts, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
     """The listeners this update concerns: all when it overflowed or changed the scale, else those awake."""
     quiet = not verdict.found_inf and verdict.scale == verdict.scale_before
-    for listener in _listeners:
+    for listener in _updated:
         if not quiet or steps >= listener.wake_at.get(id(scaler), 0) or fields.get(listener):
             _guarded(listener, "update()", "on_update", scaler, verdict, fields.get(listener, 0))
 
