@@ -1,22 +1,22 @@
 """The SafeGradScaler and everything only it uses.
 
 * :mod:`~ampguard.scaler.safe`: the class itself, the torch-facing part (its docstring says how it stays free);
-* :mod:`~ampguard.scaler.live`: the scalers in an iteration, torch's own class (a leaf others may import);
+  it is one object made of parts, one class per file: :mod:`~ampguard.scaler.policy` (ScalePolicy: the rule,
+  floor, cap, the one counting path), :mod:`~ampguard.scaler.ledger` (DeviceBooks: device mode),
+  :mod:`~ampguard.scaler.accounting` (HostBooks: host mode, ``stats``), :mod:`~ampguard.scaler.checkpoint`
+  (Checkpoints), :mod:`~ampguard.scaler.crashes` (CrashGuards), :mod:`~ampguard.scaler.accumulation`
+  (Accumulation); :mod:`~ampguard.scaler.parts` declares the state they share;
+* :mod:`~ampguard.scaler.verdict`: StepVerdict, what one update decided;
+* :mod:`~ampguard.scaler.live`: the scalers in an iteration, the count of updates begun, torch's own class
+  (a leaf others may import);
 * :mod:`~ampguard.scaler.counters`: what it keeps on the host, one dataclass;
 * :mod:`~ampguard.scaler.settings`: constructor arguments, defaults and environment, resolved once;
 * :mod:`~ampguard.scaler.iteration`: the iteration in progress (the loss check, what step() read, the
   optimizers already unscaled);
-* :mod:`~ampguard.scaler.policy`: torch's update rule replayed on the host, the floor and cap,
-  collapse and stall reports;
-* :mod:`~ampguard.scaler.accounting`: host mode, the counters and the mirror of the scale
-  riding on torch's one read, ``stats`` and the periodic stats line;
-* :mod:`~ampguard.scaler.ledger`: device mode, the counters kept on the device for fused
-  optimizers, read once when a stats line is due, ``stats`` is asked for or a checkpoint is taken;
-* :mod:`~ampguard.scaler.accumulation`: gradient accumulation across ``unscale_`` and ``scale()``;
-* :mod:`~ampguard.scaler.crashes`: no-gradient optimizers, float16 and bfloat16 gradients,
-  a second ``unscale_()``;
+* :mod:`~ampguard.scaler.listeners`: the capabilities that hear of its steps, and which of them a step concerns;
+* :mod:`~ampguard.scaler.view`: ScalerView, what a capability may read of it;
+* :mod:`~ampguard.scaler.row_copies`: device-mode rows on their way to the host without a sync;
 * :mod:`~ampguard.scaler.diagnose`: the skipped-step report (which parameters, why);
-* :mod:`~ampguard.scaler.checkpoint`: ``state_dict()`` extras, ``load_state_dict()``, pickling;
 * :mod:`~ampguard.scaler.sharded`: FSDP's ShardedGradScaler with this class's safety.
 """
 

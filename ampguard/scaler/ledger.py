@@ -7,10 +7,12 @@ writes one row per iteration into a ledger on the scale's device,
 ``[skipped, found, loss check, scale]``, with one ``stack(out=)``. The rows are
 read (one sync) only when a stats line is due, ``scaler.stats`` is asked for,
 a checkpoint is taken, or after :attr:`DeviceLedger.MAX_ROWS` iterations
-(:func:`fold_device_ledger`); the host then replays them with the host-mode
-policy (counts, streaks, stalls, collapses, the scale's range), refreshes its
-mirror of the scale and host mode resumes. Collapses and stalls that happened
-in device mode are reported at that read, even if they have ended since.
+(``DeviceBooks._fold_device_ledger``); each row is then a
+:class:`~ampguard.scaler.verdict.StepVerdict`, counted by the one path host
+mode counts by (``ScalePolicy._count``: skips, streaks, the scale's range),
+the host refreshes its mirror of the scale and host mode resumes. Collapses
+and stalls that happened in device mode are reported at that read (the lowest
+collapse scale, the longest streak), even if they have ended since.
 
 Per iteration that is 3 kernels: the row, the forward-overflow hold (a
 ``heaviside`` that zeroes the found_inf torch's ``update()`` reads where the
@@ -20,7 +22,7 @@ row is known at its own update (the CPU, :mod:`ampguard.scaler.row_copies`) and
 it was a forward overflow (:func:`ampguard.scaler.policy.forward_overflow`, the
 rule host mode counts by: the gradients overflowed too; a non-finite loss with
 finite gradients counts as in torch), the scale and tracker are put back as
-host mode keeps them (:func:`_keep_scale`, a few ops after a failure only); on
+host mode keeps them (``_keep_scale``, a few ops after a failure only); on
 a GPU the row arrives later and the count stays.
 """
 

@@ -138,7 +138,7 @@ class StepListener:
 
     def on_overflow_known(self, scaler: SafeGradScaler, scale: float) -> None:
         """A device-mode iteration's gradients overflowed at loss ``scale`` (not a forward overflow): learned from
-        its row, once, when the host learns it (:func:`ampguard.scaler.ledger.tell_known_rows`, or the ledger's
+        its row, once, when the host learns it (``DeviceBooks._tell_known_rows``, or the ledger's
         read)."""
 
     def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:

@@ -7,22 +7,26 @@ of its bookkeeping on the host from there: skip counts, a float32 mirror of the
 scale (the rule of ``torch._amp_update_scale_``, replayed exactly), the floor,
 the cap, collapse and stall detection. Nothing else is read from the device.
 
-This class is the torch-facing part: it overrides torch's methods and hands
-each behaviour to the module that owns it.
+This module is the torch-facing part: the class overrides torch's methods. It
+is one object made of parts, one class per file, each using ``self`` (the state
+they share is declared in :mod:`~ampguard.scaler.parts`):
 
-* :mod:`~ampguard.scaler.settings`: constructor arguments, defaults and environment, resolved once;
-* :mod:`~ampguard.scaler.iteration`: the iteration in progress (the loss check, what step() read, the
-  optimizers already unscaled);
-* :mod:`~ampguard.scaler.policy`: torch's update rule replayed on the host, the floor and cap,
-  collapse and stall reports;
-* :mod:`~ampguard.scaler.accounting`: host mode, the counters and the mirror of the scale
-  riding on torch's one read, ``stats`` and the periodic stats line;
-* :mod:`~ampguard.scaler.ledger`: device mode, the counters kept on the device for fused
+* :class:`~ampguard.scaler.policy.ScalePolicy`: torch's update rule replayed on the host, the floor
+  and cap, the one counting path (each iteration's :class:`~ampguard.scaler.verdict.StepVerdict`),
+  collapse and stall reports, ``grow_now()``;
+* :class:`~ampguard.scaler.ledger.DeviceBooks`: device mode, the rows kept on the device for fused
   optimizers, read once when a stats line is due, ``stats`` is asked for or a checkpoint is taken;
-* :mod:`~ampguard.scaler.crashes`: no-gradient optimizers, float16 and bfloat16 gradients,
+* :class:`~ampguard.scaler.accounting.HostBooks`: host mode, the verdict riding on torch's one read,
+  ``stats`` and the periodic stats line;
+* :class:`~ampguard.scaler.checkpoint.Checkpoints`: ``state_dict()``, ``load_state_dict()``, pickling;
+* :class:`~ampguard.scaler.crashes.CrashGuards`: no-gradient optimizers, float16 and bfloat16 gradients,
   a second ``unscale_()``;
-* :mod:`~ampguard.scaler.checkpoint`: ``state_dict()`` extras, ``load_state_dict()``, pickling;
-* :mod:`~ampguard.scaler.sharded`: FSDP's ShardedGradScaler with this class's safety.
+* :class:`~ampguard.scaler.accumulation.Accumulation`: ``scale()`` again after ``unscale_()``.
+
+Beside them: :mod:`~ampguard.scaler.settings` (constructor arguments, defaults and environment, resolved
+once), :mod:`~ampguard.scaler.iteration` (the iteration in progress), :mod:`~ampguard.scaler.listeners`
+(the capabilities that hear of its steps), :mod:`~ampguard.scaler.sharded` (FSDP's ShardedGradScaler with
+this class's safety).
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 """What a capability may read of a SafeGradScaler, and nothing it may change: :class:`ScalerView`.
 
-The step listeners (:mod:`ampguard.scaler.listeners`) get the scaler itself;
-they read it through :meth:`SafeGradScaler.view` and ask for a change through
-its public methods (:meth:`SafeGradScaler.grow_now`), never its attributes.
+The step listeners (:mod:`ampguard.scaler.listeners`) and the clip patch read
+a scaler through :meth:`SafeGradScaler.view` and ask for a change through its
+public methods (``grow_now``, ``skip_step_if``), never its attributes.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ run has none, and what happened after a run's last one is only in its events. So
 the report also reads the events (:class:`EventDigest`): the islands made, the
 skipped steps described, the peaks and underflow named, and the exit summary's
 final tally. Events carry their message as text: the patterns below follow the
-messages (ampguard/messages.py and the loggers that write them); tests/test_report.py
+messages (ampguard/messages.py and the loggers that write them); tests/stats/test_report.py
 runs a real short training and checks the report against it.
 """
 

@@ -28,7 +28,7 @@ estimated from what float16 shows, per gradient:
   whose largest value is ``2**-24`` or ``2**-23``: a qkv projection's queries
   and keys, flushed inside the attention beside the values). A parameter's
   gradient is computed from its module's output's.
-  tests/test_underflow_float32_reference.py checks the estimate against the
+  tests/underflow/test_underflow_float32_reference.py checks the estimate against the
   same backward pass in float32;
 * a gradient of exact zeros only: lost whole when a gradient it was computed
   from was *flushed*: it held nonzero values but no normal one, or it was
@@ -65,7 +65,7 @@ OVERFLOWED = 65536.0
 # What a lost value adds to a gradient's squared norm (scaled units), for the share of the norm lost
 # (Counts.lost_norm): taken at 2**-25, below which float16 rounds to zero. A bound for the values flushed there;
 # those lost downstream of a flush (computed from flushed gradients) may be larger. Against float32
-# (tests/test_underflow_float32_reference.py) it errs by at most a factor of 3 and takes the same side of the
+# (tests/underflow/test_underflow_float32_reference.py) it errs by at most a factor of 3 and takes the same side of the
 # policy's 1% in every case there; a uniform density below 2**-25 (a third of it) missed the attention net's 2.8%
 # at 2**16 (0.8%).
 LOST_VALUE_SQUARE = (2.0**-25) ** 2

@@ -14,7 +14,7 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   at that update on the CPU, at a later one on CUDA when the copy is done, the
   measurement is known and, with ``AMPGUARD_UNDERFLOW=adapt``,
   :func:`~ampguard.underflow.policy.decide` may grow the scale
-  (:func:`ampguard.scaler.policy.grow_now`: no read either).
+  (:meth:`SafeGradScaler.grow_now <ampguard.scaler.policy.ScalePolicy.grow_now>`: no read either).
 
 Under torch.distributed, ranks training one model (DDP, FSDP) must keep one
 scale while each measures its own batch. With ``adapt`` they agree on one

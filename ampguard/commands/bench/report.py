@@ -1,7 +1,7 @@
 """Every measurement of ``ampguard bench`` as one JSON-ready dict, its targets, and its table.
 
 :func:`run` returns the dict; its fields are documented in
-``docs/performance.md`` and checked by ``tests/test_bench.py``.
+``docs/performance.md`` and checked by ``tests/commands/test_bench.py``.
 """
 
 from __future__ import annotations

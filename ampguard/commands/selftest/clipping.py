@@ -21,7 +21,7 @@ from ampguard.commands.selftest.result import CheckResult, Context, not_ampguard
 from ampguard.commands.selftest.runner import plain_torch
 
 MAX_NORM = 0.1
-# ampguard's extra aten ops (kernel launches on a GPU) per recipe step: docs/performance.md, tests/test_op_count.py.
+# ampguard's extra aten ops (kernel launches on a GPU) per recipe step: docs/performance.md, tests/parity/test_op_count.py.
 MAX_EXTRA_OPS = 4
 # The first norm under float16 autocast against the float32 model's: float16's own rounding, not a factor of scale.
 FLOAT32_TOLERANCE = 1e-2
