@@ -77,7 +77,7 @@ class _Healing:
     # pass (armed by a read after it, in device mode) and has nothing to judge.
     armed_since_update: bool = False
     stopped: bool = False  # after an error inside ampguard: the probe does not arm again
-    on_engaged: Callable[[], None] | None = None  # told when a watch begins off the schedule (bench)
+    on_engaged: Callable[[], None] | None = None  # told when the healing is engaged between updates (activate())
 
 
 _active: _Healing | None = None
@@ -90,8 +90,9 @@ def _steps_of(scaler: Any) -> int:
 
 
 def activate(config: Config, on_engaged: Callable[[], None] | None = None) -> None:
-    """Heal from now on; ``on_engaged()`` is told when a watch begins off the schedule (:func:`watch_next_iteration`),
-    where no update would have told the listener that the next read concerns the healing."""
+    """Heal from now on; ``on_engaged()`` is told when the next read and update concern the healing where no update
+    told the listener so: a watch begun off the schedule (:func:`watch_next_iteration`), the scaler that buffer
+    discovery followed freed (the next one heard takes over)."""
     global _active
     deactivate()
     watch = HeadroomWatch(config.watch_every, config.headroom)
@@ -126,7 +127,9 @@ def engaged() -> bool:
     active = _active
     if active is None:
         return False
-    return active.probe.armed or active.watch.busy() or not active.buffers.idle() or islands.restoring()
+    owner = active.buffers_owner
+    handover = owner is not None and owner() is None  # the scaler discovery followed was freed: another's turn
+    return active.probe.armed or active.watch.busy() or not active.buffers.idle() or islands.restoring() or handover
 
 
 def quiet_until(scaler: Any) -> int:
@@ -338,7 +341,8 @@ def _follow(active: _Healing, scaler: Any) -> bool:
         active.probe.disarm()  # it watched for the model before
         active.back_off.reset()  # the probe backed off for the model before, not this one
         active.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
-    active.buffers_owner = weakref.ref(scaler)
+    # Freed, it hands discovery to the next scaler heard: which must then be heard at once, healthy or not.
+    active.buffers_owner = weakref.ref(scaler, lambda _: active.on_engaged() if active.on_engaged else None)
     return True
 
 

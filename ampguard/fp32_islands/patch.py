@@ -79,6 +79,8 @@ class IslandsListener(listeners.StepListener):
         self.engage() if healing.engaged() else listeners.unsubscribe(self, "read")
 
     def engage(self) -> None:
+        """The next read and update of every scaler concern the healing (told between updates)."""
+        self.wake_at.clear()
         listeners.subscribe(self, "read")
 
     def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
@@ -110,11 +112,11 @@ class IslandsListener(listeners.StepListener):
         Their names are qualified from the top-level module (checkpoints since that
         naming), or else relative to the outermost module called then.
         """
+        self.wake_at.pop(id(scaler), None)  # its steps may go back (a rollback): the schedule is found again
         state, names = healing.state(), entries.get("fp32_islands")
         if state is not None and state.mode == "auto" and names:
             full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
             islands.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
-            self.wake_at.pop(id(scaler), None)  # the next update ends the restore window
 
 
 class Fp32IslandsPatch(Patch):

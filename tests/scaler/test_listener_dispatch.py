@@ -117,3 +117,76 @@ def test_an_overflow_reaches_every_listener(reinstall, ampguard_log, monkeypatch
     assert ("islands", True) in heard and ("underflow", True) in heard
     assert [found for _, found in heard].count(True) == 2 * result.scaler.stats.skipped
     assert records(ampguard_log, logging.INFO, "fp32 island") or ampguard.SafeGradScaler  # (the probe armed)
+
+
+def _one_step(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, step: int, offset: int = 0) -> None:
+    x, y = batch(step + offset)
+    optimizer.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = nn.functional.cross_entropy(model(x), y)
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+
+
+def handover_after_the_first_scaler_is_freed() -> tuple[Any, list[torch.Tensor]]:
+    """A trains alone, B (with a BatchNorm after its head) joins with healthy batches, A's scaler is freed, and B
+    trains on through forward overflows: buffer discovery passes to B's scaler at its next update, healthy or not
+    (the review of the gated dispatch: it passed at B's first overflow, too late, and the BatchNorm kept NaN)."""
+    import gc
+
+    model_a = make_net(0)
+    optimizer_a = torch.optim.SGD(model_a.parameters(), lr=0.01)
+    scaler_a = torch.amp.GradScaler("cpu", **HYPER)
+    for step in range(12):
+        _one_step(model_a, optimizer_a, scaler_a, step, offset=1000)
+    model_b = nn.Sequential(make_net(1), nn.BatchNorm1d(make_net(1).head.out_features))
+    optimizer_b = torch.optim.SGD(model_b.parameters(), lr=0.01)
+    scaler_b = torch.amp.GradScaler("cpu", **HYPER)
+    for step in range(3):
+        _one_step(model_a, optimizer_a, scaler_a, 20 + step, offset=1000)
+        _one_step(model_b, optimizer_b, scaler_b, step, offset=1)
+    del model_a, optimizer_a, scaler_a
+    gc.collect()
+    for step in range(3, 40):
+        _one_step(model_b, optimizer_b, scaler_b, step)
+    return scaler_b.stats, [t.detach().clone() for t in (*model_b.parameters(), *model_b.buffers())]
+
+
+def rolled_back_to_an_earlier_checkpoint() -> tuple[Any, list[torch.Tensor]]:
+    """40 steps, then the step-5 checkpoint (no island in it) loaded into the same scaler and 35 steps again: the
+    watch's schedule starts again from the loaded steps (it slept until step 41)."""
+    import copy
+
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", **HYPER)
+    saved = None
+    for step in range(40):
+        _one_step(model, optimizer, scaler, step)
+        if step == 4:
+            saved = copy.deepcopy((model.state_dict(), optimizer.state_dict(), scaler.state_dict()))
+    assert saved is not None
+    model.load_state_dict(saved[0])
+    optimizer.load_state_dict(saved[1])
+    scaler.load_state_dict(saved[2])
+    for step in range(5, 40):
+        _one_step(model, optimizer, scaler, step, offset=1)
+    return scaler.stats, [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+@pytest.mark.parametrize(
+    ("scenario", "watch_every"),
+    [(handover_after_the_first_scaler_is_freed, None), (rolled_back_to_an_earlier_checkpoint, "5")],
+    ids=["handover", "rollback"],
+)
+def test_what_the_gated_dispatch_missed_before_its_review(scenario, watch_every, reinstall, monkeypatch):
+    settings = {"AMPGUARD_WATCH_EVERY": watch_every} if watch_every else {}
+    reinstall(**settings)
+    gated = scenario()
+    reinstall(**settings)
+    everyone_hears_everything(monkeypatch)
+    reference = scenario()
+    assert gated[0] == reference[0]
+    assert all(torch.equal(a, b) for a, b in zip(gated[1], reference[1], strict=True))
+    assert all(torch.isfinite(t).all() for t in gated[1])  # (the BatchNorm's statistics: put back)
