@@ -126,6 +126,14 @@ def _foreach_norm_takes_dtype() -> bool:
     return True
 
 
+def plain_gradients(pairs: list[tuple[Tensor, Tensor]]) -> bool:
+    """Whether every gradient is a plain tensor (no DTensor or other subclass: torch's clip handles those)."""
+    for _, gradient in pairs:  # noqa: SIM110  (a loop, no generator frame per gradient: it runs at every clip)
+        if type(gradient) not in PLAIN_TENSOR_TYPES:
+            return False
+    return True
+
+
 def materialize(parameters: Tensor | Iterable[Tensor]) -> tuple[Sequence[Tensor], Any]:
     """The parameters as a sequence, and what to hand torch in their place.
 

@@ -152,7 +152,7 @@ def safe_clip_grad_norm_(
     torch_clip = torch_clip_grad_norm_ or original_clip_grad_norm_()
     params, for_torch = kernels.materialize(parameters)
     pairs = master_weights.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
-    if not pairs or any(type(g) not in kernels.PLAIN_TENSOR_TYPES for _, g in pairs):
+    if not pairs or not kernels.plain_gradients(pairs):
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()
     if not scalers and not guard_active():

@@ -97,7 +97,12 @@ def _generator_read_once(
 ) -> tuple[tuple[Any, ...], dict[str, Any], Callable[[], tuple[tuple[Any, ...], dict[str, Any]]]]:
     """``args``/``kwargs`` with a generator of parameters replaced by a fresh one, and a way to get another."""
     positional = bool(args) and isinstance(args[0], types.GeneratorType)
-    key = None if positional else next((k for k, v in kwargs.items() if isinstance(v, types.GeneratorType)), None)
+    key = None
+    if not positional:
+        for name, value in kwargs.items():  # (a loop: no generator frame per argument at every clip)
+            if isinstance(value, types.GeneratorType):
+                key = name
+                break
     if not positional and key is None:
         return args, kwargs, lambda: (args, kwargs)
     items = list(args[0] if key is None else kwargs[key])

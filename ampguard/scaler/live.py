@@ -39,7 +39,8 @@ def live_scalers() -> list[SafeGradScaler]:
     during iteration"; copying its set of references is one C call under the GIL.
     """
     refs = scalers_in_iteration.data.copy()  # type: ignore[attr-defined]  # WeakSet's set of references
-    return [scaler for scaler in (ref() for ref in refs) if scaler is not None]
+    alive = [ref() for ref in refs]
+    return [scaler for scaler in alive if scaler is not None]
 
 
 def params_of(optimizers: Iterable[Any]) -> set[int]:
