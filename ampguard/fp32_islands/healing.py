@@ -1,8 +1,7 @@
 """After a forward overflow: what SafeGradScaler hands over when a loss was itself inf/NaN.
 
-A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not caused by the loss scale, so the
-scaler skips and counts the step but does not back off (ampguard.scaler.accounting in host mode,
-ampguard.scaler.ledger in device mode). A run without non-finite losses is untouched, bit-identical to torch's.
+A forward overflow (the loss passed to ``scale()`` was inf/NaN) is not the scale's doing: the scaler skips and
+counts the step without backing off. A run without non-finite losses is untouched, bit-identical to torch's.
 
 With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow also
 
@@ -15,16 +14,14 @@ With the ``fp32_islands`` patch applied (:func:`activate`), a forward overflow a
 * makes that module an fp32 island, or reports why not (:mod:`ampguard.fp32_islands.islands`).
 
 Every ``AMPGUARD_WATCH_EVERY`` steps the headroom watch (:mod:`ampguard.headroom_watch`) sees one iteration's
-float16 peaks; its verdict rides on the same read (never while the probe is armed) and makes an island before
-an overflow, or names the module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`). Device mode
-(fused optimizers) reads nothing on a healthy step; under torch.distributed the ranks' verdicts are
-all-reduced on skipped steps only (docs/islands.md).
+float16 peaks; its verdict rides on the same read (never while the probe is armed) and makes an island before an
+overflow, or names the module at the first one (:mod:`ampguard.fp32_islands.watch_verdicts`). Device mode reads
+nothing on a healthy step; ranks all-reduce their verdicts on skipped steps only (docs/islands.md).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -90,14 +87,11 @@ def _steps_of(scaler: Any) -> int:
 
 
 def activate(config: Config, on_engaged: Callable[[], None] | None = None) -> None:
-    """Heal from now on; ``on_engaged()`` is told when the next read and update concern the healing where no update
-    told the listener so: a watch begun off the schedule (:func:`watch_next_iteration`), the scaler that buffer
-    discovery followed freed (the next one heard takes over)."""
+    """Heal from now on; ``on_engaged()`` is told when it is engaged between updates (bench, a freed owner)."""
     global _active
     deactivate()
-    watch = HeadroomWatch(config.watch_every, config.headroom)
-    _active = _Healing(config.fp32_islands, config.max_islands, config.probe_steps, config.forward_rerun, watch=watch)
-    _active.on_engaged = on_engaged
+    settings = (config.fp32_islands, config.max_islands, config.probe_steps, config.forward_rerun)
+    _active = _Healing(*settings, watch=HeadroomWatch(config.watch_every, config.headroom), on_engaged=on_engaged)
 
 
 def deactivate() -> None:
@@ -112,32 +106,9 @@ def deactivate() -> None:
     _active = None
 
 
-def is_active() -> bool:
-    return _active is not None
-
-
 def state() -> _Healing | None:
     """The patch's state while applied (its probe, watch, buffers, inputs, mode): for its stats and checkpoints."""
     return _active
-
-
-def engaged() -> bool:
-    """Whether every iteration concerns the healing now: the probe watches, the headroom watch is busy or due,
-    buffers are discovered or guarded, islands are being restored (then its listener hears every read and update)."""
-    active = _active
-    if active is None:
-        return False
-    owner = active.buffers_owner
-    handover = owner is not None and owner() is None  # the scaler discovery followed was freed: another's turn
-    return active.probe.armed or active.watch.busy() or not active.buffers.idle() or islands.restoring() or handover
-
-
-def quiet_until(scaler: Any) -> int:
-    """The optimizer steps of ``scaler`` from which a healthy update concerns the healing again (0: the next)."""
-    active = _active
-    if active is None:
-        return sys.maxsize
-    return 0 if engaged() else active.watch.next_due(scaler)
 
 
 def watch_next_iteration() -> bool:
@@ -197,8 +168,7 @@ def _host_iteration(active: _Healing, scaler: Any, overflow: bool) -> None:
     finally:
         if active.watch.every:
             active.watch.after_update(step, may_watch=_may_watch(active), scaler=scaler)
-            if active.watch.last is not None:  # the models it saw keep their inputs
-                active.inputs.follow_safely(active.watch.last.roots())
+            _keep_inputs(active)
 
 
 def _end_iteration(active: _Healing, scaler: Any, owner: bool, overflow: bool, blamed: bool) -> None:
@@ -304,6 +274,11 @@ def _may_watch(active: _Healing) -> bool:
     return not (active.probe.armed or active.exhausted or active.stopped)
 
 
+def _keep_inputs(active: _Healing) -> None:
+    if active.watch.last is not None:  # the models the watch saw keep their inputs
+        active.inputs.follow_safely(active.watch.last.roots())
+
+
 def _judge_watch(
     active: _Healing, step: int, overflow: bool, verdict: int, may_blame: bool = True, watched: bool | None = None
 ) -> bool:
@@ -322,8 +297,7 @@ def _judge_watch(
         return False
     finally:
         _note_limit(active)
-        if active.watch.last is not None:  # the models it saw keep their inputs (a quiet update hears nothing)
-            active.inputs.follow_safely(active.watch.last.roots())
+        _keep_inputs(active)
 
 
 def _follow(active: _Healing, scaler: Any) -> bool:
@@ -388,8 +362,7 @@ def end_device_iteration(scaler: Any, check: torch.Tensor | None, held: bool, ro
         if active.watch.watching:
             active.watch.finish()
         active.watch.after_update(_steps_of(scaler), may_watch=_may_watch(active), scaler=scaler)
-        if active.watch.last is not None:
-            active.inputs.follow_safely(active.watch.last.roots())
+        _keep_inputs(active)
     if not active.probe.armed and active.buffers.discovered and not islands.restoring():
         return None
     try:

@@ -13,6 +13,7 @@ docs/islands.md describes it.
 
 from __future__ import annotations
 
+import sys
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -36,6 +37,15 @@ if TYPE_CHECKING:
 # outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
 ISLAND_NAMES_KEY = "fp32_islands_named_from"
 ISLAND_NAMES_FULL = "top-level module"
+
+
+def engaged(state: Any) -> bool:
+    """Whether every iteration concerns the healing ``state`` now: the probe watches, the headroom watch is busy or
+    due, buffers are discovered or guarded, islands are being restored, or the scaler buffer discovery followed
+    was freed (the next one heard takes over)."""
+    owner = state.buffers_owner
+    handover = owner is not None and owner() is None
+    return bool(state.probe.armed or state.watch.busy() or not state.buffers.idle() or islands.restoring() or handover)
 
 
 class IslandsListener(listeners.StepListener):
@@ -71,12 +81,17 @@ class IslandsListener(listeners.StepListener):
             self.rest(scaler)
 
     def rest(self, scaler: Any) -> None:
-        """Hear the reads while the healing is engaged, and the healthy updates of ``scaler`` when due."""
+        """Hear every read and update while the healing is engaged; else the healthy updates of ``scaler`` from the
+        step its next headroom watch is due, and no read."""
         key = id(scaler)
         if key not in self.wake_at:
             weakref.finalize(scaler, self.wake_at.pop, key, None)
-        self.wake_at[key] = healing.quiet_until(scaler)
-        self.engage() if healing.engaged() else listeners.unsubscribe(self, "read")
+        state = healing.state()
+        if state is not None and engaged(state):
+            self.engage()
+        else:
+            self.wake_at[key] = state.watch.next_due(scaler) if state is not None else sys.maxsize
+            listeners.unsubscribe(self, "read")
 
     def engage(self) -> None:
         """The next read and update of every scaler concern the healing (told between updates)."""
@@ -99,7 +114,7 @@ class IslandsListener(listeners.StepListener):
         names = list(islands.names())  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
         # each island's output dtypes under autocast, given again after a resume
-        outputs = islands.recorded_outputs() if healing.is_active() else {}
+        outputs = islands.recorded_outputs() if healing.state() is not None else {}
         if outputs:
             entries["fp32_island_outputs"] = outputs
         if names:  # qualified from the top-level module (earlier: from the one called)

@@ -22,7 +22,7 @@ PAIRS = 15
 def time_watched_step(options: Options) -> dict[str, Any]:
     """``{"normal_ms", "watched_ms", "ratio", "every", "amortised"}``, or ``{"unavailable": reason}``."""
     every = active_config().watch_every
-    if not healing.is_active() or not every:
+    if healing.state() is None or not every:
         return {"unavailable": "the headroom watch is off (AMPGUARD_WATCH_EVERY=0 or the fp32_islands patch)"}
     _, run = make_runs(options, fused=False)
     run.steps(max(options.warmup_steps, 2))
