@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 from islands_support import HYPER, batch, fresh_islands, make_net, train  # noqa: F401  (fixture)
-from scaler_support import ampguard_log, records  # noqa: F401  (fixture)
+from scaler_support import ampguard_log, needs_fused_adam, records  # noqa: F401  (fixture)
 from torch import nn
 
 import ampguard
@@ -50,7 +50,9 @@ def run(fused: bool, steps: int = 40) -> tuple[Any, list[torch.Tensor], list[str
     return result.scaler.stats, [p.detach().clone() for p in model.parameters()], list(result.scales)
 
 
-@pytest.mark.parametrize("fused", [False, True], ids=["host mode", "device mode (fused AdamW)"])
+@pytest.mark.parametrize(
+    "fused", [False, pytest.param(True, marks=needs_fused_adam)], ids=["host mode", "device mode (fused AdamW)"]
+)
 def test_the_features_act_as_when_every_listener_hears_every_step(fused, reinstall, monkeypatch):
     """Islands made (the watch's sighting, the probe), the scale and its growths, underflow samples and the
     scheduler's holds: the same whether healthy steps call the listeners they do not concern or not."""
