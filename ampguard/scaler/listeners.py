@@ -196,7 +196,10 @@ def remove(listener: StepListener) -> None:
     """Unregister ``listener`` (a patch's ``revert()``)."""
     if listener in _listeners:
         _listeners.remove(listener)
-        unsubscribe(listener, *EVENTS)
+        for subscribers in _subscribed.values():
+            if listener in subscribers:
+                subscribers.remove(listener)
+        _relayout()  # (also when it heard none of the events: it is in the update and read tuples)
 
 
 def subscribe(listener: StepListener, *events: str) -> None:

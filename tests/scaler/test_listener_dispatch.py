@@ -192,3 +192,30 @@ def test_what_the_gated_dispatch_missed_before_its_review(scenario, watch_every,
     assert gated[0] == reference[0]
     assert all(torch.equal(a, b) for a, b in zip(gated[1], reference[1], strict=True))
     assert all(torch.isfinite(t).all() for t in gated[1])  # (the BatchNorm's statistics: put back)
+
+
+def test_a_listener_removed_while_it_hears_nothing_is_called_no_more(reinstall, monkeypatch):
+    """The underflow listener, between samples, is subscribed to no event; uninstalled then, it must leave the
+    scaler's updates too (a SafeGradScaler kept after uninstall still called it at an overflow)."""
+    # alone: no other listener's removal lays the dispatch out again after its own
+    reinstall(
+        AMPGUARD_UNDERFLOW="report", AMPGUARD_UNDERFLOW_EVERY="1000", AMPGUARD_DISABLE="fp32_islands,scheduler_hold"
+    )
+    heard: list[int] = []
+    original = UnderflowListener.on_update
+    monkeypatch.setattr(
+        UnderflowListener, "on_update", lambda self, s, v, f: heard.append(s.view().steps) or original(self, s, v, f)
+    )
+    scaler = ampguard.SafeGradScaler("cpu", **HYPER)
+    model = make_net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step in range(4):
+        _one_step(model, optimizer, scaler, step)
+    assert heard == [1, 2]  # its first sample: armed at 1, acted on at 2; then quiet
+    ampguard.uninstall()
+    try:
+        for step in range(4, 12):  # the batch of step 9 overflows: an update that wakes every listener
+            _one_step(model, optimizer, scaler, step)
+    finally:
+        ampguard.install()
+    assert heard == [1, 2] and scaler.stats.skipped == 1
