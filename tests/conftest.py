@@ -28,12 +28,20 @@ for _variable in [
 # it by design where gradients underflow (tiny test models often do). Its tests (tests/underflow/) set
 # adapt themselves; everything else measures without acting (docs/underflow.md).
 os.environ["AMPGUARD_UNDERFLOW"] = "report"
+# One intra-op thread, here and in the subprocesses the tests start: on a machine as small as CI's (2 cores, the two
+# legs side by side), torch's thread pool spin-waits for threads that have no core, and a test of small ops ran up
+# to ten times slower with 2 threads than with 1. The variable also keeps a library from picking another count
+# (Lightning sets torch's to the cores per process when OMP_NUM_THREADS is unset).
+os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
+import torch  # noqa: E402
 
 import ampguard  # noqa: E402
 import ampguard.config  # noqa: E402
 import ampguard.registry  # noqa: E402
+
+torch.set_num_threads(1)
 
 # What torch, pytest and ampguard made at import lives for the whole run: out of the garbage collector's passes, so
 # that a collection (the islands' tests collect before each) and ampguard's scans of live objects (the model tree
@@ -49,8 +57,6 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Tests marked ``cuda`` are collected everywhere and skipped where torch sees no CUDA device."""
-    import torch
-
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
@@ -67,6 +73,14 @@ def _default_installation(monkeypatch: pytest.MonkeyPatch):
     if not ampguard.registry.is_installed() or ampguard.registry._registry.config != default:
         ampguard.uninstall()
         ampguard.install()
+
+
+@pytest.fixture(autouse=True)
+def _one_thread_kept():
+    """A test (or a library it runs) that sets another intra-op thread count leaves the next test the one thread."""
+    yield
+    if torch.get_num_threads() != 1:
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
