@@ -52,10 +52,10 @@ from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
 import ampguard.master_weights as master_weights
+from ampguard.clip_grad.norm import idle as clip_grad_norm_idle
 from ampguard.clip_grad.norm import scaled_threshold, scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import guard_active, state
-from ampguard.clip_grad.state import idle as clip_grad_norm_idle
 from ampguard.clip_grad.wrapping import contained
 from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 

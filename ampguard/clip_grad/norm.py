@@ -49,10 +49,11 @@ and the measured cost.
 from __future__ import annotations
 
 import dataclasses
-import logging
+import itertools
 import math
+import operator
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -60,37 +61,38 @@ import wrapt
 from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
+import ampguard.clip_grad.no_scaler as no_scaler
 import ampguard.containment as containment
 import ampguard.master_weights as master_weights
-import ampguard.stats.summary as summary
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
-from ampguard.clip_grad.state import guard_active, guard_stats_line, idle, original_clip_grad_norm_, state
+from ampguard.clip_grad.state import guard_active, original_clip_grad_norm_, state
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
-from ampguard.log import is_rank_zero, logger
-from ampguard.scaler import SafeGradScaler
+from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 from ampguard.scaler.counters import counters_of
-from ampguard.stats.counters import process_counters
 
-SKIPPED_STEP = (
-    "clip_grad_norm_: the total gradient norm is {norm} and no GradScaler is in play (bf16/fp32 training): "
-    "this optimizer step is skipped (the gradients of the {count} clipped parameters are set to None, "
-    "so the optimizer changes neither the parameters nor its state). {total} step(s) skipped so far in this run "
-    "(ampguard.stats.counters.process_counters.clip_skipped){suppressed}. Likely causes: a bad batch, a learning rate "
-    "too high, an fp16 overflow in a model run without a GradScaler."
-)
+
+def idle() -> bool:
+    """Nothing for the safe clip to do: no SafeGradScaler scaled a loss and the no-scaler guard is off.
+
+    O(1): then ``clip_grad_norm_`` is torch's function, untouched (its wrapper's first question, every call).
+    """
+    return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
 
 
 @contained("safe clip_grad_norm_")
 def clip_grad_norm_wrapper(
     wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
-    """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_``."""
-    if instance is not None or idle():
+    """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_`` (its :class:`SafeFunctionWrapper` checked ``idle()``)."""
+    if instance is not None:
         return wrapped(*args, **kwargs)
     try:
         parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
     except TypeError:  # torch raises its own error, or knows an argument this torch added
         return wrapped(*args, **kwargs)
+    grads = _recipe_case(parameters) if isinstance(parameters, (list, tuple)) else None
+    if grads is not None:
+        return _clip_unscaled(grads, max_norm, norm_type, error_if_nonfinite, foreach)
     return safe_clip_grad_norm_(
         parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
     )
@@ -132,6 +134,57 @@ def _bind(
     return parameters, max_norm, norm_type, error_if_nonfinite, foreach
 
 
+def _recipe_case(params: Sequence[Tensor]) -> list[Tensor] | None:
+    """The gradients to clip in the recipe's case, where the clip is torch's with float32 norms; None: another case.
+
+    One SafeGradScaler scaled a loss in this iteration and already unscaled the
+    one optimizer holding every parameter clipped: nothing is still scaled, and
+    a non-finite norm means a non-finite gradient that optimizer's ``unscale_``
+    already found (it skips its step whatever the clip does). A parameter with
+    a master weight is clipped through its master's float32 gradient.
+    """
+    if len(scalers_in_iteration) != 1:
+        return None
+    grads: list[Tensor] = []
+    clipped: set[int] = set()
+    low_precision = False
+    for param in params:  # (a loop: no generator frame per parameter at every clip)
+        grad = param.grad
+        if grad is None:
+            continue
+        if type(grad) not in kernels.PLAIN_TENSOR_TYPES:
+            return None
+        low_precision = low_precision or grad.dtype in kernels.LOW_PRECISION
+        grads.append(grad)
+        clipped.add(id(param))
+    if low_precision:
+        pairs = master_weights.gradient_pairs(params)
+        grads = [grad for _, grad in pairs]
+        clipped = {id(param) for param, _ in pairs}
+    scaler = next(iter(scalers_in_iteration), None)
+    if not grads or scaler is None:
+        return None
+    holders = [ids for ids in map(_param_ids, scaler.view().unscaled) if not ids.isdisjoint(clipped)]
+    return grads if len(holders) == 1 and clipped <= holders[0] else None
+
+
+def _param_ids(optimizer: Any) -> set[int]:
+    return set(map(id, itertools.chain.from_iterable(map(operator.itemgetter("params"), optimizer.param_groups))))
+
+
+def _clip_unscaled(
+    grads: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None
+) -> Tensor:
+    """torch's clip of gradients nothing scales any more, with float32 norms for float16/bfloat16 ones."""
+    with torch.no_grad():
+        groups = kernels.groups(grads, foreach)
+        total = _total_norm(groups, float(norm_type))
+        if error_if_nonfinite:
+            kernels.raise_if_nonfinite(total, norm_type)
+        kernels.multiply_(groups, kernels.clip_coefficient(float(max_norm), total))
+    return total
+
+
 def safe_clip_grad_norm_(
     parameters: Tensor | Iterable[Tensor],
     max_norm: float,
@@ -162,7 +215,7 @@ def safe_clip_grad_norm_(
     with torch.no_grad():
         if scalers:
             return _clip_with_scaler(pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
-        return _clip_without_scaler(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
+        return no_scaler.clip(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def _clip_with_scaler(
@@ -349,54 +402,3 @@ def scaled_threshold(scaler: SafeGradScaler) -> bool:
     returned is then torch's, that of the scaled gradients.
     """
     return scaler.view().scale_read
-
-
-def _clip_without_scaler(
-    pairs: list[tuple[Tensor, Tensor]],
-    max_norm: float,
-    norm_type: float,
-    error_if_nonfinite: bool,
-    foreach: bool | None,
-) -> Tensor:
-    """No loss was scaled (bf16 / fp32 training): a non-finite norm skips the step. One host read."""
-    grads = [g for _, g in pairs]
-    groups = kernels.groups(grads, foreach)
-    norms = [norm for group in groups for norm in kernels.norms(group, group.grads, norm_type)]
-    first_device = grads[0].device
-    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
-    if error_if_nonfinite:
-        kernels.raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
-        kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))
-        return total
-    # Queue the multiplication before reading, so that on a GPU it overlaps the read.
-    kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))
-    norm = float(total)
-    if not math.isfinite(norm):
-        _skip_step(pairs, norm)
-    state.guarded_calls += 1
-    if state.stats_every and state.guarded_calls % state.stats_every == 0:
-        _log_guard_stats()
-    return total
-
-
-def _log_guard_stats() -> None:
-    if is_rank_zero() and logger.isEnabledFor(logging.INFO):
-        logger.info("%s", guard_stats_line())
-
-
-def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
-    for param, _ in pairs:
-        param.grad = None
-    process_counters.clip_skipped += 1
-    state.guarded_skipped += 1
-    summary.arm()
-    limiter = state.skip_log
-    suppressed_before = limiter.suppressed
-    if limiter.ready():
-        suppressed = (
-            f"; {suppressed_before} similar message(s) suppressed since the previous one" if suppressed_before else ""
-        )
-        limiter.suppressed = 0
-        logger.warning(
-            SKIPPED_STEP.format(norm=norm, count=len(pairs), total=process_counters.clip_skipped, suppressed=suppressed)
-        )

@@ -58,7 +58,7 @@ class ClipGradPatch(Patch):
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
         self.bindings.rebind_names_of(
-            original, wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, idle=state.idle)
+            original, wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, idle=norm.idle)
         )
         for name, wrapper, idle in api.WRAPPED:
             function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6

@@ -78,4 +78,5 @@ def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                 logger.warning(FOREIGN_SCALER.format(kind=f"{type(self).__module__}.{type(self).__qualname__}"))
         return original(self, outputs)
 
+    scale.unwatched = original  # type: ignore[attr-defined]  # what a SafeGradScaler calls: it is never foreign
     return scale

@@ -8,7 +8,6 @@ import torch
 from torch import Tensor
 
 from ampguard.log import RateLimiter
-from ampguard.scaler import scalers_in_iteration
 
 SKIP_LOG_INTERVAL = 60.0  # seconds between two "step skipped" warnings
 
@@ -86,14 +85,6 @@ def deactivate() -> None:
 def guard_active() -> bool:
     """Whether a non-finite norm with no scaler in play skips the step right now."""
     return state.active and state.guard and not state.foreign_scaler
-
-
-def idle() -> bool:
-    """Nothing for the safe clip to do: no SafeGradScaler scaled a loss and the no-scaler guard is off.
-
-    O(1): then ``clip_grad_norm_`` is torch's function, untouched.
-    """
-    return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
 
 
 def original_clip_grad_norm_() -> Callable[..., Tensor]:

@@ -108,9 +108,12 @@ def _generator_read_once(
     items = list(args[0] if key is None else kwargs[key])
 
     def fresh() -> tuple[tuple[Any, ...], dict[str, Any]]:
+        # The list itself when it has parameters (torch's functions list them first; no generator frame per
+        # parameter at every clip); a generator when empty, for torch's "empty generator" warning.
+        given = items if items else (p for p in items)
         if key is None:
-            return ((p for p in items), *args[1:]), kwargs
-        return args, {**kwargs, key: (p for p in items)}
+            return (given, *args[1:]), kwargs
+        return args, {**kwargs, key: given}
 
     new_args, new_kwargs = fresh()
     return new_args, new_kwargs, fresh

@@ -244,6 +244,43 @@ def test_scenario_matches_the_documented_recipe(name: str) -> None:
     assert (expected_norms > MAX_NORM).float().mean() > 0.5
 
 
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+@pytest.mark.parametrize("foreach", [None, False])
+@pytest.mark.parametrize("given", ["generator", "list", "a group's list"])
+def test_the_recipe_clips_as_torch_bit_for_bit(norm_type: float, foreach: bool | None, given: str) -> None:
+    """scale -> backward -> unscale_ -> clip -> step, every clipped parameter held by the one optimizer unscaled:
+    ampguard's clip there is torch's own (its short path, ``clip_grad.norm._recipe_case``). The norms and the
+    parameters are torch's bits, over steps that clip and one whose loss is inf (skipped by both)."""
+
+    def recipe() -> tuple[torch.Tensor, torch.Tensor]:
+        model = make_model()
+        xs, ys = make_data(8)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE, growth_interval=3)
+        norms = []
+        for step in range(8):
+            optimizer.zero_grad()
+            loss = fp16_loss(model, xs[step, 0], ys[step, 0]) * (math.inf if step == 4 else 1.0)
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            params = {
+                "generator": model.parameters(),
+                "list": list(model.parameters()),
+                "a group's list": optimizer.param_groups[0]["params"],
+            }[given]
+            norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM, norm_type=norm_type, foreach=foreach))
+            scaler.step(optimizer)
+            scaler.update()
+        return flat(model), torch.stack(norms)
+
+    with stock():
+        expected_params, expected_norms = recipe()
+    params, norms = recipe()
+    assert torch.equal(params, expected_params)
+    torch.testing.assert_close(norms, expected_norms, rtol=0, atol=0, equal_nan=True)
+    assert norms[4].isnan() and (expected_norms[torch.arange(8) != 4] > MAX_NORM).all()  # skipped; clipped
+
+
 @pytest.mark.parametrize("name", ["forgotten unscale_", "accumulation over 4 micro-batches"])
 def test_stock_torch_gets_these_scenarios_wrong(name: str) -> None:
     """The comparison above can fail: without ampguard the same loop clips scaled gradients."""
