@@ -139,6 +139,21 @@ def _dynamo_check() -> Callable[[], bool] | None:
     return check
 
 
+def dynamo_compiling() -> Callable[[], bool]:
+    """The first of :func:`is_compiling`'s checks: torch's ``is_compiling`` itself, for a caller at every forward
+    pass that makes both checks itself (no frame of ampguard's per call)."""
+    return _dynamo_check() or _never
+
+
+def _never() -> bool:
+    return False
+
+
+def compile_context() -> Callable[[], Any] | None:
+    """The second: dynamo's ``CompileContext.try_get`` (None until ``torch._guards`` is imported)."""
+    return _compile_context()
+
+
 _context_getter: list[Callable[[], Any]] = []  # dynamo's CompileContext.try_get, once torch._dynamo is imported
 
 

@@ -41,7 +41,7 @@ from ampguard.fp32_islands.tensor_tree import tensors, values_in
 from ampguard.log import event_logger
 from ampguard.module_hooks import ModuleHook, remove_module_hooks, strip_copies
 from ampguard.syncs import read_to_host
-from ampguard.torch_privates import functorch_unwrapped, is_compiling
+from ampguard.torch_privates import compile_context, dynamo_compiling, functorch_unwrapped, is_compiling
 
 logger = event_logger("island")
 
@@ -56,6 +56,10 @@ AUTOCAST_DEVICES = ("cuda", "cpu")
 _NEW_AUTOCAST_API = getattr(torch, "get_autocast_dtype", None) is not None
 _autocast_on: Callable[[str], bool] = torch.is_autocast_enabled if _NEW_AUTOCAST_API else autocast_enabled
 _autocast_dtype: Callable[[str], torch.dtype] = torch.get_autocast_dtype if _NEW_AUTOCAST_API else autocast_dtype
+# torch's own checks, resolved once (torch_privates.is_compiling's two; the second None if torch._guards is not
+# imported yet: then that function at every call).
+_dynamo_compiling = dynamo_compiling()
+_compile_context = compile_context()
 
 
 class Pass(NamedTuple):
@@ -75,7 +79,10 @@ class KeepInputs(ModuleHook):
     """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments."""
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        if is_compiling() or not torch.is_grad_enabled():  # (an evaluation pass is not a training batch)
+        # (an evaluation pass is not a training batch; torch_privates.is_compiling() inlined: every forward pass)
+        if not torch.is_grad_enabled() or _dynamo_compiling():
+            return
+        if is_compiling() if _compile_context is None else _compile_context() is not None:
             return
         entry = _kept.get(id(module))
         if entry is not None and entry[0]() is module:
@@ -132,8 +139,11 @@ class ModelInputs:
             self._cycles.append((begun, []))
         passes = self._cycles[-1][1]
         if len(passes) < MAX_PASSES:
-            autocast = tuple((device, _autocast_dtype(device)) for device in AUTOCAST_DEVICES if _autocast_on(device))
-            passes.append(Pass(weakref.ref(module), args, kwargs, autocast))
+            regions = []
+            for device in AUTOCAST_DEVICES:  # (a loop: no generator frame at every forward pass)
+                if _autocast_on(device):
+                    regions.append((device, _autocast_dtype(device)))
+            passes.append(Pass(weakref.ref(module), args, kwargs, tuple(regions)))
 
     def last_passes(self) -> list[Pass]:
         """The forward passes of the last update (its micro-batches, in order), less those a ``torch.func``

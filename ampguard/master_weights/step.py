@@ -33,9 +33,7 @@ from ampguard.master_weights.records import (
     Unwrappable,
     exclude,
     fail,
-    inner_step,
     label,
-    quick,
     record_of,
     state,
 )
@@ -57,9 +55,13 @@ def before_step(
     if not state.active:
         return None
     entry = optimizer.__dict__.get(ATTRIBUTE)
-    if entry.__class__ is Plain and entry.signature == quick(optimizer):
-        return None  # the float32 optimizer's path
-    if entry.__class__ is Masters and inner_step(optimizer):  # a subclass's super().step(): its hooks see the model's
+    if entry.__class__ is Plain:  # the float32 optimizer's path: records.quick(), inlined (every step)
+        groups = optimizer.param_groups
+        last = groups[-1]["params"] if groups else ()
+        if entry.signature == (len(groups), id(last), len(last)):
+            return None
+    # (records.inner_step, inlined here and below: every step) a subclass's super().step(): its hooks see the model's
+    if entry.__class__ is Masters and state.step_depth.get(id(optimizer), 0) > 1:
         if entry.swapped:
             entry.swap(optimizer, to_masters=False)
         return None
@@ -96,12 +98,12 @@ def swap_in(
     record = optimizer.__dict__.get(ATTRIBUTE)
     if not state.active or record.__class__ is not Masters:
         return None
-    if inner_step(optimizer):  # the outer step copied the gradients; the inner steps the masters as they are
+    if state.step_depth.get(id(optimizer), 0) > 1:  # the outer step copied the gradients; the inner steps the masters
         if not record.swapped:
             record.swap(optimizer, to_masters=True)
         return None
     try:
-        step_closure = closure.closure_of(args, kwargs)
+        step_closure = closure.closure_of(args, kwargs) if len(args) > 1 or kwargs else None
         if step_closure is not None or not record.synced():
             record = gradient_copies.sync(optimizer, record, gradients=step_closure is None)
         elif record.refresh is not None:  # weights written since the gradients were copied (another optimizer)
@@ -138,7 +140,7 @@ def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> N
             for other in record.shares:
                 other.refresh = other.refresh or "check"
         return
-    if inner_step(optimizer):  # (the optimizer's own post-hook put the parameters back; the outer step goes on)
+    if state.step_depth.get(id(optimizer), 0) > 1:  # (an inner step: its own post-hook put the parameters back)
         return
     try:
         if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)

@@ -36,14 +36,6 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
     _refresh_per_optimizer_state = None  # type: ignore[assignment]
 
 
-def _any_recorded(states: dict[int, dict[str, Any]]) -> bool:
-    """Whether an optimizer recorded found_inf this iteration (torch's "inf checks")."""
-    for state in states.values():  # noqa: SIM110  (a loop: no generator frame on a healthy update)
-        if state["found_inf_per_device"]:
-            return True
-    return False
-
-
 class HostBooks(DeviceBooks):
     """Host mode: what torch's one read in ``step()`` tells, counted at ``update()``; ``stats``; the stats line."""
 
@@ -57,7 +49,9 @@ class HostBooks(DeviceBooks):
         if self._iteration.loss_check is not None:
             # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
             code = code + torch.nan_to_num(self._iteration.loss_check.to(code.device, non_blocking=True), nan=2.0)
-        return listeners.encode(self, code)
+        if listeners.adding_to_read:
+            return listeners.encode(self, code)
+        return code, listeners.layout
 
     def _note_verdict(self, optimizer: torch.optim.Optimizer, value: int, layout: listeners.Layout) -> bool:
         """Everything the host learns from the one read; returns whether the step is skipped."""
@@ -66,7 +60,8 @@ class HostBooks(DeviceBooks):
         fields = listeners.decode(layout, value)
         for listener, field in fields.items():  # the largest of the iteration's reads
             self._iteration.fields[listener] = max(field, self._iteration.fields.get(listener, 0))
-        listeners.notify_read(self, optimizer, fields, found)
+        if listeners.hearing_read:
+            listeners.notify_read(self, optimizer, fields, found)
         if value & listeners.LOSS_NONFINITE:
             self._iteration.loss_nonfinite = True
         if found:
@@ -79,10 +74,11 @@ class HostBooks(DeviceBooks):
         self._torch_updated = False
         self._iteration.scale_given = new_scale is not None
         try:
-            if new_scale is None and not _any_recorded(states):
+            mode = "device" if new_scale is not None else self._update_mode(states)
+            if mode == "nothing":
                 self._per_optimizer_states = defaultdict(_refresh_per_optimizer_state)  # no inf checks: scale kept
                 self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
-            elif new_scale is None and self._host_saw_everything(states):
+            elif mode == "host":
                 self._update_in_host_mode()
             else:
                 self._update_in_device_mode(states, new_scale)
@@ -95,15 +91,19 @@ class HostBooks(DeviceBooks):
                 TorchGradScaler.update(self, new_scale)
             self._resync_mirror()
 
-    def _host_saw_everything(self, states: dict[int, dict[str, Any]]) -> bool:
-        """Every optimizer with a found_inf was read on the host this iteration (no fused one, no ledger pending)."""
-        if self._counters.ledger is not None or not self._host_mirror_exact:
-            return False
+    def _update_mode(self, states: dict[int, dict[str, Any]]) -> str:
+        """``"nothing"``: no optimizer recorded found_inf this iteration (torch's "inf checks"); ``"host"``: every
+        one that did was read on the host (no fused one, no ledger pending); else ``"device"``."""
         host_found = self._iteration.host_found
-        for key, state in states.items():  # noqa: SIM110  (as above)
-            if state["found_inf_per_device"] and key not in host_found:
-                return False
-        return True
+        recorded = False
+        for key, state in states.items():  # (a loop: no generator frame on a healthy update)
+            if state["found_inf_per_device"]:
+                if key not in host_found:
+                    return "device"
+                recorded = True
+        if not recorded:
+            return "nothing"
+        return "host" if self._counters.ledger is None and self._host_mirror_exact else "device"
 
     def _update_in_host_mode(self) -> None:
         found = any(self._iteration.host_found.values())
@@ -118,15 +118,11 @@ class HostBooks(DeviceBooks):
         self._torch_update()
         # A forward overflow (the loss itself inf/NaN) was not the scale's doing, and its step taught nothing about
         # the gradients: the scale and the growth tracker stay as they were, written over torch's back-off.
-        scale, tracker = policy.counted(
-            scale_before,
-            self._counters.mirror_tracker,
-            found,
-            forward_overflow,
-            self._growth_factor,
-            self._backoff_factor,
-            self._growth_interval,
-        )
+        scale, tracker = scale_before, self._counters.mirror_tracker
+        if not forward_overflow:
+            scale, tracker = policy.next_scale(
+                scale, tracker, found, self._growth_factor, self._backoff_factor, self._growth_interval
+            )
         if forward_overflow:  # the host's scale and growth tracker over the back-off torch just made (no read)
             assert self._scale is not None and self._growth_tracker is not None
             self._scale.fill_(scale)
@@ -195,12 +191,11 @@ class HostBooks(DeviceBooks):
             **listeners.stats_fields(self),
         )
 
-    def _report_if_due(self) -> None:
-        """The stats line every ``AMPGUARD_STATS_EVERY`` steps."""
-        if self._counters.next_report and self._counters.steps >= self._counters.next_report:
-            every = self._settings.stats_every
-            self._counters.next_report = (self._counters.steps // every + 1) * every
-            self._report()
+    def _report_now(self) -> None:
+        """The stats line every ``AMPGUARD_STATS_EVERY`` steps: due now (``steps`` reached ``next_report``)."""
+        every = self._settings.stats_every
+        self._counters.next_report = (self._counters.steps // every + 1) * every
+        self._report()
 
     def _report(self) -> None:
         try:

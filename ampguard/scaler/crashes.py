@@ -9,13 +9,16 @@
 * a second ``unscale_()`` in one iteration (torch: "unscale_() has already been
   called on this optimizer since the last update()"): a no-op.
 
+The checks that tell those cases (one comparison each) sit in
+:meth:`SafeGradScaler.unscale_` and :meth:`SafeGradScaler.step`, on the path
+every step takes; the handling is here.
+
 A positional closure with no gradients still raises torch's AssertionError: its
 gradients would be made now, scaled and unchecked.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from typing import Any
 
 import torch
@@ -43,21 +46,9 @@ def unscale_without_kernel_(grads: list[torch.Tensor], found_inf: torch.Tensor, 
     torch._foreach_mul_(grads, inv_scale)
 
 
-def without_gradients(state: dict[str, Any], fused: bool) -> bool:
-    """Unscaled, yet no found_inf recorded: none of the optimizer's parameters has a gradient."""
-    return not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]
-
-
 class CrashGuards(ScalerParts):
-    """Where torch's scaler raises on an optimizer without gradients, float16/bfloat16 gradients, a second
-    ``unscale_()``: SafeGradScaler's methods that carry on."""
-
-    def _unscaled_already(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Whether this ``unscale_()`` is a second one with no ``scale()`` in between (then ignored)."""
-        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
-            logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
-            return True
-        return False
+    """Where torch's scaler raises on an optimizer without gradients, float16/bfloat16 gradients: SafeGradScaler's
+    methods that carry on."""
 
     def _unscale_grads_(
         self,
@@ -72,7 +63,7 @@ class CrashGuards(ScalerParts):
         refuse_fp16 = not allow_fp16 and self._settings.fp16_grads == "error"
         per_device_inv_scale = _MultiDeviceReplicator(inv_scale)
         per_device_found_inf = _MultiDeviceReplicator(found_inf)
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(lambda: defaultdict(list))
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         saw_fp16 = False
         with torch.no_grad():
             # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
@@ -87,7 +78,7 @@ class CrashGuards(ScalerParts):
                     if grad.dtype is torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
-                grouped[grad.device][grad.dtype].append(grad)
+                grouped.setdefault(grad.device, {}).setdefault(grad.dtype, []).append(grad)
             for device, per_dtype in grouped.items():
                 for dtype, grads in per_dtype.items():
                     if dtype == torch.bfloat16 and device.type in DEVICES_WITHOUT_BF16_UNSCALE:

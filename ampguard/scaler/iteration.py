@@ -51,7 +51,13 @@ class Iteration:
     def note_loss(self, outputs: Any) -> None:
         """At ``scale(outputs)``: the calling thread, and the loss check of ``outputs`` added to the iteration's."""
         self.scaling_thread = threading.get_ident()
-        check = loss_check(outputs)
+        check: torch.Tensor | None
+        if isinstance(outputs, torch.Tensor):  # (loss_check's first case, inlined: every scale())
+            with torch.no_grad():
+                difference = outputs - outputs
+                check = difference.sum() if difference.dim() else difference
+        else:
+            check = loss_check(outputs)
         if check is not None:
             self.loss_check = check if self.loss_check is None else self.loss_check + check.to(self.loss_check.device)
 

@@ -34,7 +34,6 @@ from typing import Any
 
 import torch
 
-import ampguard.containment as containment
 import ampguard.distributed as distributed
 import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
@@ -129,10 +128,6 @@ def _check_on(loss_check: torch.Tensor | None, ledger: DeviceLedger) -> torch.Te
 class DeviceBooks(ScalePolicy):
     """Device mode: ``update()`` writes the iteration's row; the rows are replayed on the host at a read."""
 
-    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
-        containment.torch_call(super().update, new_scale)  # torch's errors are torch's, not ampguard's
-        self._torch_updated = True
-
     def _update_in_device_mode(self, states: dict[int, dict[str, Any]], new_scale: float | torch.Tensor | None) -> None:
         """``update()`` with the bookkeeping on the device: no host read, 3 kernels."""
         assert self._scale is not None and self._growth_tracker is not None
@@ -140,41 +135,47 @@ class DeviceBooks(ScalePolicy):
             self._counters.ledger = DeviceLedger(self._scale, self._counters.consecutive)
         ledger = self._counters.ledger
         scale = self._scale
-        recorded = {key: s for key, s in states.items() if s["found_inf_per_device"]}
         check: torch.Tensor | None = None
         row: torch.Tensor | None = None
         hold = False
         self._counters.last_stepped, self._counters.last_skipped = frozenset(), False
+        # (loops, not comprehensions: every update of a fused optimizer's iteration)
+        recorded, flags, stepped_keys, stepped = [], [], [], []
+        for key, state in states.items():
+            if state["found_inf_per_device"]:
+                flag = self._found_flag(list(state["found_inf_per_device"].values()), scale.device)
+                recorded.append(state)
+                flags.append(flag)
+                if state["stage"] is OptState.STEPPED:
+                    stepped_keys.append(key)
+                    stepped.append(flag)
         if recorded:
-            found_per_optimizer = {
-                key: self._found_flag(list(s["found_inf_per_device"].values()), scale.device)
-                for key, s in recorded.items()
-            }
-            flags = list(found_per_optimizer.values())
             found = flags[0] if len(flags) == 1 else torch.stack(flags).amax()
-            stepped_keys = [key for key in recorded if recorded[key]["stage"] is OptState.STEPPED]
-            stepped = [found_per_optimizer[key] for key in stepped_keys]
             skipped = ledger.zero if not stepped else stepped[0] if len(stepped) == 1 else torch.stack(stepped).sum()
-            if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger)...
-                host_found = self._iteration.host_found
-                # ...unless torch's step() already read it for every optimizer stepped (update(new_scale), non-fused)
-                known = (
-                    any(host_found[key] for key in stepped_keys) if all(k in host_found for k in stepped_keys) else None
-                )
+            # The stepped optimizers torch's step() read (non-fused ones, with update(new_scale)) and the others.
+            host_found = self._iteration.host_found
+            unread, read_skips, all_read = [], 0, True
+            for key in stepped_keys:
+                if key in host_found:
+                    read_skips += host_found[key]
+                else:
+                    all_read = False
+                    unread.append(self._iteration.optimizers[key])
+            if stepped:  # the verdict stays on the device until a read (the probe's, or fold_device_ledger),
+                # unless torch's step() already read it for every optimizer stepped
+                known = read_skips > 0 if all_read else None
                 self._counters.last_stepped, self._counters.last_skipped = frozenset(stepped_keys), known
             check = _check_on(self._iteration.loss_check, ledger)
             # Not under torch.distributed: each rank's loss differs, and torch's back-off keeps the ranks' scales equal.
             hold = new_scale is None and self._iteration.loss_check is not None and distributed.distributed() is None
             row = ledger.record(skipped, found, check, scale, hold)
             if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
-                unread = [self._iteration.optimizers[key] for key in stepped_keys if key not in host_found]
-                read_skips = sum(host_found[key] for key in stepped_keys if key in host_found)
                 ledger.copies.add(row, hold, unread, read_skips)
                 for optimizer in unread:
                     listeners.notify_step_pending(self, optimizer)
             if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
-                for s in recorded.values():
-                    for found_inf in s["found_inf_per_device"].values():
+                for state in recorded:
+                    for found_inf in state["found_inf_per_device"].values():
                         torch.heaviside(check.to(found_inf.device, found_inf.dtype), found_inf, out=found_inf)
         self._torch_update(new_scale)
         if self._min_scale > 0 or math.isfinite(self._max_scale):
@@ -209,7 +210,9 @@ class DeviceBooks(ScalePolicy):
         ledger.told += len(rows)
         if self._counters.last_skipped is None and ledger.rows_current:
             self._counters.last_skipped = rows[-1].skipped > 0  # the last iteration's row is known
-        forward_overflows = sum(policy.forward_overflow(row.found, row.nonfinite_loss) for row in rows)
+        forward_overflows = 0
+        for row in rows:  # (a loop: no generator frame)
+            forward_overflows += row.forward_overflow
         listeners.notify_counters_read(
             self, self._counters.steps, forward_overflows, len(rows), at_read=False, current=ledger.rows_current
         )

@@ -167,14 +167,25 @@ _listeners: list[StepListener] = []
 
 # (listener, shift) for each listener owning bits of the read, in registration order.
 Layout = tuple[tuple[StepListener, int], ...]
-_layout: Layout = ()
+layout: Layout = ()  # (listener, shift) of every listener owning bits of the read, as laid out now
 EVENTS = ("scale", "unscale", "read")  # the events a listener hears only while subscribed
 _subscribed: dict[str, list[StepListener]] = {event: [] for event in EVENTS}
-_on_scale: tuple[StepListener, ...] = ()
-_on_unscale: tuple[StepListener, ...] = ()
-_on_read: Layout = ()  # (listener, shift) of the subscribed listeners owning bits of the read
-_stepped: tuple[StepListener, ...] = ()  # the listeners that override on_read
-_updated: tuple[StepListener, ...] = ()  # the listeners that override on_update
+# Read by the scaler before it calls the notify_* of an event (empty: nobody to call on a healthy step).
+hearing_scale: tuple[StepListener, ...] = ()
+hearing_unscale: tuple[StepListener, ...] = ()
+hearing_read: tuple[StepListener, ...] = ()  # the listeners that override on_read
+# (listener, shift) of the subscribed listeners owning bits of the read: they add their fields (encode()).
+adding_to_read: Layout = ()
+# The listeners that override each of these methods: only they are called (the others' would do nothing).
+_OVERRIDABLE = (
+    "on_update",
+    "on_device_update",
+    "on_counters_read",
+    "on_step_pending",
+    "on_step_known",
+    "on_overflow_known",
+)
+_overriding: dict[str, tuple[StepListener, ...]] = dict.fromkeys(_OVERRIDABLE, ())
 _no_fields: dict[StepListener, int] = {}  # every field 0: a read that carried none
 
 
@@ -225,65 +236,80 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global _layout, _on_scale, _on_unscale, _on_read, _stepped, _updated, _no_fields
-    _stepped = tuple(known for known in _listeners if type(known).on_read is not StepListener.on_read)
-    _updated = tuple(known for known in _listeners if type(known).on_update is not StepListener.on_update)
-    _on_scale = tuple(known for known in _subscribed["scale"] if type(known).on_scale is not StepListener.on_scale)
-    _on_unscale = tuple(
+    global layout, hearing_scale, hearing_unscale, adding_to_read, hearing_read, _overriding, _no_fields
+    hearing_read = tuple(known for known in _listeners if type(known).on_read is not StepListener.on_read)
+    _overriding = {
+        method: tuple(
+            known for known in _listeners if getattr(type(known), method) is not getattr(StepListener, method)
+        )
+        for method in _OVERRIDABLE
+    }
+    hearing_scale = tuple(known for known in _subscribed["scale"] if type(known).on_scale is not StepListener.on_scale)
+    hearing_unscale = tuple(
         known for known in _subscribed["unscale"] if type(known).on_unscale is not StepListener.on_unscale
     )
-    layout, shift = [], FIRST_FIELD_BIT
+    positions, shift = [], FIRST_FIELD_BIT
     for listener in _listeners:
         if listener.read_bits:
-            layout.append((listener, shift))
+            positions.append((listener, shift))
             shift += listener.read_bits
-    _layout = tuple(layout)
-    _on_read = tuple((listener, shift) for listener, shift in _layout if listener in _subscribed["read"])
-    _no_fields = dict.fromkeys((listener for listener, _ in _layout), 0)
+    layout = tuple(positions)
+    adding_to_read = tuple((listener, shift) for listener, shift in layout if listener in _subscribed["read"])
+    _no_fields = dict.fromkeys((listener for listener, _ in layout), 0)
 
 
 # -- the scaler's side ----------------------------------------------------------------------------
+# The scaler's parts call these with ``self`` (a ScalerParts that is a SafeGradScaler): the listeners are typed for
+# the SafeGradScaler they receive, hence the ``type: ignore[arg-type]`` where a listener is called inline.
 
 
 def encode(scaler: ScalerParts, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
-    """``code`` with the subscribed listeners' fields added, and the layout to decode the value read with."""
-    layout = _layout
-    for listener, shift in _on_read:
+    """``code`` with the subscribed listeners' fields added (:data:`adding_to_read`), and the layout to decode the
+    value read with."""
+    laid_out = layout
+    for listener, shift in adding_to_read:
         added = _guarded(listener, "step()", "add_to_read", scaler, code, shift)
         code = code if added is None else added
-    return code, layout
+    return code, laid_out
 
 
-def decode(layout: Layout, value: int) -> dict[StepListener, int]:
+def decode(laid_out: Layout, value: int) -> dict[StepListener, int]:
     """Each listener's field of the value read (bits 2 and up), by listener (every one: ranks exchange them)."""
-    if value < 1 << FIRST_FIELD_BIT and layout is _layout:
+    if value < 1 << FIRST_FIELD_BIT and laid_out is layout:
         return _no_fields  # (read only)
-    return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in layout}
+    return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in laid_out}
 
 
 def notify_scale(scaler: ScalerParts, scaled: Any) -> None:
-    for listener in _on_scale:
+    """(The scaler calls it only when :data:`hearing_scale` has listeners, as for the other events.)"""
+    for listener in hearing_scale:
         _guarded(listener, "scale()", "on_scale", scaler, scaled)
 
 
 def notify_unscale(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
-    for listener in _on_unscale:
+    for listener in hearing_unscale:
         _guarded(listener, "unscale_()", "on_unscale", scaler, optimizer)
 
 
 def notify_read(
     scaler: ScalerParts, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
 ) -> None:
-    for listener in _stepped:
-        _guarded(listener, "step()", "on_read", scaler, optimizer, fields.get(listener, 0), skipped)
+    for listener in hearing_read:
+        try:  # (inline, not _guarded(): this one runs at every step)
+            listener.on_read(scaler, optimizer, fields.get(listener, 0), skipped)  # type: ignore[arg-type]
+        except Exception as error:
+            _failed(listener, "step()", error)
 
 
 def notify_update(scaler: ScalerParts, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
     """The listeners this update concerns: all when it overflowed or changed the scale, else those awake."""
     quiet = not verdict.found_inf and verdict.scale == verdict.scale_before
-    for listener in _updated:
+    for listener in _overriding["on_update"]:
         if not quiet or steps >= listener.wake_at.get(id(scaler), 0) or fields.get(listener):
-            _guarded(listener, "update()", "on_update", scaler, verdict, fields.get(listener, 0))
+            try:  # (inline, as in notify_read)
+                listener.on_update(scaler, verdict, fields.get(listener, 0))  # type: ignore[arg-type]
+            except Exception as error:
+                _failed(listener, "update()", error)
 
 
 def notify_device_update(
@@ -292,9 +318,13 @@ def notify_device_update(
     """The awake listeners' ``on_device_update`` (nothing is known on the host to wake the others); whether a step
     was skipped, if one of them read it."""
     known: bool | None = None
-    for listener in _listeners:
+    for listener in _overriding["on_device_update"]:
         if steps >= listener.wake_at.get(id(scaler), 0):
-            skipped = _guarded(listener, "update()", "on_device_update", scaler, check, held, row)
+            try:  # (inline, as in notify_read: every device-mode update)
+                skipped = listener.on_device_update(scaler, check, held, row)  # type: ignore[arg-type]
+            except Exception as error:
+                _failed(listener, "update()", error)
+                skipped = None
             known = skipped if known is None else known
     return known
 
@@ -304,24 +334,32 @@ def notify_counters_read(
 ) -> None:
     """The listeners the rows concern: all at a read of the ledger or when a forward overflow is among them, else
     the awake ones."""
-    for listener in _listeners:
+    for listener in _overriding["on_counters_read"]:
         if at_read or forward_overflows or steps >= listener.wake_at.get(id(scaler), 0):
-            args = (scaler, forward_overflows, iterations, at_read, current)
-            _guarded(listener, "counters read", "on_counters_read", *args)
+            try:  # (inline, as in notify_read)
+                listener.on_counters_read(scaler, forward_overflows, iterations, at_read, current)  # type: ignore[arg-type]
+            except Exception as error:
+                _failed(listener, "counters read", error)
 
 
 def notify_step_pending(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
-    for listener in _listeners:
-        _guarded(listener, "step pending", "on_step_pending", scaler, optimizer)
+    for listener in _overriding["on_step_pending"]:
+        try:  # (inline, as in notify_read)
+            listener.on_step_pending(scaler, optimizer)  # type: ignore[arg-type]
+        except Exception as error:
+            _failed(listener, "step pending", error)
 
 
 def notify_step_known(scaler: ScalerParts, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
-    for listener in _listeners:
-        _guarded(listener, "step known", "on_step_known", scaler, optimizer, skipped)
+    for listener in _overriding["on_step_known"]:
+        try:  # (inline, as in notify_read)
+            listener.on_step_known(scaler, optimizer, skipped)  # type: ignore[arg-type]
+        except Exception as error:
+            _failed(listener, "step known", error)
 
 
 def notify_overflow_known(scaler: ScalerParts, scale: float) -> None:
-    for listener in _listeners:
+    for listener in _overriding["on_overflow_known"]:
         _guarded(listener, "overflow known", "on_overflow_known", scaler, scale)
 
 
@@ -358,8 +396,13 @@ def _guarded(listener: StepListener, where: str, method: str, *args: Any) -> Any
     try:
         return getattr(listener, method)(*args)
     except Exception as error:
-        passing = containment.passes_through(error)
-        if passing is not None:
-            raise passing from None
-        containment.report(f"{listener.name} ({where})", error)
+        _failed(listener, where, error)
         return None
+
+
+def _failed(listener: StepListener, where: str, error: Exception) -> None:
+    """A listener raised: torch's or the user's error raised again, ampguard's reported once (the step goes on)."""
+    passing = containment.passes_through(error)
+    if passing is not None:
+        raise passing from None
+    containment.report(f"{listener.name} ({where})", error)

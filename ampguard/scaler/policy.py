@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+import ampguard.containment as containment
 import ampguard.messages as messages
 import ampguard.scaler.diagnose as diagnose
 from ampguard.errors import ScaleCollapseError
@@ -46,28 +47,12 @@ def forward_overflow(found_inf: bool, loss_nonfinite: bool) -> bool:
     """The one rule both modes count by: an overflow the scale did not cause.
 
     An iteration whose gradients overflowed while a loss itself was inf/NaN: no
-    scale makes that loss finite, so the scale and the growth tracker stay
-    (:func:`counted`). A non-finite loss with finite gradients is no overflow:
+    scale makes that loss finite, so the scale and the growth tracker stay. A non-finite loss with finite gradients is no overflow:
     the optimizers step and the iteration counts toward the growth interval, as
     in torch. Host mode (ampguard.scaler.accounting) and device mode's rows
     (ampguard.scaler.ledger, ampguard.scaler.row_copies) both ask this.
     """
     return found_inf and loss_nonfinite
-
-
-def counted(
-    scale: float,
-    tracker: int,
-    found_inf: bool,
-    forward: bool,
-    growth_factor: float,
-    backoff_factor: float,
-    growth_interval: int,
-) -> tuple[float, int]:
-    """The scale and growth tracker after an iteration: kept after a forward overflow, else torch's rule."""
-    if forward:
-        return scale, tracker
-    return next_scale(scale, tracker, found_inf, growth_factor, backoff_factor, growth_interval)
 
 
 @dataclass
@@ -112,6 +97,14 @@ class ScalePolicy(ScalerParts):
             self._counters.stall_reported = False
             self._check_stall(alarms.stall)
             self._counters.stall_reported = self._counters.consecutive >= self._settings.max_consecutive_skips
+
+    def _torch_update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """torch's ``update()`` itself (both modes run it, then keep their books)."""
+        try:  # (containment.torch_call, inlined: every update) torch's errors are torch's, not ampguard's
+            super().update(new_scale)
+        except Exception as error:
+            raise containment.FromTorch(error) from None
+        self._torch_updated = True
 
     def _bounded(self, scale: float) -> float:
         """``scale`` within the scaler's floor and cap."""

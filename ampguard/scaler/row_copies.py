@@ -41,7 +41,8 @@ class KnownRow:
     skipped: int  # optimizer steps skipped
     found: bool  # an optimizer found inf/NaN gradients
     nonfinite_loss: bool
-    held: bool  # a forward overflow (policy.forward_overflow) kept the scale and the growth tracker
+    forward_overflow: bool  # policy.forward_overflow: the gradients overflowed while a loss itself was inf/NaN
+    held: bool  # that forward overflow kept the scale and the growth tracker (not under torch.distributed)
     scale: float  # the scale the iteration ran at
     unread: list[torch.optim.Optimizer]  # the optimizers stepped that no host read told of (fused; those alive)
     read_skips: int  # skips among the others, which the host read (so the rest of ``skipped`` is the unread ones')
@@ -68,7 +69,7 @@ class RowCopies:
 
     def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], read_skips: int) -> None:
         """Start the copy of ``row`` (just written on the device) to the host."""
-        refs = [weakref.ref(optimizer) for optimizer in unread]
+        refs = list(map(weakref.ref, unread))
         into = self._host_row() if self.device.type == "cuda" else None  # (a CPU row is host memory already)
         self.pending.append((HostCopy(row, into), held, refs, read_skips))
 
@@ -102,5 +103,5 @@ def _known_row(values: list[float], held: bool, refs: list[weakref.ref[Any]], re
     skipped, found, check, scale = values
     nonfinite = check != check
     unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
-    overflow = held and policy.forward_overflow(bool(found), nonfinite)
-    return KnownRow(int(skipped), bool(found), nonfinite, overflow, scale, unread, read_skips)
+    forward = policy.forward_overflow(bool(found), nonfinite)
+    return KnownRow(int(skipped), bool(found), nonfinite, forward, held and forward, scale, unread, read_skips)

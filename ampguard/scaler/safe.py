@@ -41,10 +41,10 @@ except ImportError:  # a torch that renamed it: the grad_scaler patch reports it
     OptState = None  # type: ignore[assignment, misc]
 
 import ampguard.containment as containment
-import ampguard.scaler.crashes as crashes
 import ampguard.scaler.listeners as listeners
 import ampguard.scaler.live as live
 import ampguard.stats.summary as summary
+from ampguard.log import label, logger
 from ampguard.scaler.accumulation import Accumulation
 from ampguard.scaler.checkpoint import Checkpoints
 from ampguard.scaler.counters import Counters
@@ -145,14 +145,17 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
                 self._rescale_unscaled_gradients()
             except Exception as error:
                 containment.report("re-scaling of gradients unscaled earlier (scale())", error)
-        scaled = super().scale(outputs)
+        torch_scale = super().scale
+        unwatched = getattr(torch_scale, "unwatched", None)  # past ampguard.clip_grad's watch for other scalers
+        scaled = torch_scale(outputs) if unwatched is None else unwatched(self, outputs)
         if self._enabled:
             scalers_in_iteration.add(self)
             try:
                 self._iteration.note_loss(outputs)
             except Exception as error:
                 containment.report("loss check (scale())", error)
-            listeners.notify_scale(self, scaled)
+            if listeners.hearing_scale:
+                listeners.notify_scale(self, scaled)
         return scaled
 
     def get_scale(self) -> float:
@@ -169,9 +172,10 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         ``scale()`` (gradient accumulation) the gradients were multiplied back,
         and this call unscales and checks all of them (:mod:`ampguard.scaler.accumulation`).
         """
-        if self._unscaled_already(optimizer):
+        if self._enabled and self._per_optimizer_states[id(optimizer)]["stage"] is OptState.UNSCALED:
+            logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
             return
-        if self._enabled:
+        if self._enabled and listeners.hearing_unscale:
             listeners.notify_unscale(self, optimizer)
         super().unscale_(optimizer)
         if self._enabled:
@@ -188,9 +192,10 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         fused = getattr(optimizer, "_step_supports_amp_scaling", False)
         if not fused and state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        if fused and state["stage"] is OptState.READY:  # (it unscales inside its step)
+        if fused and state["stage"] is OptState.READY and listeners.hearing_unscale:  # (it unscales in its step)
             listeners.notify_unscale(self, optimizer)
-        if crashes.without_gradients(state, fused):
+        if not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
+            # Unscaled, yet no found_inf recorded: none of its parameters has a gradient (torch raises).
             result = self._step_without_gradients(optimizer, state, *args, **kwargs)
         else:
             result = super().step(optimizer, *args, **kwargs)
@@ -241,7 +246,8 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
     def _end_iteration(self) -> None:
         scalers_in_iteration.discard(self)
         self._iteration = Iteration()
-        self._report_if_due()
+        if self._counters.next_report and self._counters.steps >= self._counters.next_report:
+            self._report_now()
 
     def view(self) -> ScalerView:
         """What a capability may read of this scaler now (no device read): :class:`~ampguard.scaler.view.ScalerView`."""

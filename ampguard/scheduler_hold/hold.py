@@ -54,6 +54,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ampguard.log import is_rank_zero, logger
+from ampguard.scaler.listeners import StepListener
 from ampguard.stats.counters import process_counters
 
 _ATTRIBUTE = "_ampguard_scaler_steps"
@@ -110,6 +111,21 @@ def note_step(optimizer: Any, skipped: bool, was_pending: bool = False) -> None:
             steps.pending -= 1
     except Exception:  # an optimizer without a __dict__: its schedulers advance as under torch
         logger.debug("scheduler_hold: cannot record the steps of %r", type(optimizer), exc_info=True)
+
+
+class StepsListener(StepListener):
+    """Each optimizer step the scaler made or skipped: told by the host read, or later for fused optimizers."""
+
+    name = "scheduler hold"
+
+    def on_read(self, scaler: Any, optimizer: Any, field: int, skipped: bool) -> None:
+        note_step(optimizer, skipped)
+
+    def on_step_pending(self, scaler: Any, optimizer: Any) -> None:
+        note_pending(optimizer)
+
+    def on_step_known(self, scaler: Any, optimizer: Any, skipped: bool) -> None:
+        note_step(optimizer, skipped, was_pending=True)
 
 
 def note_pending(optimizer: Any) -> None:

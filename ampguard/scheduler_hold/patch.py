@@ -9,8 +9,6 @@ describes it. ``AMPGUARD_DISABLE=scheduler_hold`` keeps torch's schedulers.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 import ampguard.scaler.listeners as listeners
@@ -20,23 +18,7 @@ from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
 from ampguard.patches.warning_attribution import attribute_past_ampguard
 
-
-class StepsListener(listeners.StepListener):
-    """Each optimizer step the scaler made or skipped: told by the host read, or later for fused optimizers."""
-
-    name = "scheduler hold"
-
-    def on_read(self, scaler: Any, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
-        scheduler_hold.note_step(optimizer, skipped)
-
-    def on_step_pending(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
-        scheduler_hold.note_pending(optimizer)
-
-    def on_step_known(self, scaler: Any, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
-        scheduler_hold.note_step(optimizer, skipped, was_pending=True)
-
-
-LISTENER = StepsListener()
+LISTENER = scheduler_hold.StepsListener()
 
 
 class SchedulerHoldPatch(Patch):

@@ -29,14 +29,15 @@ SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
 
 # (module, attribute): each is ampguard's own work inside a training step.
 HOOKS = [
-    (ampguard.scaler.iteration, "loss_check"),  # scale(): the loss check
+    (ampguard.scaler.iteration.Iteration, "note_loss"),  # scale(): the loss check
     (ampguard.fp32_islands.healing, "add_verdict"),  # step(): what rides on the one host read
     (ampguard.fp32_islands.healing, "note_verdict"),  # update(): what the host learned from it
     (ampguard.scheduler_hold.hold, "note_step"),
     (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
     (ampguard.fp32_islands.healing, "end_iteration"),
     (ampguard.scaler.accounting, "log_stats"),  # the stats line
-    (ampguard.clip_grad.norm, "_clip_with_scaler"),  # clip_grad_norm_ after unscale_
+    (ampguard.clip_grad.norm, "_recipe_case"),  # clip_grad_norm_ after unscale_: the recipe's case
+    (ampguard.clip_grad.norm, "_clip_unscaled"),
 ]
 
 
@@ -53,7 +54,9 @@ def _fresh_reports(monkeypatch):
     monkeypatch.setattr(containment, "_reported", set())
 
 
-@pytest.mark.parametrize(("module", "name"), HOOKS, ids=[f"{m.__name__}.{n}" for m, n in HOOKS])
+@pytest.mark.parametrize(
+    ("module", "name"), HOOKS, ids=[f"{m.__module__ if isinstance(m, type) else m.__name__}.{n}" for m, n in HOOKS]
+)
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_failing_hook_leaves_torchs_results_and_one_warning(
     module, name, optimizer, monkeypatch, ampguard_log, reinstall
