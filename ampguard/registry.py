@@ -201,6 +201,15 @@ def is_installed() -> bool:
     return _registry.installed
 
 
+def applied_patch(name: str) -> Patch | None:
+    """The patch object named ``name`` while it is applied (installed, not off), else None."""
+    with _registry.lock:
+        entry = _registry.statuses.get(name)
+        if entry is None or entry.state != "applied":
+            return None
+        return next((patch for patch in _registry.patches if patch.name == name), None)
+
+
 def status() -> list[PatchStatus]:
     """One entry per patch, in registry order. Before install every patch reads ``disabled``."""
     with _registry.lock:

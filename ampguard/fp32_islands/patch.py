@@ -1,9 +1,10 @@
 """Patch ``fp32_islands``: a module that overflows float16 in the forward pass is found and run in float32.
 
-It changes nothing in torch until a loss is inf/NaN: applying it hands the
-configuration to :mod:`ampguard.fp32_islands.healing` and registers
-:class:`IslandsListener`, through which every SafeGradScaler calls it
-(:mod:`ampguard.scaler.listeners`). From the first forward overflow on, the probe
+It changes nothing in torch until a loss is inf/NaN: applying it registers an
+:class:`IslandsListener` holding the healing made from the configuration
+(:class:`~ampguard.fp32_islands.healing.Healing`), through which every
+SafeGradScaler calls it (:mod:`ampguard.scaler.listeners`); :func:`applied_healing`
+finds it for others (``ampguard bench``). From the first forward overflow on, the probe
 (:mod:`ampguard.fp32_islands.probe`) watches the following forward passes, the module it
 names becomes an fp32 island (:mod:`ampguard.fp32_islands.islands`), and buffers the
 overflowed forward pass updated are put back (:mod:`ampguard.fp32_islands.buffers`).
@@ -20,11 +21,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.compiled_islands as compiled_islands
-import ampguard.fp32_islands.healing as healing
 import ampguard.fp32_islands.islands as islands
+import ampguard.fp32_islands.iteration_ends as iteration_ends
 import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
+from ampguard.fp32_islands.healing import Healing
 from ampguard.fp32_islands.portable import without_our_hooks
 from ampguard.fp32_islands.probe import VERDICT_BITS
 from ampguard.patch import Patch, torch_release
@@ -39,7 +41,7 @@ ISLAND_NAMES_KEY = "fp32_islands_named_from"
 ISLAND_NAMES_FULL = "top-level module"
 
 
-def engaged(state: Any) -> bool:
+def engaged(state: Healing) -> bool:
     """Whether every iteration concerns the healing ``state`` now: the probe watches, the headroom watch is busy or
     due, buffers are discovered or guarded, islands are being restored, or the scaler buffer discovery followed
     was freed (the next one heard takes over)."""
@@ -54,13 +56,27 @@ class IslandsListener(listeners.StepListener):
     name = "fp32 islands"
     read_bits = VERDICT_BITS
 
+    def __init__(self, config: Config) -> None:
+        super().__init__()
+        # The healing while the patch is applied; None once reverted (a call still under way then does nothing).
+        self.healing: Healing | None = Healing.from_config(config, on_engaged=self.engage)
+
+    def close(self) -> None:
+        """The patch is reverted: the healing removes every hook it holds."""
+        healing, self.healing = self.healing, None
+        if healing is not None:
+            healing.close()
+
     def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
-        return healing.add_verdict(code, float(2**shift))
+        return self.healing.add_verdict(code, float(2**shift)) if self.healing is not None else code
 
     def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
+        healing = self.healing
+        if healing is None:
+            return self.rest(scaler)
         healing.note_verdict(field)
         try:
-            healing.end_iteration(scaler, verdict.forward_overflow)
+            iteration_ends.end_iteration(healing, scaler, verdict.forward_overflow)
         finally:
             self.rest(scaler)
 
@@ -68,7 +84,9 @@ class IslandsListener(listeners.StepListener):
         self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         try:
-            return healing.end_device_iteration(scaler, check, held=held, row=row)
+            if self.healing is None:
+                return None
+            return iteration_ends.end_device_iteration(self.healing, scaler, check, held=held, row=row)
         finally:
             self.rest(scaler)
 
@@ -76,7 +94,8 @@ class IslandsListener(listeners.StepListener):
         self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
     ) -> None:
         try:
-            healing.after_stats_read(scaler, forward_overflows, iterations, at_read, current)
+            if self.healing is not None:
+                iteration_ends.after_stats_read(self.healing, scaler, forward_overflows, iterations, at_read, current)
         finally:
             self.rest(scaler)
 
@@ -86,7 +105,7 @@ class IslandsListener(listeners.StepListener):
         key = id(scaler)
         if key not in self.wake_at:
             weakref.finalize(scaler, self.wake_at.pop, key, None)
-        state = healing.state()
+        state = self.healing
         if state is not None and engaged(state):
             self.engage()
         else:
@@ -99,10 +118,11 @@ class IslandsListener(listeners.StepListener):
         listeners.subscribe(self, "read")
 
     def on_foreign_step(self, owner: Any, forward_overflow: bool) -> None:
-        healing.end_foreign_step(owner, forward_overflow)
+        if self.healing is not None:
+            iteration_ends.end_foreign_step(self.healing, owner, forward_overflow)
 
     def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
-        state = healing.state()
+        state = self.healing
         last = state.watch.last if state is not None else None
         return {
             "fp32_islands": islands.names(),
@@ -114,7 +134,7 @@ class IslandsListener(listeners.StepListener):
         names = list(islands.names())  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
         # each island's output dtypes under autocast, given again after a resume
-        outputs = islands.recorded_outputs() if healing.state() is not None else {}
+        outputs = islands.recorded_outputs() if self.healing is not None else {}
         if outputs:
             entries["fp32_island_outputs"] = outputs
         if names:  # qualified from the top-level module (earlier: from the one called)
@@ -128,7 +148,7 @@ class IslandsListener(listeners.StepListener):
         naming), or else relative to the outermost module called then.
         """
         self.wake_at.pop(id(scaler), None)  # its steps may go back (a rollback): the schedule is found again
-        state, names = healing.state(), entries.get("fp32_islands")
+        state, names = self.healing, entries.get("fp32_islands")
         if state is not None and state.mode == "auto" and names:
             full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
             islands.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
@@ -143,10 +163,18 @@ class Fp32IslandsPatch(Patch):
     requires_torch = ">=2.3"
     requires_privates = torch_privates.FP32_ISLANDS
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.listener: IslandsListener | None = None  # while applied: it holds the healing
+
+    @property
+    def healing(self) -> Healing | None:
+        """The healing while the patch is applied (its probe, watch, buffers, inputs, mode)."""
+        return self.listener.healing if self.listener is not None else None
+
     def apply(self, config: Config) -> None:
-        healing.activate(config, on_engaged=LISTENER.engage)
-        LISTENER.wake_at.clear()  # (an earlier install's schedule)
-        listeners.add(LISTENER)
+        self.listener = IslandsListener(config)
+        listeners.add(self.listener)
         # A model saved, scripted or exported comes out without ampguard's hooks (portable.py).
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
         self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
@@ -157,9 +185,16 @@ class Fp32IslandsPatch(Patch):
             self.bindings.set_attribute(export, "export", without_our_hooks(export.export))
 
     def revert(self) -> None:
-        listeners.remove(LISTENER)
-        healing.deactivate()
+        if self.listener is not None:
+            listeners.remove(self.listener)
+            self.listener.close()
+            self.listener = None
         super().revert()
 
 
-LISTENER = IslandsListener()
+def applied_healing() -> Healing | None:
+    """The healing of the applied fp32_islands patch (found through the registry); None when it is not applied."""
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
+
+    patch = applied_patch(Fp32IslandsPatch.name)
+    return patch.healing if isinstance(patch, Fp32IslandsPatch) else None

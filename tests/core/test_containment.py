@@ -17,24 +17,25 @@ from scaler_support import (  # noqa: F401
 )
 
 import ampguard.clip_grad.norm
-import ampguard.fp32_islands.healing
+import ampguard.fp32_islands.iteration_ends
 import ampguard.scaler.accounting
 import ampguard.scaler.iteration
 import ampguard.scaler.policy
 import ampguard.scheduler_hold.hold
 from ampguard import containment
+from ampguard.fp32_islands.healing import Healing
 
 FAULTS = {3, 4, 11}  # skipped steps, so that the skip paths run too
 SETTINGS = {"init_scale": 1024.0, "growth_interval": 5}  # growth within the run
 
-# (module, attribute): each is ampguard's own work inside a training step.
+# (module or class, attribute): each is ampguard's own work inside a training step.
 HOOKS = [
     (ampguard.scaler.iteration.Iteration, "note_loss"),  # scale(): the loss check
-    (ampguard.fp32_islands.healing, "add_verdict"),  # step(): what rides on the one host read
-    (ampguard.fp32_islands.healing, "note_verdict"),  # update(): what the host learned from it
+    (Healing, "add_verdict"),  # step(): what rides on the one host read
+    (Healing, "note_verdict"),  # update(): what the host learned from it
     (ampguard.scheduler_hold.hold, "note_step"),
     (ampguard.scaler.policy, "next_scale"),  # update(): the host mirror of the scale
-    (ampguard.fp32_islands.healing, "end_iteration"),
+    (ampguard.fp32_islands.iteration_ends, "end_iteration"),
     (ampguard.scaler.accounting, "log_stats"),  # the stats line
     (ampguard.clip_grad.norm, "_recipe_case"),  # clip_grad_norm_ after unscale_: the recipe's case
     (ampguard.clip_grad.norm, "_clip_unscaled"),
@@ -55,7 +56,9 @@ def _fresh_reports(monkeypatch):
 
 
 @pytest.mark.parametrize(
-    ("module", "name"), HOOKS, ids=[f"{m.__module__ if isinstance(m, type) else m.__name__}.{n}" for m, n in HOOKS]
+    ("module", "name"),
+    HOOKS,
+    ids=[f"{f'{m.__module__}.{m.__qualname__}' if isinstance(m, type) else m.__name__}.{n}" for m, n in HOOKS],
 )
 @pytest.mark.parametrize("optimizer", ["sgd", "adam"])
 def test_a_failing_hook_leaves_torchs_results_and_one_warning(

@@ -12,7 +12,7 @@ from scaler_support import ampguard_log, one_thread, recipe_step, records  # noq
 from torch import nn
 
 import ampguard.scaler
-from ampguard.fp32_islands import healing
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -153,7 +153,7 @@ def test_buffers_left_out_of_the_state_dict_are_not_guarded():
     """Masks and rotary tables are registered persistent=False: no forward pass updates them."""
     model = nn.Sequential(conv_net(), Masked(persistent=False))
     run(torch.amp.GradScaler("cpu"), model=model, poisoned=None)
-    guarded = {id(b) for b in healing._active.buffers.buffers}
+    guarded = {id(b) for b in applied_healing().buffers.buffers}
     assert id(model[1].mask) not in guarded
     assert {id(b) for b in model[0].buffers()} <= guarded
 
@@ -240,7 +240,7 @@ def test_a_teacher_under_inference_mode_neither_stops_the_probe_nor_leaves_a_sta
         if step == POISONED:
             after = {name: b.clone() for name, b in student.named_buffers()}
     assert not records(ampguard_log, logging.WARNING, "probe stopped after an error")
-    assert not healing._active.stopped
+    assert not applied_healing().stopped
     assert scaler.stats.buffers_restored == 1
     for name, value in after.items():
         assert torch.equal(value, before[name]), name
@@ -263,4 +263,4 @@ def test_an_evaluation_under_inference_mode_after_the_first_step_does_not_stop_t
             with torch.inference_mode(), torch.autocast("cpu", dtype=torch.float16):
                 model(batch(99)[0])
     assert not records(ampguard_log, logging.WARNING, "probe stopped after an error")
-    assert not healing._active.stopped
+    assert not applied_healing().stopped

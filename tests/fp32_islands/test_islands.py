@@ -24,8 +24,10 @@ from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fix
 
 import ampguard
 import ampguard.scaler
-from ampguard.fp32_islands import healing, islands, rerun
+import ampguard.scaler.listeners as listeners
+from ampguard.fp32_islands import islands, rerun
 from ampguard.fp32_islands.model_inputs import KeepInputs
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -114,7 +116,7 @@ def test_healthy_run_registers_nothing_and_matches_torch_bit_for_bit():
     assert guarded.scales == reference.scales
     for ours, theirs in zip(guarded.model.parameters(), reference.model.parameters()):
         assert torch.equal(ours, theirs)
-    assert not healing._active.probe.armed
+    assert not applied_healing().probe.armed
 
 
 def test_healing_run_reads_the_host_as_often_as_torch_plus_the_documented_diagnostic_read():
@@ -144,7 +146,7 @@ def test_the_permanent_line_from_the_warning_heals_plain_torch(stock_torch):
 def test_probe_disarms_after_probe_steps_without_overflow(reinstall):
     reinstall(AMPGUARD_PROBE_STEPS="3")
     armed: list[bool] = []
-    train(EVERY + 6, after_update=lambda step: armed.append(healing._active.probe.armed))
+    train(EVERY + 6, after_update=lambda step: armed.append(applied_healing().probe.armed))
     assert armed[EVERY - 1] and armed[EVERY + 1]  # armed by the overflow of batch 9
     assert not armed[EVERY + 2] and global_hooks() == 0  # 3 quiet steps later: gone
 
@@ -227,7 +229,7 @@ def test_models_trained_one_after_another_each_get_their_islands():
         ensemble.append(model)  # kept alive: the islands of the models before stay theirs
         # named at its first overflow: the headroom watch of step 2 saw it closest to the limit (of this model)
         assert scaler.stats.fp32_islands == ("blocks.1.attn",) and nonfinite == [9]
-        assert healing._active.back_off.fruitless == 0
+        assert applied_healing().back_off.fruitless == 0
 
 
 def test_uninstall_removes_the_islands():
@@ -236,6 +238,26 @@ def test_uninstall_removes_the_islands():
     ampguard.uninstall()
     assert module_hooks(run.model) == 0 and global_hooks() == 0
     ampguard.install()
+
+
+def test_each_install_makes_its_own_healing_held_by_its_listener_and_uninstall_closes_it(reinstall):
+    """The healing is the applied patch's (issue 34), not module state: the registered islands listener holds it,
+    uninstall closes it (the armed probe's global hooks removed) and leaves none to find, the next install makes a
+    new one, and with the patch off there is none."""
+    reinstall()
+    first = applied_healing()
+    assert first is not None
+    assert [getattr(known, "healing", None) for known in listeners.registered()].count(first) == 1
+    first.probe.arm()
+    assert global_hooks() > 0
+    ampguard.uninstall()
+    assert applied_healing() is None and not first.probe.armed and global_hooks() == 0
+    ampguard.install()
+    second = applied_healing()
+    assert second is not None and second is not first and not second.probe.armed
+    reinstall(AMPGUARD_DISABLE="fp32_islands")
+    assert applied_healing() is None
+    assert not any(hasattr(known, "healing") for known in listeners.registered())
 
 
 def test_islands_are_in_the_stats_line_and_the_checkpoint():

@@ -38,7 +38,8 @@ from torch import nn
 import ampguard.scaler
 import ampguard.scaler.row_copies
 from ampguard import syncs
-from ampguard.fp32_islands import healing, islands
+from ampguard.fp32_islands import islands
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands", "rows_known_at_reads_only"), needs_fused_adam]
@@ -104,7 +105,7 @@ def test_a_healthy_fused_run_matches_torch_bit_for_bit_without_any_read(reinstal
     assert global_hooks() == 0 and module_hooks(guarded.model) == 0
     for ours, theirs in zip(guarded.model.parameters(), reference.model.parameters()):
         assert torch.equal(ours, theirs)
-    assert not healing._active.probe.armed
+    assert not applied_healing().probe.armed
 
 
 def test_buffers_left_inf_by_a_forward_overflow_get_the_copy_from_the_previous_read(reinstall, ampguard_log):
@@ -190,7 +191,7 @@ def test_overflows_no_module_causes_make_the_probe_back_off_after_three_verdicts
         iteration(model, optimizer, scaler, x, y)
         reads.append(syncs._reads_by_ampguard - before)
     backing_off = records(ampguard_log, logging.INFO, "looks less often: its last 3 verdicts made no fp32 island")
-    assert len(backing_off) == 1 and not healing._active.probe.armed and global_hooks() == 0
+    assert len(backing_off) == 1 and not applied_healing().probe.armed and global_hooks() == 0
     read_at = [step for step, n in enumerate(reads, start=1) if n and step % READ_EVERY]  # besides stats lines
     # Armed at the read of step 40 (the overflow of step 30), it watches through the verdicts of steps 60, 90
     # and 120 (a read per step), then lets 2 reads that found overflows pass (160, 180), arms at 220 (step 210),
@@ -328,4 +329,4 @@ def test_a_nonfinite_loss_with_finite_gradients_is_no_forward_overflow(
     stats = scaler.stats
     assert (stats.nonfinite_loss, stats.skipped, stats.scale) == (1, 0, 1024.0)
     assert not records(ampguard_log, logging.INFO, "forward overflow")
-    assert not healing._active.probe.armed
+    assert not applied_healing().probe.armed

@@ -22,8 +22,9 @@ from torch.nn import functional as F
 import ampguard
 import ampguard.messages as messages
 import ampguard.scaler.live as live
-from ampguard.fp32_islands import healing, model_inputs
+from ampguard.fp32_islands import model_inputs
 from ampguard.fp32_islands.model_inputs import KEEP_UPDATES, KeepInputs, ModelInputs
+from ampguard.fp32_islands.patch import applied_healing
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -107,7 +108,7 @@ def test_a_copy_keeps_nothing_a_saved_model_loads_and_uninstall_strips_both(rein
     train(model, 3)
     assert keepers(model) == 1
     ema = copy.deepcopy(model)
-    state = healing.state()
+    state = applied_healing()
     assert state is not None
     before = [(begun, len(passes)) for begun, passes in state.inputs._cycles]
     ema(batch(0)[0])  # the copy's hook does nothing: not its keeper's model
@@ -207,7 +208,7 @@ def test_evaluation_passes_are_not_kept(reinstall):
     reinstall()
     model = make_net()
     train(model, 3)
-    state = healing.state()
+    state = applied_healing()
     assert state is not None
     before = [(begun, len(passes)) for begun, passes in state.inputs._cycles]
     assert before and before[-1][1] > 0  # the training passes are kept

@@ -9,7 +9,8 @@ import torch
 from islands_support import DIM, EVERY, Storm, batch, fresh_islands, make_net, probe_only, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)(fixtures)
 
-from ampguard.fp32_islands import healing, probe
+from ampguard.fp32_islands import probe
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -70,7 +71,7 @@ def test_modules_fed_inf_are_not_blamed():
 def test_the_verdict_joins_the_scalers_one_read_and_costs_no_other():
     healthy = 2 * EVERY - 2
     with HostReadCounter() as reads:
-        run = train(healthy, check_losses=False, after_update=lambda step: healing._active.probe.arm())
+        run = train(healthy, check_losses=False, after_update=lambda step: applied_healing().probe.arm())
     assert run.scaler.stats.steps == healthy
     assert reads.by_source["aten::_local_scalar_dense"] == healthy  # one per step: torch's own
     assert run.scaler.stats.nonfinite_loss == 1
@@ -103,7 +104,7 @@ def test_a_compiled_model_is_reported_and_never_crashes(ampguard_log):
 def test_an_island_that_keeps_overflowing_makes_the_probe_back_off_not_re_arm_at_every_overflow(ampguard_log):
     """docs/islands.md: "Overflows that fp32 does not fix ... the steps stay skipped", and verdicts that make
     no island back the probe off (2, 4, 8 overflows let pass). Earlier, a verdict naming a module that already
-    was an island counted as one that made an island (healing._after_verdict: made_island=islands.holds(module)):
+    was an island counted as one that made an island (Healing.after_verdict: made_island=islands.holds(module)):
     the probe armed again at every other overflow for the whole run (here armed 6 times in 12 overflows, an INFO
     line each time, its hooks on every module call for half the run; with a fused optimizer a host read per step
     while armed), and nothing says the island did not help.
@@ -111,7 +112,7 @@ def test_an_island_that_keeps_overflowing_makes_the_probe_back_off_not_re_arm_at
     model = make_net()
     model.blocks[0].attn = Storm()
     armed: list[bool] = []
-    run = train(12 * EVERY, model=model, after_update=lambda step: armed.append(healing._active.probe.armed))
+    run = train(12 * EVERY, model=model, after_update=lambda step: armed.append(applied_healing().probe.armed))
     assert run.scaler.stats.fp32_islands == ("blocks.0.attn",)
     assert run.nonfinite_losses == 12
     watching = sum(

@@ -227,7 +227,7 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
     steps, waits for it to disarm."""
     from islands_support import Storm
 
-    from ampguard.fp32_islands import healing
+    from ampguard.fp32_islands.patch import applied_healing
 
     reinstall(AMPGUARD_WATCH_EVERY="5", AMPGUARD_FORWARD_RERUN="off")  # (run again, the first overflow names it)
     torch.manual_seed(0)
@@ -240,7 +240,7 @@ def test_the_watch_never_runs_while_the_probe_is_armed(reinstall):
         model=model,
         scaler=scaler,
         check_losses=False,
-        after_update=lambda _: states.append((healing._active.probe.armed, healing._active.watch.watching)),
+        after_update=lambda _: states.append((applied_healing().probe.armed, applied_healing().watch.watching)),
     )
     assert any(probe for probe, _ in states) and any(watch for _, watch in states)
     assert not any(probe and watch for probe, watch in states)

@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
 import ampguard.messages as messages
-from ampguard.fp32_islands import healing
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.patch import torch_release
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -815,4 +815,4 @@ def test_a_batch_with_non_finite_inputs_is_skipped_and_counted_and_makes_no_isla
     said = [r.getMessage() for r in ampguard_log.records if "the batch itself held inf/NaN" in r.getMessage()]
     assert said == [messages.BAD_BATCH.format(step=BAD_STEP + 1)]
     assert not any("watching the next forward passes" in r.getMessage() for r in ampguard_log.records)
-    assert not healing._active.probe.armed
+    assert not applied_healing().probe.armed

@@ -11,9 +11,9 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-import ampguard.fp32_islands.healing as healing
 from ampguard.commands.bench.runs import Options, make_runs
 from ampguard.commands.bench.timing import Timer, interleaved_blocks
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.registry import active_config
 
 PAIRS = 15
@@ -22,7 +22,8 @@ PAIRS = 15
 def time_watched_step(options: Options) -> dict[str, Any]:
     """``{"normal_ms", "watched_ms", "ratio", "every", "amortised"}``, or ``{"unavailable": reason}``."""
     every = active_config().watch_every
-    if healing.state() is None or not every:
+    healing = applied_healing()
+    if healing is None or not every:
         return {"unavailable": "the headroom watch is off (AMPGUARD_WATCH_EVERY=0 or the fp32_islands patch)"}
     _, run = make_runs(options, fused=False)
     run.steps(max(options.warmup_steps, 2))
