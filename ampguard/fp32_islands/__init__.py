@@ -1,8 +1,10 @@
 """The fp32_islands patch: a module whose forward pass overflows float16 runs in float32 from then on.
 
 - ``patch``: what the patch switches on: the healing, and the listener through which SafeGradScaler's steps reach it.
-- ``healing``: what happens at a skipped step: the probe armed, its verdict read with the scaler's own read,
-  an island made, buffers put back; device mode for fused optimizers.
+- ``healing``: ``Healing``, one per apply, held by the patch's listener: what happens at a skipped step: the probe
+  armed, its verdict read with the scaler's own read, an island made, buffers put back.
+- ``iteration_ends``: the end of each update as the healing acts on it: host mode, device mode for fused
+  optimizers, DeepSpeed's loss-scale steps.
 - ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
 - ``watch_verdicts``: what the headroom watch's (:mod:`ampguard.headroom_watch`) sightings decide: an island before an overflow, or the module blamed at one.
 - ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
