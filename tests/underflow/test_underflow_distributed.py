@@ -141,9 +141,11 @@ def _adapt(reinstall):
 
 
 # 2 gloo ranks under DDP; after the first update (which arms the sampler for the next step on both ranks) rank 0
-# alone evaluates, forward passes without grad: more than the sampler's call limit, which disarms it there.
+# alone evaluates, forward passes without grad: more than the sampler's call limit, which disarms it there. One job
+# runs each scenario (argv[4]: which ranks evaluate, "0" or "01", comma-separated) in turn, each with its own model,
+# optimizer and scaler, as a fresh run would: it saves a torchrun launch (two ranks importing torch) per scenario.
 ONE_RANK_EVALUATES = r"""
-import json, os, sys
+import gc, json, os, sys
 sys.path.insert(0, sys.argv[2])
 import ampguard
 import torch
@@ -151,13 +153,9 @@ import torch.distributed as dist
 from underflow_support import AttentionNet, batches
 from ampguard.underflow.measure import Sampler
 
-OUT, STEPS, EVALUATING = sys.argv[1], int(sys.argv[3]), sys.argv[4]
+OUT, STEPS, SCENARIOS = sys.argv[1], int(sys.argv[3]), sys.argv[4].split(",")
 dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=40))
 rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(AttentionNet())
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-scaler = torch.amp.GradScaler("cpu")
 exchanges = []
 real_all_reduce = dist.all_reduce
 
@@ -168,51 +166,66 @@ def counting_all_reduce(tensor, *args, **kwargs):
 
 
 dist.all_reduce = counting_all_reduce
-scales = []
-data = batches(STEPS, seed=1 + rank)
-for step, (tokens, labels) in enumerate(data):
-    exchanges.append([])
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
-    scaler.scale(loss).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    scales.append(scaler.get_scale())
-    if step == 0 and str(rank) in EVALUATING:  # an evaluation (rank 0's own, or every rank's)
-        with torch.no_grad():
-            for _ in range(Sampler.MAX_CALLS + 6):
-                model.module(tokens)
-record = {"scales": scales, "exchanges": exchanges, "stats": scaler.stats.as_dict()}
-with open(os.path.join(OUT, f"rank{rank}.json"), "w") as handle:
-    json.dump(record, handle)
-dist.barrier()
-del model
+for evaluating in SCENARIOS:
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(AttentionNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    exchanges.clear()
+    scales = []
+    data = batches(STEPS, seed=1 + rank)
+    for step, (tokens, labels) in enumerate(data):
+        exchanges.append([])
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if step == 0 and str(rank) in evaluating:  # an evaluation (rank 0's own, or every rank's)
+            with torch.no_grad():
+                for _ in range(Sampler.MAX_CALLS + 6):
+                    model.module(tokens)
+    record = {"scales": scales, "exchanges": list(exchanges), "stats": scaler.stats.as_dict()}
+    with open(os.path.join(OUT, f"{evaluating}-rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+    dist.barrier()
+    del model, optimizer, scaler
+    gc.collect()
 dist.destroy_process_group()
 """
+SCENARIOS = ("0", "01")  # rank 0 evaluates alone; every rank evaluates
 
 
-def run_ranks(tmp_path: Path, evaluating: str, steps: int = 4) -> tuple[dict[str, Any], dict[str, Any]]:
+@pytest.fixture(scope="module")
+def evaluations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
+    """Each scenario's records of rank 0 and rank 1, from one job."""
+    tmp_path = tmp_path_factory.mktemp("evaluations")
     worker = tmp_path / "worker.py"
     worker.write_text(ONE_RANK_EVALUATES)
     out = tmp_path / "out"
     out.mkdir()
-    command = ["timeout", "120", *torchrun_command(str(worker), str(out), str(SUPPORT), str(steps), evaluating)]
+    steps = 4
+    command = torchrun_command(str(worker), str(out), str(SUPPORT), str(steps), ",".join(SCENARIOS))
+    command = ["timeout", "120", *command]
     env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="1000")
     result = run_torchrun(command, cwd=tmp_path, env=env, timeout=150)
     assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
-    first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
-    return first, second
+    records = {
+        (name, rank): json.loads((out / f"{name}-rank{rank}.json").read_text()) for name in SCENARIOS for rank in (0, 1)
+    }
+    return {name: (records[name, 0], records[name, 1]) for name in SCENARIOS}
 
 
 @pytest.mark.distributed
-def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange(tmp_path: Path) -> None:
+def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange(evaluations) -> None:
     """Rank 0 evaluates alone while the sample is armed and its sampler disarms itself (more than Sampler.MAX_CALLS calls): both ranks still
     call agree_on_underflow at the same update (rank 0 with nothing counted), so the collectives stay paired.
     Before, rank 1 all-reduced the sample at step 1 and rank 0 (re-armed) at step 2: gloo paired rank 1's
     underflow all-reduce with DDP's gradient bucket of rank 0 and aborted the job ("Received data size doesn't
     match expected size. Is there a distributed collective mismatch")."""
-    first, second = run_ranks(tmp_path, "0")
+    first, second = evaluations["0"]
     assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [], []]
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
@@ -220,12 +233,12 @@ def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange
 
 
 @pytest.mark.distributed
-def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(tmp_path: Path) -> None:
+def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(evaluations) -> None:
     """Every rank evaluates (more than Sampler.MAX_CALLS batches) while the sample is armed: the exchange finds nothing counted on any
     rank, which is not a sample: the next step is sampled instead, on both ranks. Before (with the exchange
     kept paired), an empty measurement replaced the last one in scaler.stats and the next sample waited a
     whole AMPGUARD_UNDERFLOW_EVERY."""
-    first, second = run_ranks(tmp_path, "01")
+    first, second = evaluations["01"]
     assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [6, 1], []]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
     assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0
