@@ -1,0 +1,121 @@
+"""What a caller sees of torch around the clip under a SafeGradScaler: torch's messages, warnings and wrappers.
+
+Each test runs the documented recipe (scale -> backward -> unscale_ -> clip ->
+step -> update) on a small model under fp16 autocast on CPU and compares with
+torch without ampguard (``ampguard.uninstall()``), or with what another
+library installed on torch's GradScaler.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ampguard
+import ampguard.scaler
+
+
+@pytest.fixture(autouse=True)
+def _no_scaler_left_mid_iteration() -> Iterator[None]:
+    ampguard.scaler.scalers_in_iteration.clear()
+    yield
+    ampguard.scaler.scalers_in_iteration.clear()
+
+
+def _without_ampguard(run: Callable[[], Any]) -> Any:
+    """``run()`` on torch as it is without ampguard (the autouse fixture puts the installation back after a test)."""
+    ampguard.uninstall()
+    try:
+        return run()
+    finally:
+        ampguard.install()
+
+
+def _model() -> nn.Sequential:
+    generator = torch.Generator().manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=generator) * 0.3)
+    return model
+
+
+def _recipe(clip: Callable[[nn.Module], Any], steps: int = 2) -> list[Any]:
+    """The recipe for ``steps``; what ``clip(model)`` returned or raised (as ``repr``) at each step."""
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    generator = torch.Generator().manual_seed(1)
+    seen = []
+    for _ in range(steps):
+        optimizer.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            out = model(torch.randn(4, 8, generator=generator))
+        scaler.scale(out.float().square().mean()).backward()
+        scaler.unscale_(optimizer)
+        try:
+            seen.append(clip(model))
+        except RuntimeError as error:
+            seen.append(repr(error))
+        scaler.step(optimizer)
+        scaler.update()
+    return seen
+
+
+def test_a_nonfinite_norm_raises_torchs_message_for_an_int_norm_type() -> None:
+    """``clip_grad_norm_(params, 1.0, 2, True)`` with an inf gradient: torch says "order 2.0" (it takes
+    ``float(norm_type)`` first), and so must ampguard's clip after ``unscale_`` (its short path for the recipe)."""
+
+    def clip(model: nn.Module) -> Any:
+        model[0].weight.grad[0, 0] = float("inf")
+        return torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0, 2, True)
+
+    expected = _without_ampguard(lambda: _recipe(clip))
+    seen = _recipe(clip)
+    assert all("order 2.0 " in message for message in expected), expected
+    assert seen == expected
+
+
+def test_the_empty_generator_warning_points_at_the_callers_line() -> None:
+    """torch warns about an empty generator of parameters at the line that called ``clip_grad_norm_``; under
+    ampguard (a scaler in play) the same warning must point at the same line, not into ampguard."""
+    line = inspect.currentframe().f_lineno + 3  # type: ignore[union-attr]
+
+    def clip(model: nn.Module) -> Any:
+        return torch.nn.utils.clip_grad_norm_((p for p in []), 1.0)
+
+    def caught() -> list[tuple[str, str, int]]:
+        with warnings.catch_warnings(record=True) as records:
+            warnings.simplefilter("always")
+            _recipe(clip, steps=1)
+        return [(str(r.message), r.filename, r.lineno) for r in records if "empty generator" in str(r.message)]
+
+    expected = _without_ampguard(caught)
+    assert expected == [(expected[0][0], __file__, line)]
+    assert caught() == expected
+
+
+def test_another_librarys_wrapper_of_torchs_scale_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A library (a profiler, a tracer) that wraps torch's ``GradScaler.scale`` after ampguard installed, with
+    ``functools.wraps`` as usual, is called at every ``scale()`` of a SafeGradScaler, as it was before issue 34:
+    ampguard's own pass past its foreign-scaler watch must not skip a wrapper it did not install."""
+    # torch's own class, as SafeGradScaler subclasses it (a name bound to it elsewhere is rebound at each install)
+    torchs = next(c for c in ampguard.SafeGradScaler.__mro__ if c.__module__ == "torch.amp.grad_scaler")
+    calls: list[str] = []
+    original = torchs.scale
+
+    @functools.wraps(original)
+    def traced(self: Any, outputs: Any) -> Any:
+        calls.append(type(self).__name__)
+        return original(self, outputs)
+
+    monkeypatch.setattr(torchs, "scale", traced)
+    _recipe(lambda model: torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0), steps=3)
+    assert len(calls) == 3, calls
