@@ -62,7 +62,7 @@ def state_dict(original: Callable[[Any], Any], policy: Policy) -> Callable[[Any]
             counts = tracking.of(self)
             if counts is not None and isinstance(state, dict):
                 stats = counts.stats.as_dict()
-                state[KEY] = {key: stats[key] for key in COUNTERS} | listeners.save(counts)  # type: ignore[arg-type]
+                state[KEY] = {key: stats[key] for key in COUNTERS} | listeners.save(counts)
         except Exception as error:  # never the reason a run dies: DeepSpeed's state as it is
             containment.report("deepspeed_fp16 state_dict", error)
         return state
@@ -147,4 +147,4 @@ def _restore(optimizer: Any, before: tracking.DeepSpeedLossScale | None, entry: 
         logger.warning(MALFORMED.format(error=f"{type(error).__name__}: {error}"))
         return
     counts.restore(*loaded, scale=scale)
-    listeners.load(counts, entry)  # type: ignore[arg-type]
+    listeners.load(counts, entry)

@@ -46,6 +46,7 @@ logger = event_logger("island")
 
 if TYPE_CHECKING:
     from ampguard.config import Config
+    from ampguard.scaler.handle import ScalerHandle
 
 
 @dataclass
@@ -64,9 +65,11 @@ class Healing:
     quiet_steps: int = 0
     exhausted: bool = False
     warned: set[str] = field(default_factory=set)
-    # Per scaler: forward overflows device mode already saw at an update (the probe watching) since its last read.
-    seen_in_device_mode: weakref.WeakKeyDictionary[Any, int] = field(default_factory=weakref.WeakKeyDictionary)
-    # The scaler whose updates delimit buffer discovery (a weak reference).
+    # Per scaler, keyed by its handle: forward overflows device mode already saw at an update (the probe watching)
+    # since its last read.
+    seen_in_device_mode: weakref.WeakKeyDictionary[ScalerHandle, int] = field(default_factory=weakref.WeakKeyDictionary)
+    # The scale whose updates delimit buffer discovery (a weak reference to a scaler's handle, or to DeepSpeed's
+    # counts).
     buffers_owner: Any = None
     back_off: BackOff = field(default_factory=BackOff)  # while verdicts make no island
     # Armed since the last update: if the probe recorded no module call, it did not see that iteration's forward
@@ -194,9 +197,9 @@ class Healing:
 
     # -- the scalers heard ---------------------------------------------------------------------
 
-    def follow(self, scaler: Any) -> bool:
-        """Whether ``scaler`` delimits buffer discovery: the first scaler, or a later one once the one before is
-        freed.
+    def follow(self, heard: ScalerHandle | Any) -> bool:
+        """Whether the scale ``heard`` delimits buffer discovery: the first heard, or a later one once the one
+        before is freed. ``heard``: a SafeGradScaler's handle, or DeepSpeed's counts (a foreign step).
 
         Discovery watches the module calls between two of its updates (one round of
         the training loop, every model it trains); the buffers found are then put
@@ -204,14 +207,14 @@ class Healing:
         """
         owner = self.buffers_owner() if self.buffers_owner is not None else None
         if owner is not None:
-            return owner is scaler
+            return owner is heard
         if self.buffers_owner is not None:  # the scaler before was freed: another model trains now
             self.buffers.restart()
             self.probe.disarm()  # it watched for the model before
             self.back_off.reset()  # the probe backed off for the model before, not this one
             self.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
         # Freed, it hands discovery to the next scaler heard: which must then be heard at once, healthy or not.
-        self.buffers_owner = weakref.ref(scaler, lambda _: self.on_engaged() if self.on_engaged else None)
+        self.buffers_owner = weakref.ref(heard, lambda _: self.on_engaged() if self.on_engaged else None)
         return True
 
     # -- errors and reports ----------------------------------------------------------------------

@@ -18,50 +18,44 @@ import ampguard.messages as messages
 import ampguard.scaler.live as live
 from ampguard.distributed import distributed
 from ampguard.log import event_logger
-from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
 
 logger = event_logger("island")
 
 if TYPE_CHECKING:
     from ampguard.fp32_islands.healing import Healing
-
-
-def _steps_of(scaler: Any) -> int:
-    counters = counters_of(scaler)
-    steps = counters.steps if counters is not None else getattr(scaler, "steps", 0)  # (DeepSpeed's counts)
-    return steps if isinstance(steps, int) else 0
+    from ampguard.scaler.handle import ScalerHandle
 
 
 # -- the end of each host-mode update ---------------------------------------------------------
 
 
-def end_iteration(healing: Healing, scaler: Any, overflow: bool) -> None:
+def end_iteration(healing: Healing, handle: ScalerHandle, overflow: bool) -> None:
     """Buffers, probe, watch and islands after an update: ``overflow`` is the agreed forward-overflow verdict."""
-    _host_iteration(healing, scaler, overflow)
+    _host_iteration(healing, handle, overflow)
 
 
-def _host_iteration(healing: Healing, scaler: Any, overflow: bool) -> None:
-    owner = healing.follow(scaler)
-    step = _steps_of(scaler)
+def _host_iteration(healing: Healing, handle: ScalerHandle, overflow: bool) -> None:
+    owner = healing.follow(handle)
+    step = handle.steps
     verdict = healing.verdict if healing.watch.in_read else 0
     bad_batch = overflow and healing.inputs.held_nonfinite(step, updates=1, collective=True)
     found = healing.found_again(step, collective=True) if overflow and not bad_batch else None
     may_blame = found is None and not bad_batch  # run again without a module found: the overflow is not one's
     blamed = (healing.watch.busy() or overflow) and healing.judge_watch(step, overflow, verdict, may_blame)
     try:
-        _end_iteration(healing, scaler, owner, overflow, blamed or bad_batch or bool(found))
+        _end_iteration(healing, step, owner, overflow, blamed or bad_batch or bool(found))
     finally:
         if healing.watch.every:
-            healing.watch.after_update(step, may_watch=healing.may_watch(), scaler=scaler)
+            healing.watch.after_update(step, may_watch=healing.may_watch(), handle=handle)
             healing.keep_inputs()
 
 
-def _end_iteration(healing: Healing, scaler: Any, owner: bool, overflow: bool, blamed: bool) -> None:
-    """``blamed``: the forward overflow is accounted for (an island made at once, or a batch holding inf/NaN)."""
+def _end_iteration(healing: Healing, step: int, owner: bool, overflow: bool, blamed: bool) -> None:
+    """``step``: the optimizer steps of the scale heard; ``blamed``: the forward overflow is accounted for (an
+    island made at once, or a batch holding inf/NaN)."""
     if not overflow and not healing.probe.armed and not islands.restoring() and healing.buffers.idle():
         return  # the healthy step of a model without small buffers: nothing to do
-    step = _steps_of(scaler)
     try:
         islands.end_restore_window()
         healing.buffers.on_update(overflow, step, discover=owner)
@@ -118,14 +112,14 @@ def end_foreign_step(healing: Healing, owner: Any, forward_overflow: bool) -> No
             healing.verdict = max(healing.verdict, int(read_to_host(healing.probe.verdict.reshape(1))[0]))
     except Exception as error:  # never the reason a run dies
         return healing.stop("foreign", error)
-    _end_iteration(healing, owner, healing.follow(owner), forward_overflow, blamed=False)
+    _end_iteration(healing, owner.steps, healing.follow(owner), forward_overflow, blamed=False)
 
 
 # -- device mode (fused optimizers) ------------------------------------------------------------
 
 
 def end_device_iteration(
-    healing: Healing, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    healing: Healing, handle: ScalerHandle, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
 ) -> bool | None:
     """The end of each device-mode update; ``check`` is the iteration's loss check on the device (None: no step).
 
@@ -139,11 +133,11 @@ def end_device_iteration(
     probe's verdict and whether a step was skipped (returned; None: not read),
     and the host-mode logic follows.
     """
-    owner = healing.follow(scaler)
+    owner = healing.follow(handle)
     if healing.watch.every:  # its verdict waits for the next read of the counters (after_stats_read)
         if healing.watch.watching:
             healing.watch.finish()
-        healing.watch.after_update(_steps_of(scaler), may_watch=healing.may_watch(), scaler=scaler)
+        healing.watch.after_update(handle.steps, may_watch=healing.may_watch(), handle=handle)
         healing.keep_inputs()
     if not healing.probe.armed and healing.buffers.discovered and not islands.restoring():
         return None
@@ -156,19 +150,24 @@ def end_device_iteration(
             overflow = loss_check != loss_check  # NaN: a loss was non-finite
             healing.verdict = max(healing.verdict, int(verdict_value))
             if overflow:
-                healing.seen_in_device_mode[scaler] = healing.seen_in_device_mode.get(scaler, 0) + 1
-            _host_iteration(healing, scaler, overflow)
+                healing.seen_in_device_mode[handle] = healing.seen_in_device_mode.get(handle, 0) + 1
+            _host_iteration(healing, handle, overflow)
             return bool(skipped_value > 0)
         islands.end_restore_window()
         if owner and not healing.buffers.discovered:
-            healing.buffers.advance(_steps_of(scaler))  # its copy is compared with them at a read
+            healing.buffers.advance(handle.steps)  # its copy is compared with them at a read
     except Exception as error:  # never the reason a run dies
         healing.stop("device", error)
     return None
 
 
 def after_stats_read(
-    healing: Healing, scaler: Any, forward_overflows: int, iterations: int, at_read: bool = True, current: bool = True
+    healing: Healing,
+    handle: ScalerHandle,
+    forward_overflows: int,
+    iterations: int,
+    at_read: bool = True,
+    current: bool = True,
 ) -> None:
     """Device mode: the host learned of ``iterations`` iterations, ``forward_overflows`` with a non-finite loss.
 
@@ -184,11 +183,11 @@ def after_stats_read(
     if distributed() is not None:
         return
     # Overflows the armed probe already read at their update are not news when their rows are told.
-    seen = healing.seen_in_device_mode.pop(scaler, 0)
+    seen = healing.seen_in_device_mode.pop(handle, 0)
     unseen = max(forward_overflows - seen, 0)
     if seen > forward_overflows and not at_read:
-        healing.seen_in_device_mode[scaler] = seen - forward_overflows  # their rows come later (a GPU)
-    step = _steps_of(scaler)
+        healing.seen_in_device_mode[handle] = seen - forward_overflows  # their rows come later (a GPU)
+    step = handle.steps
     try:
         if current or unseen:
             healing.buffers.on_stats_read(unseen > 0, step, finite_only=at_read or not current)

@@ -32,7 +32,7 @@ from ampguard.fp32_islands.probe import VERDICT_BITS
 from ampguard.patch import Patch, torch_release
 
 if TYPE_CHECKING:
-    from ampguard.scaler.safe import SafeGradScaler
+    from ampguard.scaler.handle import ScalerHandle
     from ampguard.scaler.verdict import StepVerdict
 
 # Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
@@ -67,49 +67,49 @@ class IslandsListener(listeners.StepListener):
         if healing is not None:
             healing.close()
 
-    def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
+    def add_to_read(self, handle: ScalerHandle, code: torch.Tensor, shift: int) -> torch.Tensor:
         return self.healing.add_verdict(code, float(2**shift)) if self.healing is not None else code
 
-    def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
+    def on_update(self, handle: ScalerHandle, verdict: StepVerdict, field: int) -> None:
         healing = self.healing
         if healing is None:
-            return self.rest(scaler)
+            return self.rest(handle)
         healing.note_verdict(field)
         try:
-            iteration_ends.end_iteration(healing, scaler, verdict.forward_overflow)
+            iteration_ends.end_iteration(healing, handle, verdict.forward_overflow)
         finally:
-            self.rest(scaler)
+            self.rest(handle)
 
     def on_device_update(
-        self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+        self, handle: ScalerHandle, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         try:
             if self.healing is None:
                 return None
-            return iteration_ends.end_device_iteration(self.healing, scaler, check, held=held, row=row)
+            return iteration_ends.end_device_iteration(self.healing, handle, check, held=held, row=row)
         finally:
-            self.rest(scaler)
+            self.rest(handle)
 
     def on_counters_read(
-        self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+        self, handle: ScalerHandle, forward_overflows: int, iterations: int, at_read: bool, current: bool
     ) -> None:
         try:
             if self.healing is not None:
-                iteration_ends.after_stats_read(self.healing, scaler, forward_overflows, iterations, at_read, current)
+                iteration_ends.after_stats_read(self.healing, handle, forward_overflows, iterations, at_read, current)
         finally:
-            self.rest(scaler)
+            self.rest(handle)
 
-    def rest(self, scaler: Any) -> None:
-        """Hear every read and update while the healing is engaged; else the healthy updates of ``scaler`` from the
+    def rest(self, handle: ScalerHandle) -> None:
+        """Hear every read and update while the healing is engaged; else the healthy updates of ``handle``'s scaler from the
         step its next headroom watch is due, and no read."""
-        key = id(scaler)
+        key = id(handle)
         if key not in self.wake_at:
-            weakref.finalize(scaler, self.wake_at.pop, key, None)
+            weakref.finalize(handle, self.wake_at.pop, key, None)
         state = self.healing
         if state is not None and engaged(state):
             self.engage()
         else:
-            self.wake_at[key] = state.watch.next_due(scaler) if state is not None else sys.maxsize
+            self.wake_at[key] = state.watch.next_due(handle) if state is not None else sys.maxsize
             listeners.unsubscribe(self, "read")
 
     def engage(self) -> None:
@@ -121,7 +121,7 @@ class IslandsListener(listeners.StepListener):
         if self.healing is not None:
             iteration_ends.end_foreign_step(self.healing, owner, forward_overflow)
 
-    def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
+    def stats_fields(self, handle: ScalerHandle) -> dict[str, Any]:
         state = self.healing
         last = state.watch.last if state is not None else None
         return {
@@ -130,7 +130,7 @@ class IslandsListener(listeners.StepListener):
             "headroom": last.tightest() if last is not None else (),
         }
 
-    def save(self, scaler: SafeGradScaler) -> dict[str, Any]:
+    def save(self, handle: ScalerHandle | Any) -> dict[str, Any]:
         names = list(islands.names())  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
         # each island's output dtypes under autocast, given again after a resume
@@ -141,13 +141,13 @@ class IslandsListener(listeners.StepListener):
             entries[ISLAND_NAMES_KEY] = ISLAND_NAMES_FULL
         return entries
 
-    def load(self, scaler: SafeGradScaler, entries: dict[str, Any]) -> None:
+    def load(self, handle: ScalerHandle | Any, entries: dict[str, Any]) -> None:
         """A checkpoint's islands (and output dtypes): re-applied at the next forward, in auto mode.
 
         Their names are qualified from the top-level module (checkpoints since that
         naming), or else relative to the outermost module called then.
         """
-        self.wake_at.pop(id(scaler), None)  # its steps may go back (a rollback): the schedule is found again
+        self.wake_at.pop(id(handle), None)  # its steps may go back (a rollback): the schedule is found again
         state, names = self.healing, entries.get("fp32_islands")
         if state is not None and state.mode == "auto" and names:
             full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import sys
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -48,6 +48,9 @@ from ampguard.headroom_watch.observer import Observer
 from ampguard.headroom_watch.sighting import FLOAT16_MAX, Candidate, Sighting, summarise
 from ampguard.headroom_watch.watched_pass import WatchedPass
 from ampguard.log import event_logger
+
+if TYPE_CHECKING:
+    from ampguard.scaler.handle import ScalerHandle
 
 logger = event_logger("island")
 
@@ -73,8 +76,9 @@ class HeadroomWatch:
         self._watched_step = 0
         self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
-        # Per scaler: the last ``(step - 1) // every`` seen at its update (each model is watched at its 2nd step).
-        self._periods: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        # Per scaler, keyed by its handle: the last ``(step - 1) // every`` seen at its update (each model is
+        # watched at its 2nd step).
+        self._periods: weakref.WeakKeyDictionary[ScalerHandle, int] = weakref.WeakKeyDictionary()
         self.pending: Sighting | None = None  # finished, its verdict not decoded yet
         self.in_read = False  # the pending verdict rode on this iteration's read
         self.last: Sighting | None = None  # the last sighting whose iteration did not overflow
@@ -89,24 +93,25 @@ class HeadroomWatch:
 
     # -- the schedule ------------------------------------------------------------------------------
 
-    def after_update(self, step: int, may_watch: bool, scaler: Any = None) -> None:
-        """At the end of an update: arm for the next iteration when due (``may_watch``: the probe is not armed)."""
+    def after_update(self, step: int, may_watch: bool, handle: ScalerHandle | None = None) -> None:
+        """At the end of an update of ``handle``'s scaler: arm for the next iteration when due (``may_watch``: the
+        probe is not armed)."""
         # Due at the first update of each period of ``every`` optimizer steps: with several optimizers per
         # iteration the step count moves by more than one per update, so "step % every == 1" could never hold.
-        if self.every and scaler is not None and (step - 1) // self.every != self._periods.get(scaler, -1):
-            self._periods[scaler] = (step - 1) // self.every
+        if self.every and handle is not None and (step - 1) // self.every != self._periods.get(handle, -1):
+            self._periods[handle] = (step - 1) // self.every
             self._due = True
         if self._due and may_watch and not self._pass.armed and self.pending is None:
             self._due = False
             self._watched_step = step + 1
             self._pass.begin()
 
-    def next_due(self, scaler: Any) -> int:
-        """The optimizer steps of ``scaler`` at whose update a watch is next due (0: its next update; a very large
-        number: never, the watch off)."""
+    def next_due(self, handle: ScalerHandle) -> int:
+        """The optimizer steps of ``handle``'s scaler at whose update a watch is next due (0: its next update; a very
+        large number: never, the watch off)."""
         if not self.every:
             return sys.maxsize
-        period = self._periods.get(scaler)
+        period = self._periods.get(handle)
         return 0 if period is None else (period + 1) * self.every + 1
 
     def restart(self) -> None:

@@ -50,7 +50,7 @@ class HostBooks(DeviceBooks):
             # + 2 when a loss was non-finite (its check is NaN): still one value, one read.
             code = code + torch.nan_to_num(self._iteration.loss_check.to(code.device, non_blocking=True), nan=2.0)
         if listeners.adding_to_read:
-            return listeners.encode(self, code)
+            return listeners.encode(self._handle, code)
         return code, listeners.layout
 
     def _note_verdict(self, optimizer: torch.optim.Optimizer, value: int, layout: listeners.Layout) -> bool:
@@ -61,7 +61,7 @@ class HostBooks(DeviceBooks):
         for listener, field in fields.items():  # the largest of the iteration's reads
             self._iteration.fields[listener] = max(field, self._iteration.fields.get(listener, 0))
         if listeners.hearing_read:
-            listeners.notify_read(self, optimizer, fields, found)
+            listeners.notify_read(self._handle, optimizer, fields, found)
         if value & listeners.LOSS_NONFINITE:
             self._iteration.loss_nonfinite = True
         if found:
@@ -145,7 +145,7 @@ class HostBooks(DeviceBooks):
         self._count(verdict, alarms)
         if alarms.collapse_at is not None or alarms.stall:
             self._raise_alarms(alarms)
-        listeners.notify_update(self, verdict, self._counters.steps, fields)
+        listeners.notify_update(self._handle, verdict, self._counters.steps, fields)
 
     def _resync_mirror(self) -> None:
         """After a failure in ampguard's bookkeeping (torch's update done): the device's truth, bounded."""
@@ -188,7 +188,7 @@ class HostBooks(DeviceBooks):
             min_scale_seen=self._counters.min_seen,
             max_scale_seen=self._counters.max_seen,
             consecutive_skipped=self._counters.consecutive,
-            **listeners.stats_fields(self),
+            **listeners.stats_fields(self._handle),
         )
 
     def _report_now(self) -> None:

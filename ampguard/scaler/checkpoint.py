@@ -94,7 +94,7 @@ class Checkpoints(HostBooks):
         """torch's ``state_dict()`` plus the ``ampguard`` entry (none when torch's is empty: scaler disabled)."""
         if state:
             state["ampguard"] = {key: value for key, value in self.stats.as_dict().items() if key in COUNTER_KEYS}
-            state["ampguard"].update(listeners.save(self))  # the capabilities' own entries (fp32 islands ...)
+            state["ampguard"].update(listeners.save(self._handle))  # the capabilities' own entries (fp32 islands ...)
         return state
 
     def _load_counters(self, state_dict: dict[str, Any]) -> None:
@@ -133,7 +133,7 @@ class Checkpoints(HostBooks):
                 self._counters.max_seen,
             ) = loaded_counters
             assert isinstance(counters, dict)
-            listeners.load(self, counters)
+            listeners.load(self._handle, counters)
         else:
             if not counters:  # (a malformed entry was said already)
                 logger.info(messages.TORCH_STATE_LOADED.format(scale=bounded, interval=self._growth_interval))
@@ -172,26 +172,28 @@ class Checkpoints(HostBooks):
 
     def _for_pickle(self, state: dict[str, Any]) -> dict[str, Any]:
         """The pickled ``__dict__``: the iteration in progress is not part of it, nor the ids of the optimizers
-        the last one stepped (another process's objects may have them); the listeners' entries are (the
+        the last one stepped (another process's objects may have them), nor its handle; the listeners' entries are (the
         underflow policy's ceiling and counters ...), so an unpickled or deep-copied scaler continues as this one."""
         state.pop("_iteration", None)
+        state.pop("_handle", None)  # the features' key for this scaler: a copy makes its own (_restore_iteration)
         if "_counters" in state:
             state["_counters"] = state["_counters"].for_pickle()
-        entries = listeners.save(self, "pickling") if self._enabled else {}
+        entries = listeners.save(self._handle, "pickling") if self._enabled else {}
         if entries:
             state[LISTENER_ENTRIES] = entries
         return state
 
     def _restore_iteration(self, listener_entries: dict[str, Any]) -> None:
         """After ``__setstate__``: a fresh iteration (and none of an earlier version's per-iteration attributes),
-        and the listeners' entries loaded (those of a capability not applied here are ignored)."""
+        a handle of its own, and the listeners' entries loaded (those of a capability not applied here are ignored)."""
         for key in _EARLIER_ITERATION_KEYS:
             self.__dict__.pop(key, None)
         if "_counters" not in self.__dict__:  # pickled by 0.1.0, when the counters were attributes of the scaler
             self._counters = from_earlier_attributes(self.__dict__)
         self._iteration = Iteration()
+        self._new_handle()  # its own: the features' state for it is its own
         if listener_entries:
-            listeners.load(self, listener_entries, "unpickling")
+            listeners.load(self._handle, listener_entries, "unpickling")
 
     def _adopt_torch_pickle(self, state: dict[str, Any]) -> None:
         """After ``__setstate__`` of a scaler pickled by torch's own GradScaler (before ampguard was installed),

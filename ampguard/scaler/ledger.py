@@ -172,7 +172,7 @@ class DeviceBooks(ScalePolicy):
             if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
                 ledger.copies.add(row, hold, unread, read_skips)
                 for optimizer in unread:
-                    listeners.notify_step_pending(self, optimizer)
+                    listeners.notify_step_pending(self._handle, optimizer)
             if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
                 for state in recorded:
                     for found_inf in state["found_inf_per_device"].values():
@@ -181,7 +181,7 @@ class DeviceBooks(ScalePolicy):
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         self._counters.mirror_scale = None
-        known = listeners.notify_device_update(self, self._counters.steps, check, hold, row)
+        known = listeners.notify_device_update(self._handle, self._counters.steps, check, hold, row)
         if known is not None and self._counters.last_skipped is None:
             self._counters.last_skipped = known
         rows = self._tell_known_rows(ledger)
@@ -214,18 +214,18 @@ class DeviceBooks(ScalePolicy):
         for row in rows:  # (a loop: no generator frame)
             forward_overflows += row.forward_overflow
         listeners.notify_counters_read(
-            self, self._counters.steps, forward_overflows, len(rows), at_read=False, current=ledger.rows_current
+            self._handle, self._counters.steps, forward_overflows, len(rows), at_read=False, current=ledger.rows_current
         )
         for row in rows:
             if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
-                listeners.notify_overflow_known(self, row.scale)
+                listeners.notify_overflow_known(self._handle, row.scale)
             self._tell_steps(row)
         return rows
 
     def _tell_steps(self, row: KnownRow) -> None:
         skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
         for optimizer in row.unread:
-            listeners.notify_step_known(self, optimizer, skipped)
+            listeners.notify_step_known(self._handle, optimizer, skipped)
 
     def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
@@ -261,11 +261,11 @@ class DeviceBooks(ScalePolicy):
             policy.forward_overflow(verdict.found_inf, verdict.loss_nonfinite) for verdict in untold
         )
         listeners.notify_counters_read(
-            self, self._counters.steps, forward_overflows, len(untold), at_read=True, current=True
+            self._handle, self._counters.steps, forward_overflows, len(untold), at_read=True, current=True
         )
         for verdict in untold:  # gradients that overflowed, not a held forward overflow
             if verdict.found_inf and not verdict.forward_overflow:
-                listeners.notify_overflow_known(self, verdict.scale_before)
+                listeners.notify_overflow_known(self._handle, verdict.scale_before)
         if (
             ledger.copies is not None
         ):  # the steps whose copies had not landed (a GPU): told now, as they would have been

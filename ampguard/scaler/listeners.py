@@ -3,7 +3,8 @@
 A capability (fp32 islands, the LR scheduler hold, ...) subclasses
 :class:`StepListener`, overrides what it needs, and its patch registers an
 instance with :func:`add` in ``apply()`` and :func:`remove` in ``revert()``.
-The scaler calls every registered listener at fixed points of an iteration:
+The scaler calls every registered listener at fixed points of an iteration, each time with the scaler's
+:class:`~ampguard.scaler.handle.ScalerHandle` (never the scaler itself):
 
 ======================  ======================================================================
 ``on_scale``             ``scale()``: the scaled loss (while subscribed to ``"scale"``)
@@ -34,11 +35,14 @@ nobody: ``scale``, ``unscale`` and ``read`` reach the listeners subscribed to
 them (:func:`subscribe`, :func:`unsubscribe`: a sampler armed, a probe
 watching); ``on_update`` reaches a listener when the iteration overflowed or
 changed the scale, or when that scaler's optimizer steps reach the listener's
-``wake_at[id(scaler)]`` (none there: every update), which the listener keeps
-itself (and drops with the scaler).
+``wake_at[id(handle)]`` (none there: every update), which the listener keeps
+itself (and drops with the handle, whose life is the scaler's).
 
-Listeners read the scaler through :meth:`SafeGradScaler.view` and ask for a
-change through its public methods (``grow_now``): never its attributes.
+**What a listener holds.** The handle, in weak structures only (it keys the
+listener's per-scaler state: ``weakref.WeakKeyDictionary``, ``weakref.finalize``,
+``id()``); it reads the scaler through ``handle.view()`` and ``handle.steps``
+and asks for a change through ``handle.grow_now()`` and ``handle.skip_step_if()``:
+never the scaler's attributes, never the scaler.
 A listener that raises is reported once (:mod:`ampguard.containment`) and the
 step goes on as torch's.
 """
@@ -52,8 +56,7 @@ import torch
 import ampguard.containment as containment
 
 if TYPE_CHECKING:
-    from ampguard.scaler.parts import ScalerParts
-    from ampguard.scaler.safe import SafeGradScaler
+    from ampguard.scaler.handle import ScalerHandle
     from ampguard.scaler.verdict import StepVerdict
 
 FOUND = 1  # bit 0: the optimizer's found_inf
@@ -63,33 +66,37 @@ FIELD_BITS = 22  # 2 + 22 = 24: the integers a float32 holds exactly
 
 
 class StepListener:
-    """What a capability hears from the scaler. Every method is optional; the defaults do nothing."""
+    """What a capability hears from the scaler. Every method is optional; the defaults do nothing.
+
+    ``handle``, the first argument of each (but :meth:`on_foreign_step`): the scaler's
+    :class:`~ampguard.scaler.handle.ScalerHandle`, the key for the listener's state of that scaler.
+    """
 
     name = "listener"  # in reports of its failures
     read_bits = 0  # the bits of the packed host read this listener owns
 
     def __init__(self) -> None:
-        # id(scaler) -> the optimizer steps (``scaler.view().steps``) from which a healthy update of that scaler
-        # concerns this listener; a scaler not in it: every update (an overflow or a change of scale always).
+        # id(handle) -> the optimizer steps (``handle.steps``) from which a healthy update of that handle's scaler
+        # concerns this listener; a handle not in it: every update (an overflow or a change of scale always).
         self.wake_at: dict[int, int] = {}
 
-    def on_scale(self, scaler: SafeGradScaler, scaled: Any) -> None:
+    def on_scale(self, handle: ScalerHandle, scaled: Any) -> None:
         """``scale()`` returns ``scaled`` (a tensor, or torch's container of them): the loss whose backward pass the
         scale is for. Called on every ``scale()``: keep it to a few comparisons on a step it does not concern."""
 
-    def on_unscale(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    def on_unscale(self, handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
         """``optimizer``'s gradients are about to be unscaled (``unscale_()``, or a fused optimizer's ``step()``):
         they still hold the scaled values of the backward passes. Called on every such call: keep it to a few
         comparisons on a step it does not concern."""
 
-    def add_to_read(self, scaler: SafeGradScaler, code: torch.Tensor, shift: int) -> torch.Tensor:
+    def add_to_read(self, handle: ScalerHandle, code: torch.Tensor, shift: int) -> torch.Tensor:
         """``code`` plus this listener's field ``<< shift`` (on the device, below ``2**read_bits``)."""
         return code
 
-    def on_read(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
+    def on_read(self, handle: ScalerHandle, optimizer: torch.optim.Optimizer, field: int, skipped: bool) -> None:
         """After the read in ``step()``: ``optimizer`` was skipped, or stepped; ``field`` is this listener's."""
 
-    def on_update(self, scaler: SafeGradScaler, verdict: StepVerdict, field: int) -> None:
+    def on_update(self, handle: ScalerHandle, verdict: StepVerdict, field: int) -> None:
         """The end of a host-mode ``update()`` that concerns this listener (see ``wake_at``).
 
         ``verdict.forward_overflow``: a step was skipped because a loss itself was
@@ -98,7 +105,7 @@ class StepListener:
         """
 
     def on_device_update(
-        self, scaler: SafeGradScaler, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+        self, handle: ScalerHandle, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
         """The end of a device-mode ``update()``: nothing was read on the host.
 
@@ -111,7 +118,7 @@ class StepListener:
         return None
 
     def on_counters_read(
-        self, scaler: SafeGradScaler, forward_overflows: int, iterations: int, at_read: bool, current: bool
+        self, handle: ScalerHandle, forward_overflows: int, iterations: int, at_read: bool, current: bool
     ) -> None:
         """The host learned the verdicts of ``iterations`` more device-mode iterations.
 
@@ -125,18 +132,18 @@ class StepListener:
         for the copies too).
         """
 
-    def on_step_pending(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer) -> None:
+    def on_step_pending(self, handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
         """A fused ``optimizer``'s step was made in the iteration just updated; :meth:`on_step_known` tells its
         verdict later (at this same update on the CPU), once, in step order."""
 
-    def on_step_known(self, scaler: SafeGradScaler, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+    def on_step_known(self, handle: ScalerHandle, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
         """A fused ``optimizer``'s step (no host read told of it) is known: stepped, or skipped on the device.
 
         In step order; at the step's own ``update()`` on the CPU, an iteration or
         two later on CUDA (:mod:`ampguard.scaler.row_copies`).
         """
 
-    def on_overflow_known(self, scaler: SafeGradScaler, scale: float) -> None:
+    def on_overflow_known(self, handle: ScalerHandle, scale: float) -> None:
         """A device-mode iteration's gradients overflowed at loss ``scale`` (not a forward overflow): learned from
         its row, once, when the host learns it (``DeviceBooks._tell_known_rows``, or the ledger's
         read)."""
@@ -149,18 +156,21 @@ class StepListener:
         No listener field rides on a read there: a listener reads what it needs, at a forward overflow only.
         """
 
-    def stats_fields(self, scaler: SafeGradScaler) -> dict[str, Any]:
-        """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills for ``scaler``."""
+    def stats_fields(self, handle: ScalerHandle) -> dict[str, Any]:
+        """Fields of :class:`~ampguard.stats.counters.ScalerStats` this listener fills for ``handle``'s scaler."""
         return {}
 
-    def save(self, scaler: SafeGradScaler) -> dict[str, Any]:
-        """Entries for ``scaler.state_dict()["ampguard"]`` and ``scaler``'s pickle (plain data: Python numbers,
-        strings, lists and dicts, which a ``weights_only=True`` load takes)."""
+    def save(self, handle: ScalerHandle | Any) -> dict[str, Any]:
+        """Entries for ``scaler.state_dict()["ampguard"]`` and the scaler's pickle (plain data: Python numbers,
+        strings, lists and dicts, which a ``weights_only=True`` load takes). ``handle``: that scaler's; or, for
+        a DeepSpeed fp16 optimizer's state (:mod:`ampguard.deepspeed_fp16.checkpoint`), the counts of its loss
+        scale, the ``owner`` of :meth:`on_foreign_step`."""
         return {}
 
-    def load(self, scaler: SafeGradScaler, entries: dict[str, Any]) -> None:
-        """The ``ampguard`` entries of a state loaded into ``scaler`` (``load_state_dict()``, unpickling, a deep
-        copy); perhaps an older version's, perhaps without yours."""
+    def load(self, handle: ScalerHandle | Any, entries: dict[str, Any]) -> None:
+        """The ``ampguard`` entries of a state loaded into ``handle``'s scaler (``load_state_dict()``, unpickling,
+        a deep copy: the copy's own handle); perhaps an older version's, perhaps without yours. ``handle``: as
+        for :meth:`save`."""
 
 
 _listeners: list[StepListener] = []
@@ -259,16 +269,15 @@ def _relayout() -> None:
 
 
 # -- the scaler's side ----------------------------------------------------------------------------
-# The scaler's parts call these with ``self`` (a ScalerParts that is a SafeGradScaler): the listeners are typed for
-# the SafeGradScaler they receive, hence the ``type: ignore[arg-type]`` where a listener is called inline.
+# The scaler's parts call these with its handle (``self._handle``), which every listener receives in its place.
 
 
-def encode(scaler: ScalerParts, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
+def encode(handle: ScalerHandle, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
     """``code`` with the subscribed listeners' fields added (:data:`adding_to_read`), and the layout to decode the
     value read with."""
     laid_out = layout
     for listener, shift in adding_to_read:
-        added = _guarded(listener, "step()", "add_to_read", scaler, code, shift)
+        added = _guarded(listener, "step()", "add_to_read", handle, code, shift)
         code = code if added is None else added
     return code, laid_out
 
@@ -280,48 +289,48 @@ def decode(laid_out: Layout, value: int) -> dict[StepListener, int]:
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in laid_out}
 
 
-def notify_scale(scaler: ScalerParts, scaled: Any) -> None:
+def notify_scale(handle: ScalerHandle, scaled: Any) -> None:
     """(The scaler calls it only when :data:`hearing_scale` has listeners, as for the other events.)"""
     for listener in hearing_scale:
-        _guarded(listener, "scale()", "on_scale", scaler, scaled)
+        _guarded(listener, "scale()", "on_scale", handle, scaled)
 
 
-def notify_unscale(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
+def notify_unscale(handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
     for listener in hearing_unscale:
-        _guarded(listener, "unscale_()", "on_unscale", scaler, optimizer)
+        _guarded(listener, "unscale_()", "on_unscale", handle, optimizer)
 
 
 def notify_read(
-    scaler: ScalerParts, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
+    handle: ScalerHandle, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
 ) -> None:
     for listener in hearing_read:
         try:  # (inline, not _guarded(): this one runs at every step)
-            listener.on_read(scaler, optimizer, fields.get(listener, 0), skipped)  # type: ignore[arg-type]
+            listener.on_read(handle, optimizer, fields.get(listener, 0), skipped)
         except Exception as error:
             _failed(listener, "step()", error)
 
 
-def notify_update(scaler: ScalerParts, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
+def notify_update(handle: ScalerHandle, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
     """The listeners this update concerns: all when it overflowed or changed the scale, else those awake."""
     quiet = not verdict.found_inf and verdict.scale == verdict.scale_before
     for listener in _overriding["on_update"]:
-        if not quiet or steps >= listener.wake_at.get(id(scaler), 0) or fields.get(listener):
+        if not quiet or steps >= listener.wake_at.get(id(handle), 0) or fields.get(listener):
             try:  # (inline, as in notify_read)
-                listener.on_update(scaler, verdict, fields.get(listener, 0))  # type: ignore[arg-type]
+                listener.on_update(handle, verdict, fields.get(listener, 0))
             except Exception as error:
                 _failed(listener, "update()", error)
 
 
 def notify_device_update(
-    scaler: ScalerParts, steps: int, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+    handle: ScalerHandle, steps: int, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
 ) -> bool | None:
     """The awake listeners' ``on_device_update`` (nothing is known on the host to wake the others); whether a step
     was skipped, if one of them read it."""
     known: bool | None = None
     for listener in _overriding["on_device_update"]:
-        if steps >= listener.wake_at.get(id(scaler), 0):
+        if steps >= listener.wake_at.get(id(handle), 0):
             try:  # (inline, as in notify_read: every device-mode update)
-                skipped = listener.on_device_update(scaler, check, held, row)  # type: ignore[arg-type]
+                skipped = listener.on_device_update(handle, check, held, row)
             except Exception as error:
                 _failed(listener, "update()", error)
                 skipped = None
@@ -330,37 +339,37 @@ def notify_device_update(
 
 
 def notify_counters_read(
-    scaler: ScalerParts, steps: int, forward_overflows: int, iterations: int, at_read: bool, current: bool
+    handle: ScalerHandle, steps: int, forward_overflows: int, iterations: int, at_read: bool, current: bool
 ) -> None:
     """The listeners the rows concern: all at a read of the ledger or when a forward overflow is among them, else
     the awake ones."""
     for listener in _overriding["on_counters_read"]:
-        if at_read or forward_overflows or steps >= listener.wake_at.get(id(scaler), 0):
+        if at_read or forward_overflows or steps >= listener.wake_at.get(id(handle), 0):
             try:  # (inline, as in notify_read)
-                listener.on_counters_read(scaler, forward_overflows, iterations, at_read, current)  # type: ignore[arg-type]
+                listener.on_counters_read(handle, forward_overflows, iterations, at_read, current)
             except Exception as error:
                 _failed(listener, "counters read", error)
 
 
-def notify_step_pending(scaler: ScalerParts, optimizer: torch.optim.Optimizer) -> None:
+def notify_step_pending(handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
     for listener in _overriding["on_step_pending"]:
         try:  # (inline, as in notify_read)
-            listener.on_step_pending(scaler, optimizer)  # type: ignore[arg-type]
+            listener.on_step_pending(handle, optimizer)
         except Exception as error:
             _failed(listener, "step pending", error)
 
 
-def notify_step_known(scaler: ScalerParts, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
+def notify_step_known(handle: ScalerHandle, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
     for listener in _overriding["on_step_known"]:
         try:  # (inline, as in notify_read)
-            listener.on_step_known(scaler, optimizer, skipped)  # type: ignore[arg-type]
+            listener.on_step_known(handle, optimizer, skipped)
         except Exception as error:
             _failed(listener, "step known", error)
 
 
-def notify_overflow_known(scaler: ScalerParts, scale: float) -> None:
+def notify_overflow_known(handle: ScalerHandle, scale: float) -> None:
     for listener in _overriding["on_overflow_known"]:
-        _guarded(listener, "overflow known", "on_overflow_known", scaler, scale)
+        _guarded(listener, "overflow known", "on_overflow_known", handle, scale)
 
 
 def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:
@@ -368,20 +377,21 @@ def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:
         _guarded(listener, "foreign step", "on_foreign_step", owner, forward_overflow)
 
 
-def stats_fields(scaler: ScalerParts) -> dict[str, Any]:
+def stats_fields(handle: ScalerHandle) -> dict[str, Any]:
     """The fields every listener fills in ``scaler.stats``."""
-    return _merged("stats", "stats_fields", scaler)
+    return _merged("stats", "stats_fields", handle)
 
 
-def save(scaler: ScalerParts, where: str = "state_dict()") -> dict[str, Any]:
-    """Every listener's entries for ``scaler.state_dict()["ampguard"]`` (or its pickle: ``where``)."""
-    return _merged(where, "save", scaler)
+def save(handle: ScalerHandle | Any, where: str = "state_dict()") -> dict[str, Any]:
+    """Every listener's entries for ``scaler.state_dict()["ampguard"]`` (or its pickle: ``where``); ``handle``
+    the scaler's, or DeepSpeed's counts (:meth:`StepListener.save`)."""
+    return _merged(where, "save", handle)
 
 
-def load(scaler: ScalerParts, entries: dict[str, Any], where: str = "load_state_dict()") -> None:
-    """Every listener's part of ``entries``, loaded into ``scaler``."""
+def load(handle: ScalerHandle | Any, entries: dict[str, Any], where: str = "load_state_dict()") -> None:
+    """Every listener's part of ``entries``, loaded into ``handle``'s scaler (or DeepSpeed's counts)."""
     for listener in _listeners:
-        _guarded(listener, where, "load", scaler, entries)
+        _guarded(listener, where, "load", handle, entries)
 
 
 def _merged(where: str, method: str, *args: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, ClassVar
 
 if TYPE_CHECKING:
     from ampguard.scaler.counters import Counters
+    from ampguard.scaler.handle import ScalerHandle
     from ampguard.scaler.iteration import Iteration
     from ampguard.scaler.live import TorchGradScaler as _Torch
     from ampguard.scaler.settings import Settings
@@ -28,6 +29,7 @@ class ScalerParts(_Torch):
     _settings: Settings
     _counters: Counters  # what it counts and mirrors on the host
     _iteration: Iteration  # the iteration in progress
+    _handle: ScalerHandle  # what the features hold of it: the listeners hear it, never the scaler
     _min_scale: float
     _max_scale: float
     # The host replay of the scale update is exact for torch's update(); a subclass whose update() differs
@@ -38,3 +40,4 @@ class ScalerParts(_Torch):
     if TYPE_CHECKING:
 
         def _ampguard_setup(self, settings: Settings) -> None: ...  # SafeGradScaler's: its state made anew
+        def _new_handle(self) -> None: ...  # SafeGradScaler's: its handle made anew

@@ -49,6 +49,7 @@ from ampguard.scaler.accumulation import Accumulation
 from ampguard.scaler.checkpoint import Checkpoints
 from ampguard.scaler.counters import Counters
 from ampguard.scaler.crashes import CrashGuards
+from ampguard.scaler.handle import ScalerHandle
 from ampguard.scaler.iteration import Iteration
 from ampguard.scaler.live import TorchGradScaler, scalers_in_iteration
 from ampguard.scaler.policy import f32
@@ -128,10 +129,16 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         bounded = self._bounded(settings.init_scale)
         self._counters = Counters.at_start(f32(bounded), settings.stats_every)  # f32: the scale tensor's
         self._iteration = Iteration()
+        self._new_handle()
         if self._enabled:
             summary.track(self)
             if settings.init_scale != bounded:
                 self._init_scale = bounded  # a Python float until scale() makes the tensor, as torch's
+
+    def _new_handle(self) -> None:
+        """What the features hold of it from now on (:mod:`~ampguard.scaler.handle`): made with its counters, and
+        anew for an unpickled or deep-copied scaler (never carried by a pickle)."""
+        self._handle = ScalerHandle(self, self._counters)
 
     def scale(self, outputs: Any) -> Any:
         """As torch's ``scale()``; also notes, on the device, whether the loss itself is finite.
@@ -155,7 +162,7 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
             except Exception as error:
                 containment.report("loss check (scale())", error)
             if listeners.hearing_scale:
-                listeners.notify_scale(self, scaled)
+                listeners.notify_scale(self._handle, scaled)
         return scaled
 
     def get_scale(self) -> float:
@@ -176,7 +183,7 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
             logger.debug("unscale_() called again for %s in one iteration: ignored.", label(optimizer))
             return
         if self._enabled and listeners.hearing_unscale:
-            listeners.notify_unscale(self, optimizer)
+            listeners.notify_unscale(self._handle, optimizer)
         super().unscale_(optimizer)
         if self._enabled:
             self._iteration.unscaled_optimizers.append(optimizer)
@@ -193,7 +200,7 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         if not fused and state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         if fused and state["stage"] is OptState.READY and listeners.hearing_unscale:  # (it unscales in its step)
-            listeners.notify_unscale(self, optimizer)
+            listeners.notify_unscale(self._handle, optimizer)
         if not fused and state["stage"] is OptState.UNSCALED and not state["found_inf_per_device"]:
             # Unscaled, yet no found_inf recorded: none of its parameters has a gradient (torch raises).
             result = self._step_without_gradients(optimizer, state, *args, **kwargs)

@@ -51,11 +51,14 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ampguard.log import is_rank_zero, logger
 from ampguard.scaler.listeners import StepListener
 from ampguard.stats.counters import process_counters
+
+if TYPE_CHECKING:
+    from ampguard.scaler.handle import ScalerHandle
 
 _ATTRIBUTE = "_ampguard_scaler_steps"
 
@@ -118,13 +121,13 @@ class StepsListener(StepListener):
 
     name = "scheduler hold"
 
-    def on_read(self, scaler: Any, optimizer: Any, field: int, skipped: bool) -> None:
+    def on_read(self, handle: ScalerHandle, optimizer: Any, field: int, skipped: bool) -> None:
         note_step(optimizer, skipped)
 
-    def on_step_pending(self, scaler: Any, optimizer: Any) -> None:
+    def on_step_pending(self, handle: ScalerHandle, optimizer: Any) -> None:
         note_pending(optimizer)
 
-    def on_step_known(self, scaler: Any, optimizer: Any, skipped: bool) -> None:
+    def on_step_known(self, handle: ScalerHandle, optimizer: Any, skipped: bool) -> None:
         note_step(optimizer, skipped, was_pending=True)
 
 

@@ -14,7 +14,8 @@ never imports this module. Per scaler (:class:`~ampguard.underflow.policy.ScaleS
   at that update on the CPU, at a later one on CUDA when the copy is done, the
   measurement is known and, with ``AMPGUARD_UNDERFLOW=adapt``,
   :func:`~ampguard.underflow.policy.decide` may grow the scale
-  (:meth:`SafeGradScaler.grow_now <ampguard.scaler.policy.ScalePolicy.grow_now>`: no read either).
+  (:meth:`ScalerHandle.grow_now <ampguard.scaler.handle.ScalerHandle.grow_now>`, the scaler's
+  :meth:`~ampguard.scaler.policy.ScalePolicy.grow_now`: no read either).
 
 Under torch.distributed, ranks training one model (DDP, FSDP) must keep one
 scale while each measures its own batch. With ``adapt`` they agree on one
@@ -52,6 +53,7 @@ from ampguard.underflow.counts import Measurement, Transfer, judged_now, totals
 from ampguard.underflow.policy import ScaleState, decide
 
 if TYPE_CHECKING:
+    from ampguard.scaler.handle import ScalerHandle
     from ampguard.scaler.verdict import StepVerdict
 
 logger = event_logger("underflow")
@@ -97,16 +99,17 @@ class UnderflowListener(StepListener):
         super().__init__()
         self.mode = mode
         self.every = every
-        self.states: weakref.WeakKeyDictionary[Any, ScaleState] = weakref.WeakKeyDictionary()
+        # Per scaler, keyed by its handle (gone with the scaler).
+        self.states: weakref.WeakKeyDictionary[ScalerHandle, ScaleState] = weakref.WeakKeyDictionary()
         self.reported = False
 
-    def state_of(self, scaler: Any) -> ScaleState:
-        """``scaler``'s state (made at its first update)."""
-        state = self.states.get(scaler)
+    def state_of(self, handle: ScalerHandle) -> ScaleState:
+        """The state of ``handle``'s scaler (made at its first update), kept as long as that scaler lives."""
+        state = self.states.get(handle)
         if state is None:
-            state = self.states[scaler] = ScaleState()
-            weakref.finalize(scaler, state.sampler.disarm)  # a scaler dropped mid-sample leaves no hook behind
-            weakref.finalize(scaler, self.wake_at.pop, id(scaler), None)
+            state = self.states[handle] = ScaleState()
+            weakref.finalize(handle, state.sampler.disarm)  # a scaler dropped mid-sample leaves no hook behind
+            weakref.finalize(handle, self.wake_at.pop, id(handle), None)
         return state
 
     def stop(self) -> None:
@@ -114,26 +117,28 @@ class UnderflowListener(StepListener):
         for state in list(self.states.values()):
             state.sampler.disarm()
 
-    def on_scale(self, scaler: Any, scaled: Any) -> None:
-        """On a sampled step, the sample counts the backward passes of the losses ``scaler`` scales, and no other
+    def on_scale(self, handle: ScalerHandle, scaled: Any) -> None:
+        """On a sampled step, the sample counts the backward passes of the losses ``handle``'s scaler scales, and no other
         (another scaler's model trained in turn: a GAN's other half)."""
-        state = self.states.get(scaler)
+        state = self.states.get(handle)
         if state is not None and state.sampler.armed:
             state.sampler.own_loss(scaled)
 
-    def on_unscale(self, scaler: Any, optimizer: torch.optim.Optimizer) -> None:
+    def on_unscale(self, handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
         """On a sampled step, the sample counts the optimizer's gradients before they are unscaled."""
-        state = self.states.get(scaler)
+        state = self.states.get(handle)
         if state is not None and state.sampler.armed:
             state.sampler.count_parameters(optimizer)
 
     # -- host mode -------------------------------------------------------------------------------
 
-    def on_update(self, scaler: Any, verdict: StepVerdict, field: int) -> None:
-        state = self.state_of(scaler)
-        view = scaler.view()
+    def on_update(self, handle: ScalerHandle, verdict: StepVerdict, field: int) -> None:
+        state = self.state_of(handle)
+        view = handle.view()
+        scale = view.scale
+        assert scale is not None  # (host mode: the scale's host mirror)
         overflowed = bool(view.last_skipped) and not verdict.forward_overflow
-        state.note_scale(view.scale, overflowed, view.backoff_factor)
+        state.note_scale(scale, overflowed, view.backoff_factor)
         fresh = self._sampled(state)
         if fresh:
             self._start(state, view.steps, state.sampled_at)
@@ -143,16 +148,16 @@ class UnderflowListener(StepListener):
             device = state.pending_device
             measurement, extra = state.take().result()
             skipped = extra[2] > 0 if device else state.pending_skipped  # (device mode's: found)
-            grown = self._act(scaler, view, state, measurement, view.scale, skipped=skipped)
-        self._schedule(scaler, state, grown)
+            grown = self._act(handle, view, state, measurement, scale, skipped=skipped)
+        self._schedule(handle, state, grown)
 
     # -- device mode (fused optimizers) ------------------------------------------------------------
 
     def on_device_update(
-        self, scaler: Any, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
+        self, handle: ScalerHandle, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
     ) -> bool | None:
-        state = self.state_of(scaler)
-        view = scaler.view()
+        state = self.state_of(handle)
+        view = handle.view()
         fresh = self._sampled(state)
         if fresh:
             if row is not None and view.scale_on_device is not None:
@@ -168,18 +173,18 @@ class UnderflowListener(StepListener):
             # a host-mode sample known at a device-mode update (update(new_scale), a fused optimizer added):
             # its step's verdict is known, the scale now is not (no read); grown, if at all, on the device
             measurement, _ = state.take().result()
-            grown = self._act(scaler, view, state, measurement, measurement.scale, skipped=state.pending_skipped)
+            grown = self._act(handle, view, state, measurement, measurement.scale, skipped=state.pending_skipped)
         elif due:
             measurement, (_, _, found, loss_check, scale) = state.take().result()
             overflowed = found > 0 and not (state.pending_held and math.isnan(loss_check))
             state.note_scale(scale, overflowed, view.backoff_factor)
-            grown = self._act(scaler, view, state, measurement, scale, skipped=found > 0)
-        self._schedule(scaler, state, grown)
+            grown = self._act(handle, view, state, measurement, scale, skipped=found > 0)
+        self._schedule(handle, state, grown)
         return None
 
-    def on_overflow_known(self, scaler: Any, scale: float) -> None:
+    def on_overflow_known(self, handle: ScalerHandle, scale: float) -> None:
         """An overflow on a step not sampled, learned from its row: the ceiling, as host mode sets it."""
-        state = self.states.get(scaler)
+        state = self.states.get(handle)
         if state is not None:
             state.ceiling = scale
 
@@ -226,7 +231,7 @@ class UnderflowListener(StepListener):
 
     def _act(
         self,
-        scaler: Any,
+        handle: ScalerHandle,
         view: ScalerView,
         state: ScaleState,
         measurement: Measurement,
@@ -270,7 +275,7 @@ class UnderflowListener(StepListener):
                 )
                 logger.warning(message + (DISTRIBUTED if unagreed else ""))
             return False
-        after = scaler.grow_now(below=state.ceiling)
+        after = handle.grow_now(below=state.ceiling)
         if after is not None and after <= scale:
             return False
         state.growths += 1
@@ -290,13 +295,13 @@ class UnderflowListener(StepListener):
             logger.debug(message)
         return True
 
-    def _schedule(self, scaler: Any, state: ScaleState, grown: bool | None) -> None:
+    def _schedule(self, handle: ScalerHandle, state: ScaleState, grown: bool | None) -> None:
         """Arm the sampler for the next iteration when a sample is due (none while one is on its way).
 
         Armed, the next sample is due ``every`` steps after this one: a sample the sampler dropped (a validation
         of more than its calls in between) is tried again then, not at every step.
         """
-        view = scaler.view()  # (after a growth this update made)
+        view = handle.view()  # (after a growth this update made)
         step = view.steps
         if grown is not None:  # a sample was just acted on
             state.next_sample = step + (1 if grown else self.every)
@@ -305,13 +310,13 @@ class UnderflowListener(StepListener):
             state.next_sample = step + 1 + self.every
             state.sampler.arm(own_losses=True)
             state.armed_for_step = True
-        self._rest(scaler, state)
+        self._rest(handle, state)
 
-    def _rest(self, scaler: Any, state: ScaleState) -> None:
+    def _rest(self, handle: ScalerHandle, state: ScaleState) -> None:
         """Hear the scaler only when it concerns a sample: ``scale()`` and ``unscale_()`` while a sampler is armed,
         a healthy update once a sample is due or on its way (:attr:`StepListener.wake_at`)."""
         busy = state.pending is not None or state.armed_for_step
-        self.wake_at[id(scaler)] = 0 if busy else state.next_sample - 1
+        self.wake_at[id(handle)] = 0 if busy else state.next_sample - 1
         if any(known.sampler.armed for known in self.states.values()):
             listeners.subscribe(self, "scale", "unscale")
         else:
@@ -319,12 +324,12 @@ class UnderflowListener(StepListener):
 
     # -- checkpoints, pickles, deep copies (ampguard.underflow.checkpoint) ------------------------
 
-    def save(self, scaler: Any) -> dict[str, Any]:
-        state = self.states.get(scaler)
-        return checkpoint.entries(state, scaler.view().steps) if state is not None else {}
+    def save(self, handle: ScalerHandle | Any) -> dict[str, Any]:
+        state = self.states.get(handle)
+        return checkpoint.entries(state, handle.steps) if state is not None else {}
 
-    def load(self, scaler: Any, entries: dict[str, Any]) -> None:
-        """A saved state replaces ``scaler``'s; a sample armed or in flight is dropped (its hooks with it), and the
+    def load(self, handle: ScalerHandle | Any, entries: dict[str, Any]) -> None:
+        """A saved state replaces that of ``handle``'s scaler; a sample armed or in flight is dropped (its hooks with it), and the
         loaded schedule arms the next step's when it is due."""
         try:
             saved = checkpoint.Saved.parse(entries)
@@ -333,16 +338,16 @@ class UnderflowListener(StepListener):
             return
         if saved is None:  # an earlier version's checkpoint, or torch's: the state is left as it is
             return
-        state = self.state_of(scaler)
+        state = self.state_of(handle)
         state.sampler.finish()
         state.armed_for_step = False
-        saved.restore(state, scaler.view().steps, self.every)
-        self._schedule(scaler, state, None)
+        saved.restore(state, handle.steps, self.every)
+        self._schedule(handle, state, None)
 
     # -- what the scaler shows -------------------------------------------------------------------
 
-    def stats_fields(self, scaler: Any) -> dict[str, Any]:
-        state = self.states.get(scaler)
+    def stats_fields(self, handle: ScalerHandle) -> dict[str, Any]:
+        state = self.states.get(handle)
         if state is None or state.last is None:
             return {}
         last = state.last

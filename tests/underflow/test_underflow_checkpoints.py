@@ -79,7 +79,7 @@ def run(resume_at: int | None = None, how: str = "state_dict", steps: int = STEP
 
 def underflow_state(scaler: Any) -> Any:
     [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
-    return listener.states[scaler]
+    return listener.states[scaler._handle]  # (keyed by the handle the scaler gives its listeners)
 
 
 def hooks_of(sampler: Any) -> list[Any]:
@@ -321,7 +321,7 @@ def test_an_overflow_masked_further_down_is_kept_finite_and_loads_back(caplog):
 
 def _underflow_state(scaler: Any) -> Any:
     [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
-    return listener.states.get(scaler)
+    return listener.states.get(scaler._handle)
 
 
 def _held(state: Any) -> tuple[Any, ...]:

@@ -38,7 +38,7 @@ def _adapt(reinstall):
 
 def state_of(scaler: Any) -> ScaleState:
     [listener] = [known for known in listeners.registered() if isinstance(known, UnderflowListener)]
-    return listener.state_of(scaler)
+    return listener.state_of(scaler._handle)  # (keyed by the handle the scaler gives its listeners)
 
 
 def tiny_model(seed: int = 0) -> nn.Module:
