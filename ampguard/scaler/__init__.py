@@ -15,6 +15,7 @@
   optimizers already unscaled);
 * :mod:`~ampguard.scaler.listeners`: the capabilities that hear of its steps, and which of them a step concerns;
 * :mod:`~ampguard.scaler.view`: ScalerView, what a capability may read of it;
+* :mod:`~ampguard.scaler.handle`: ScalerHandle, what a capability holds of it (the listeners' argument);
 * :mod:`~ampguard.scaler.row_copies`: device-mode rows on their way to the host without a sync;
 * :mod:`~ampguard.scaler.diagnose`: the skipped-step report (which parameters, why);
 * :mod:`~ampguard.scaler.sharded`: FSDP's ShardedGradScaler with this class's safety.

@@ -1,8 +1,9 @@
 """What a capability may read of a SafeGradScaler, and nothing it may change: :class:`ScalerView`.
 
-The step listeners (:mod:`ampguard.scaler.listeners`) and the clip patch read
-a scaler through :meth:`SafeGradScaler.view` and ask for a change through its
-public methods (``grow_now``, ``skip_step_if``), never its attributes.
+The step listeners (:mod:`ampguard.scaler.listeners`) read a scaler through
+its handle's :meth:`~ampguard.scaler.handle.ScalerHandle.view`, the clip patch
+through :meth:`SafeGradScaler.view`; both ask for a change through public
+methods (``grow_now``, ``skip_step_if``), never the scaler's attributes.
 """
 
 from __future__ import annotations
