@@ -176,9 +176,10 @@ def _clip_unscaled(
     grads: list[Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: bool | None
 ) -> Tensor:
     """torch's clip of gradients nothing scales any more, with float32 norms for float16/bfloat16 ones."""
+    norm_type = float(norm_type)  # (as torch: its messages say "order 2.0")
     with torch.no_grad():
         groups = kernels.groups(grads, foreach)
-        total = _total_norm(groups, float(norm_type))
+        total = _total_norm(groups, norm_type)
         if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
         kernels.multiply_(groups, kernels.clip_coefficient(float(max_norm), total))

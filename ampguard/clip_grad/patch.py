@@ -31,6 +31,7 @@ import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
+from ampguard.patches.warning_attribution import attribute_past_ampguard
 from ampguard.scaler import TorchGradScaler
 
 
@@ -71,6 +72,8 @@ class ClipGradPatch(Patch):
             self.bindings.rebind_names_of(
                 deprecated, wrapping.safe_function_wrapper(deprecated, norm.deprecated_clip_grad_norm_wrapper)
             )
+        # torch's warnings in the clip (an empty generator of parameters) name the caller's line, not ampguard's.
+        attribute_past_ampguard(self.bindings, module)
         guard = _grad_scaler_patch_applied()
         if guard:
             scale = vars(TorchGradScaler).get("scale")

@@ -78,5 +78,7 @@ def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
                 logger.warning(FOREIGN_SCALER.format(kind=f"{type(self).__module__}.{type(self).__qualname__}"))
         return original(self, outputs)
 
-    scale.unwatched = original  # type: ignore[attr-defined]  # what a SafeGradScaler calls: it is never foreign
+    # What a SafeGradScaler calls instead (it is never foreign), with the wrapper itself: functools.wraps copies
+    # the attribute onto another library's wrapper of this one, which must still run.
+    scale.unwatched = (scale, original)  # type: ignore[attr-defined]
     return scale

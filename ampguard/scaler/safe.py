@@ -153,8 +153,12 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
             except Exception as error:
                 containment.report("re-scaling of gradients unscaled earlier (scale())", error)
         torch_scale = super().scale
-        unwatched = getattr(torch_scale, "unwatched", None)  # past ampguard.clip_grad's watch for other scalers
-        scaled = torch_scale(outputs) if unwatched is None else unwatched(self, outputs)
+        # Past ampguard.clip_grad's watch for other scalers, when torch's scale() is that wrapper itself.
+        wrapper, unwatched = getattr(torch_scale, "unwatched", (None, None))
+        if unwatched is not None and wrapper is getattr(torch_scale, "__func__", None):
+            scaled = unwatched(self, outputs)
+        else:
+            scaled = torch_scale(outputs)
         if self._enabled:
             scalers_in_iteration.add(self)
             try:
