@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+import wrapt
 from torch import nn
 
 import ampguard
@@ -117,5 +118,21 @@ def test_another_librarys_wrapper_of_torchs_scale_still_runs(monkeypatch: pytest
         return original(self, outputs)
 
     monkeypatch.setattr(torchs, "scale", traced)
+    _recipe(lambda model: torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0), steps=3)
+    assert len(calls) == 3, calls
+
+
+def test_a_tracers_wrapt_wrapper_of_torchs_scale_still_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same with ``wrapt`` (how tracers such as ddtrace and OpenTelemetry wrap methods): its bound wrapper
+    proxies ``__func__`` and every attribute of the function it wraps, ampguard's own wrapper, yet it is not that
+    wrapper and must run at every ``scale()``, as before issue 34."""
+    torchs = next(c for c in ampguard.SafeGradScaler.__mro__ if c.__module__ == "torch.amp.grad_scaler")
+    calls: list[str] = []
+
+    def traced(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        calls.append(type(instance).__name__)
+        return wrapped(*args, **kwargs)
+
+    monkeypatch.setattr(torchs, "scale", wrapt.FunctionWrapper(vars(torchs)["scale"], traced))
     _recipe(lambda model: torch.nn.utils.clip_grad_norm_(list(model.parameters()), 1.0), steps=3)
     assert len(calls) == 3, calls
