@@ -99,7 +99,8 @@ def test_the_empty_generator_warning_points_at_the_callers_line() -> None:
         return [(str(r.message), r.filename, r.lineno) for r in records if "empty generator" in str(r.message)]
 
     expected = _without_ampguard(caught)
-    assert expected == [(expected[0][0], __file__, line)]
+    warns = "empty generator" in inspect.getsource(torch.nn.utils.clip_grad)  # (torch 2.3 does not)
+    assert [(filename, lineno) for _, filename, lineno in expected] == [(__file__, line)] * warns
     assert caught() == expected
 
 
