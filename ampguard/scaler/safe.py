@@ -31,6 +31,7 @@ this class's safety).
 
 from __future__ import annotations
 
+from types import MethodType
 from typing import Any
 
 import torch
@@ -153,9 +154,10 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
             except Exception as error:
                 containment.report("re-scaling of gradients unscaled earlier (scale())", error)
         torch_scale = super().scale
-        # Past ampguard.clip_grad's watch for other scalers, when torch's scale() is that wrapper itself.
+        # Past ampguard.clip_grad's watch for other scalers, when torch's scale() is that wrapper itself (a plain
+        # bound method of it: another library's wrapper, functools' or wrapt's, proxies its attributes and runs).
         wrapper, unwatched = getattr(torch_scale, "unwatched", (None, None))
-        if unwatched is not None and wrapper is getattr(torch_scale, "__func__", None):
+        if unwatched is not None and type(torch_scale) is MethodType and torch_scale.__func__ is wrapper:
             scaled = unwatched(self, outputs)
         else:
             scaled = torch_scale(outputs)
