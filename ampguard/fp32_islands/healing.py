@@ -23,6 +23,7 @@ at the end of each update, host mode and device mode, is :mod:`ampguard.fp32_isl
 from __future__ import annotations
 
 import logging
+import sys
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -214,8 +215,14 @@ class Healing:
             self.back_off.reset()  # the probe backed off for the model before, not this one
             self.watch.restart()  # what the watch saw was the model before; this one is watched at its 2nd step
         # Freed, it hands discovery to the next scaler heard: which must then be heard at once, healthy or not.
-        self.buffers_owner = weakref.ref(heard, lambda _: self.on_engaged() if self.on_engaged else None)
+        self.buffers_owner = weakref.ref(heard, self._owner_freed)
         return True
+
+    def _owner_freed(self, _: weakref.ref[Any]) -> None:
+        """The scaler buffer discovery followed was freed: the listener is engaged, the next scaler heard takes over.
+        Not at interpreter exit, where the scaler goes with the modules that would hear it."""
+        if self.on_engaged is not None and not sys.is_finalizing():
+            self.on_engaged()
 
     # -- errors and reports ----------------------------------------------------------------------
 

@@ -156,9 +156,9 @@ class SafeGradScaler(Checkpoints, CrashGuards, Accumulation, TorchGradScaler):
         torch_scale = super().scale
         # Past ampguard.clip_grad's watch for other scalers, when torch's scale() is that wrapper itself (a plain
         # bound method of it: another library's wrapper, functools' or wrapt's, proxies its attributes and runs).
-        wrapper, unwatched = getattr(torch_scale, "unwatched", (None, None))
-        if unwatched is not None and type(torch_scale) is MethodType and torch_scale.__func__ is wrapper:
-            scaled = unwatched(self, outputs)
+        marker = getattr(torch_scale, "unwatched", None)  # (wrapper, torch's scale), set by ampguard.clip_grad
+        if type(torch_scale) is MethodType and type(marker) is tuple and marker[0] is torch_scale.__func__:
+            scaled = marker[1](self, outputs)
         else:
             scaled = torch_scale(outputs)
         if self._enabled:

@@ -351,3 +351,32 @@ def test_after_an_error_inside_ampguard_the_probe_stops_for_good(ampguard_log, m
     assert len(stopped) == 1 and "does not arm again" in stopped[0].getMessage()
     assert armings(ampguard_log) == 1  # not again at the overflows of steps 30 and 50
     assert global_hooks() == 0 and run.nonfinite_losses == 6 and min(run.scales) >= 1024.0
+
+
+EXIT_WITH_A_SCALER = """
+import torch
+from torch.amp.grad_scaler import GradScaler  # (a name held in the script: it changes the order of teardown)
+import ampguard
+model = torch.nn.Linear(4, 1)
+optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+scaler = torch.amp.GradScaler("cpu")
+for _ in range(2):
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(2, 4)).float().sum()
+    scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+print("trained")
+"""
+
+
+def test_a_scaler_alive_at_interpreter_exit_leaves_no_error_behind():
+    """The scaler buffer discovery follows, freed at interpreter exit with the script's globals, engaged the islands
+    listener from a weakref callback after ampguard's modules were torn down: "Exception ignored ... TypeError:
+    'NoneType' object is not callable" on stderr, at the end of a healthy run (found by the issue-34 review)."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")} | {"AMPGUARD_QUIET": "1"}
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_WITH_A_SCALER], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == 0 and "trained" in done.stdout, done.stderr
+    assert "Exception ignored" not in done.stderr, done.stderr
