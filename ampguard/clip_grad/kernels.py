@@ -85,6 +85,14 @@ def norms(group: Group, grads: list[Tensor], norm_type: float) -> list[Tensor]:
     return [torch.linalg.vector_norm(g, norm_type) for g in grads]
 
 
+def total_norm(groups: list[Group], norm_type: float) -> Tensor:
+    """torch's total: the per-tensor norms, group by group, stacked on the first gradient's device."""
+    per_tensor = [norm for group in groups for norm in norms(group, group.grads, norm_type)]
+    first_device = groups[0].grads[0].device
+    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in per_tensor]), norm_type)
+    return total
+
+
 def clip_coefficient(max_norm: float | Tensor, total: Tensor) -> Tensor:
     # torch's expression: no branch, so no host read.
     return torch.clamp(max_norm / (total + 1e-6), max=1.0)

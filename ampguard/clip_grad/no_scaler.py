@@ -7,7 +7,6 @@ from __future__ import annotations
 import logging
 import math
 
-import torch
 from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
@@ -35,9 +34,7 @@ def clip(
     """No loss was scaled (bf16 / fp32 training): a non-finite norm skips the step. One host read."""
     grads = [g for _, g in pairs]
     groups = kernels.groups(grads, foreach)
-    norms = [norm for group in groups for norm in kernels.norms(group, group.grads, norm_type)]
-    first_device = grads[0].device
-    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
+    total = kernels.total_norm(groups, norm_type)
     if error_if_nonfinite:
         kernels.raise_if_nonfinite(total, norm_type)  # torch's host read; finite from here on
         kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))

@@ -179,7 +179,7 @@ def _clip_unscaled(
     norm_type = float(norm_type)  # (as torch: its messages say "order 2.0")
     with torch.no_grad():
         groups = kernels.groups(grads, foreach)
-        total = _total_norm(groups, norm_type)
+        total = kernels.total_norm(groups, norm_type)
         if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
         kernels.multiply_(groups, kernels.clip_coefficient(float(max_norm), total))
@@ -241,7 +241,7 @@ def _clip_with_scaler(
     threshold_is_scaled = scale_known and scaled_threshold(scalers[0])
     if threshold_is_scaled and still_scaled is None:
         # clip_grad_norm_(params, max_norm * scaler.get_scale()) on still-scaled gradients: torch's own numbers.
-        total = _total_norm(groups, norm_type)
+        total = kernels.total_norm(groups, norm_type)
         if error_if_nonfinite:
             kernels.raise_if_nonfinite(total, norm_type)
         kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total) + (total - total))
@@ -286,14 +286,6 @@ def _clip_with_scaler(
         kernels.multiply_(round_trip, scale)
     if unscaled_by:
         raise_found_inf(unscaled_by, clipped, nan_if_nonfinite)
-    return total
-
-
-def _total_norm(groups: list[kernels.Group], norm_type: float) -> Tensor:
-    """torch's total: the per-tensor norms, group by group, stacked on the first device."""
-    norms = [norm for group in groups for norm in kernels.norms(group, group.grads, norm_type)]
-    first_device = groups[0].grads[0].device
-    total: Tensor = torch.linalg.vector_norm(torch.stack([norm.to(first_device) for norm in norms]), norm_type)
     return total
 
 
