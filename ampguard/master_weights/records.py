@@ -51,7 +51,9 @@ class _State:
         self.shared_grads: weakref.WeakValueDictionary[int, Tensor] = weakref.WeakValueDictionary()
         self.wrappers: dict[str, Callable[..., Any]] = {}
         self.excluded: weakref.WeakSet[Any] = weakref.WeakSet()  # optimizers marked Excluded
-        # id(optimizer) -> how many of its hooked steps are running (a subclass's step calling super().step())
+        # id(optimizer) -> how many of its hooked steps are running (a subclass's step calling super().step()).
+        # Above 1, an inner step runs: its hooks leave the masters as they are (the outer step's pre-hook put them in
+        # place, and the outer step may have edited their gradients).
         self.step_depth: dict[int, int] = {}
 
 
@@ -327,14 +329,6 @@ def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
             record.put_back(optimizer)
         except Exception as error:  # never the reason a run dies: torch's behaviour from here on
             fail(optimizer, record, error)
-
-
-def inner_step(optimizer: Any) -> bool:
-    """A hooked step of ``optimizer`` runs inside another (``super().step()``): its hooks leave the masters as they are.
-
-    The outer step's pre-hook put them in place, and the outer step may have edited their gradients.
-    """
-    return state.step_depth.get(id(optimizer), 0) > 1
 
 
 def _announce(optimizer: Any, record: Masters) -> None:

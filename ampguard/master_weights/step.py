@@ -60,7 +60,7 @@ def before_step(
         last = groups[-1]["params"] if groups else ()
         if entry.signature == (len(groups), id(last), len(last)):
             return None
-    # (records.inner_step, inlined here and below: every step) a subclass's super().step(): its hooks see the model's
+    # An inner step (a subclass's super().step(), state.step_depth above 1): its hooks see the model's
     if entry.__class__ is Masters and state.step_depth.get(id(optimizer), 0) > 1:
         if entry.swapped:
             entry.swap(optimizer, to_masters=False)
