@@ -39,7 +39,9 @@ Under ampguard the clip is right whatever the caller did:
   parameters' ``.grad`` to None, so the optimizer changes no parameter and no
   state. ``error_if_nonfinite=True`` raises as torch does.
 
-The computation is torch's (same operations, the gradients grouped by device
+In the recipe's case (every clipped gradient unscaled by the one optimizer
+holding it) float32 gradients are clipped by torch's own functions.
+Elsewhere the computation is torch's (same operations, the gradients grouped by device
 and dtype once instead of twice) except for the float32 norms, the division by
 the scale and the NaN coefficient: with float32 gradients, no scaler and finite
 norms the result is bit-identical to torch's. docs/clipping.md has the details
@@ -90,12 +92,21 @@ def clip_grad_norm_wrapper(
         parameters, max_norm, norm_type, error_if_nonfinite, foreach = _bind(*args, **kwargs)
     except TypeError:  # torch raises its own error, or knows an argument this torch added
         return wrapped(*args, **kwargs)
-    grads = _recipe_case(parameters) if isinstance(parameters, (list, tuple)) else None
-    if grads is not None:
+    case = _recipe_case(parameters) if isinstance(parameters, (list, tuple)) else None
+    if case is None:
+        return safe_clip_grad_norm_(
+            parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
+        )
+    grads, low_precision = case
+    if low_precision:
         return _clip_unscaled(grads, max_norm, norm_type, error_if_nonfinite, foreach)
-    return safe_clip_grad_norm_(
-        parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
-    )
+    halves = state.halves
+    if halves is None:  # torch < 2.6: one function
+        return wrapped(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+    # torch's clip_grad_norm_ is these two; called unwrapped, as their wrappers would ask again what is scaled.
+    total = halves[0](grads, norm_type, error_if_nonfinite, foreach)
+    halves[1](parameters, max_norm, total, foreach)
+    return total
 
 
 def deprecated_clip_grad_norm_wrapper(
@@ -134,8 +145,9 @@ def _bind(
     return parameters, max_norm, norm_type, error_if_nonfinite, foreach
 
 
-def _recipe_case(params: Sequence[Tensor]) -> list[Tensor] | None:
-    """The gradients to clip in the recipe's case, where the clip is torch's with float32 norms; None: another case.
+def _recipe_case(params: Sequence[Tensor]) -> tuple[list[Tensor], bool] | None:
+    """The recipe's case, where the clip is torch's: the gradients to clip, and whether some are float16/bfloat16
+    (their norms are then taken in float32, else torch's own clip runs); None: another case.
 
     One SafeGradScaler scaled a loss in this iteration and already unscaled the
     one optimizer holding every parameter clipped: nothing is still scaled, and
@@ -165,7 +177,7 @@ def _recipe_case(params: Sequence[Tensor]) -> list[Tensor] | None:
     if not grads or scaler is None:
         return None
     holders = [ids for ids in map(_param_ids, scaler.view().unscaled) if not ids.isdisjoint(clipped)]
-    return grads if len(holders) == 1 and clipped <= holders[0] else None
+    return (grads, low_precision) if len(holders) == 1 and clipped <= holders[0] else None
 
 
 def _param_ids(optimizer: Any) -> set[int]:

@@ -61,10 +61,13 @@ class ClipGradPatch(Patch):
         self.bindings.rebind_names_of(
             original, wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, idle=norm.idle)
         )
+        originals = {}
         for name, wrapper, idle in api.WRAPPED:
             function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6
             if callable(function) and not isinstance(function, wrapt.FunctionWrapper):
+                originals[name] = function
                 self.bindings.rebind_names_of(function, wrapping.safe_function_wrapper(function, wrapper, idle=idle))
+        total_norm, clip_with_norm = originals.get("_get_total_norm"), originals.get("_clip_grads_with_norm_")
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
@@ -79,7 +82,13 @@ class ClipGradPatch(Patch):
             scale = vars(TorchGradScaler).get("scale")
             if scale is not None:
                 self.bindings.set_attribute(TorchGradScaler, "scale", scalers.scale_wrapper(scale))
-        state.activate(original, guard=guard, deprecation=deprecation, stats_every=config.stats_every)
+        state.activate(
+            original,
+            guard=guard,
+            deprecation=deprecation,
+            stats_every=config.stats_every,
+            halves=(total_norm, clip_with_norm) if total_norm and clip_with_norm else None,
+        )
 
     def revert(self) -> None:
         state.deactivate()

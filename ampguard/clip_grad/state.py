@@ -18,6 +18,8 @@ class _State:
     def __init__(self) -> None:
         self.active = False
         self.original: Callable[..., Tensor] | None = None  # torch's clip_grad_norm_
+        # torch's get_total_norm and clip_grads_with_norm_ (>= 2.6), unwrapped: what its clip_grad_norm_ calls.
+        self.halves: tuple[Callable[..., Tensor], Callable[..., None]] | None = None
         self.deprecation: tuple[type[Warning], str] | None = None  # what torch's clip_grad_norm warns
         # The no-scaler guard: on only when the grad_scaler patch is applied, so
         # that every GradScaler is a SafeGradScaler and "none in
@@ -43,6 +45,7 @@ def activate(
     guard: bool,
     deprecation: tuple[type[Warning], str] | None = None,
     stats_every: int = 0,
+    halves: tuple[Callable[..., Tensor], Callable[..., None]] | None = None,
 ) -> None:
     """Turn the safe clip on (called by the clip_grad patch with torch's ``clip_grad_norm_``)."""
     state.active = True
@@ -51,6 +54,7 @@ def activate(
     state.guarded_skipped = 0
     state.skipped_at_last_line = 0
     state.original = original
+    state.halves = halves
     state.deprecation = deprecation
     state.guard = guard
     state.foreign_scaler = False

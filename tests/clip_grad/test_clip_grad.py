@@ -249,7 +249,7 @@ def test_scenario_matches_the_documented_recipe(name: str) -> None:
 @pytest.mark.parametrize("given", ["generator", "list", "a group's list"])
 def test_the_recipe_clips_as_torch_bit_for_bit(norm_type: float, foreach: bool | None, given: str) -> None:
     """scale -> backward -> unscale_ -> clip -> step, every clipped parameter held by the one optimizer unscaled:
-    ampguard's clip there is torch's own (its short path, ``clip_grad.norm._recipe_case``). The norms and the
+    ampguard's clip there is torch's own functions (``clip_grad.norm._recipe_case``). The norms and the
     parameters are torch's bits, over steps that clip and one whose loss is inf (skipped by both)."""
 
     def recipe() -> tuple[torch.Tensor, torch.Tensor]:
