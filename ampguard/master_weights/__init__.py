@@ -24,8 +24,8 @@ The mechanism (apex O2's swap, but only for the length of each step):
 * **Gradients** (:mod:`.gradient_copies`). The half-precision gradient is copied
   into ``master.grad`` (float32): by the GradScaler's ``unscale_``, which then
   unscales and checks it there, or, without a scaler, just before the step.
-  From that copy until the step, :func:`gradients` / :func:`gradient_pairs`
-  answer "which tensor holds this parameter's gradient" for the scaler,
+  From that copy until the step, :func:`gradients` (:mod:`.step`, the scaler's
+  entry) / :func:`gradient_pairs` answer "which tensor holds this parameter's gradient" for the scaler,
   ``clip_grad_norm_`` and the skipped-step report.
 * **The step** (:mod:`.step`). The optimizer's own last step pre-hook (after
   the user's, which see their own parameters) puts the master lists into
@@ -47,8 +47,9 @@ and run as they do without master weights.
 
 from __future__ import annotations
 
-from ampguard.master_weights.gradient_copies import gradient_pairs, gradients, masters_of
+from ampguard.master_weights.gradient_copies import gradient_pairs, masters_of
 from ampguard.master_weights.records import STATE_KEY, activate, deactivate, label, state
+from ampguard.master_weights.step import gradients
 
 __all__ = [
     "STATE_KEY",

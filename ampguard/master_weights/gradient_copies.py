@@ -10,7 +10,7 @@ import torch
 from torch import Tensor
 
 import ampguard.master_weights.storage as storage
-from ampguard.master_weights.records import ATTRIBUTE, Masters, Plain, Unwrappable, exclude, fail, record_of, state
+from ampguard.master_weights.records import Masters, Unwrappable, exclude, fail, record_of, state
 
 
 def sync(optimizer: Any, record: Masters, gradients: bool = True) -> Masters | None:
@@ -70,18 +70,9 @@ def refresh(record: Masters) -> None:
     record.refresh = None
 
 
-def gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
-    """``(parameter, the tensor holding its gradient)`` for every parameter of ``optimizer``, in param_groups order.
-
-    With ``scaler`` (called from its ``unscale_``), the half-precision gradients
-    are first copied into the float32 masters, which the scaler then unscales.
-    """
-    entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
-    if entry.__class__ is Plain:  # the float32 optimizer's path: records.quick(), inlined (every unscale_)
-        groups = optimizer.param_groups
-        last = groups[-1]["params"] if groups else ()
-        if entry.signature == (len(groups), id(last), len(last)):
-            return [(p, p.grad) for group in groups for p in group["params"]]
+def synced_gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+    """:func:`ampguard.master_weights.step.gradients` for an optimizer that may have masters: with ``scaler``
+    (its ``unscale_``) the half-precision gradients are copied into the masters first."""
     record = None
     try:
         record = record_of(optimizer, create=scaler is not None) if state.active else None

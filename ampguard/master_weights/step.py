@@ -1,4 +1,9 @@
-"""The step: the masters go into ``param_groups`` for the length of ``optimizer.step()``, and always come back.
+"""One iteration's entries into master weights: the gradients at ``unscale_``, then the step, where the masters go
+into ``param_groups`` for the length of ``optimizer.step()`` and always come back.
+
+Both run for every optimizer (masters are made at an optimizer's first
+``unscale_`` or ``step``); one without half-precision parameters is answered in
+their first lines (:func:`gradients`, :func:`before_step`).
 
 torch's step wrapper runs the step pre-hooks (global ones, then the
 optimizer's own: :func:`swap_in`, kept last), the step, then the post-hooks;
@@ -20,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from torch import Tensor
 
 import ampguard.master_weights.closure as closure
 import ampguard.master_weights.gradient_copies as gradient_copies
@@ -41,6 +47,21 @@ from ampguard.master_weights.records import (
 logger = event_logger("masters")
 
 _PUTS_BACK = "_ampguard_puts_masters_back"
+
+
+def gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+    """``(parameter, the tensor holding its gradient)`` for every parameter of ``optimizer``, in param_groups order.
+
+    With ``scaler`` (called from its ``unscale_``), the half-precision gradients
+    are first copied into the float32 masters, which the scaler then unscales.
+    """
+    entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
+    if entry.__class__ is Plain:  # the float32 optimizer's path: records.quick(), inlined (every unscale_)
+        groups = optimizer.param_groups
+        last = groups[-1]["params"] if groups else ()
+        if entry.signature == (len(groups), id(last), len(last)):
+            return [(p, p.grad) for group in groups for p in group["params"]]
+    return gradient_copies.synced_gradients(optimizer, scaler)
 
 
 def before_step(
