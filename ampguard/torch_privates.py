@@ -128,15 +128,23 @@ def is_compiling() -> bool:
     return context is not None and context() is not None
 
 
-@functools.cache
-def _dynamo_check() -> Callable[[], bool] | None:
-    """torch's ``is_compiling``, resolved once (every module call on a sampled or watched step asks)."""
-    import torch
+_dynamo_checks: list[Callable[[], bool] | None] = []  # torch's is_compiling, once resolved
 
-    check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
-    if check is None:
-        check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
-    return check
+
+def _dynamo_check() -> Callable[[], bool] | None:
+    """torch's ``is_compiling``, resolved once (every module call on a sampled or watched step asks).
+
+    Kept in a list, not behind ``functools.cache``: dynamo traces this function
+    (a global hook asks while it traces) and warns of every cached function it meets.
+    """
+    if not _dynamo_checks:
+        import torch
+
+        check: Callable[[], bool] | None = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+        if check is None:
+            check = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+        _dynamo_checks.append(check)
+    return _dynamo_checks[0]
 
 
 def dynamo_compiling() -> Callable[[], bool]:
