@@ -87,11 +87,12 @@ def _one_thread_kept():
 def _compiled_graphs_forgotten():
     """Each test starts as a process that compiled nothing: on torch < 2.4 the headroom watch steps aside for good
     once dynamo has compiled a graph in the process (docs/islands.md), which one test's compile must not decide for
-    the next."""
+    the next; and dynamo's caches (per code object, ``nn.Module._call_impl`` among them, up to its recompile limit)
+    must not fill with another test's graphs, so a test that counts graphs or compiled runs counts its own."""
     yield
     utils = sys.modules.get("torch._dynamo.utils")
-    if utils is not None:
-        utils.counters["stats"].pop("unique_graphs", None)
+    if utils is not None and utils.counters["stats"].pop("unique_graphs", None):
+        torch._dynamo.reset()
 
 
 @pytest.fixture
