@@ -13,7 +13,7 @@ dropped.
 The verdict is counted (``nonfinite_loss``) and reaches whoever listens to
 loss-scale steps (the fp32_islands patch's listener) through
 :func:`ampguard.scaler.listeners.notify_foreign_step` (ampguard.deepspeed_fp16.hooks),
-as a SafeGradScaler's forward overflows reach it through ``notify_update``.
+as a SafeGradScaler's forward overflows reach it through ``on_update``.
 ``DeepSpeedEngine.scale(loss)`` is kept the same way: DeepSpeed's torch-style
 backward, ``engine.scale(loss).backward()``, is its only direct backward that
 works with an fp16 loss scale (a bare ``loss.backward()`` raises in DeepSpeed

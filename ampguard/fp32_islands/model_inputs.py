@@ -46,7 +46,7 @@ from ampguard.torch_privates import compile_context, dynamo_compiling, functorch
 logger = event_logger("island")
 
 # Optimizer updates whose inputs are kept: on a GPU with a fused optimizer the host learns of a forward overflow
-# an iteration or two after it (ampguard.scaler.row_copies).
+# an iteration or two after it (ampguard.scaler.ledger.RowCopies).
 KEEP_UPDATES = 3
 # Forward passes kept per update at most (micro-batches of gradient accumulation, evaluation passes).
 MAX_PASSES = 64

@@ -2,7 +2,7 @@
 
 * :mod:`~ampguard.scaler.safe`: the class itself, the torch-facing part (its docstring says how it stays free);
   it is one object made of parts, one class per file: :mod:`~ampguard.scaler.policy` (ScalePolicy: the rule,
-  floor, cap, the one counting path), :mod:`~ampguard.scaler.ledger` (DeviceBooks: device mode),
+  floor, cap, the one counting path), :mod:`~ampguard.scaler.ledger` (DeviceBooks: device mode, the ledger's rows and their host copies),
   :mod:`~ampguard.scaler.accounting` (HostBooks: host mode, ``stats``), :mod:`~ampguard.scaler.checkpoint`
   (Checkpoints), :mod:`~ampguard.scaler.crashes` (CrashGuards), :mod:`~ampguard.scaler.accumulation`
   (Accumulation); :mod:`~ampguard.scaler.parts` declares the state they share;
@@ -16,7 +16,6 @@
 * :mod:`~ampguard.scaler.listeners`: the capabilities that hear of its steps, and which of them a step concerns;
 * :mod:`~ampguard.scaler.view`: ScalerView, what a capability may read of it;
 * :mod:`~ampguard.scaler.handle`: ScalerHandle, what a capability holds of it (the listeners' argument);
-* :mod:`~ampguard.scaler.row_copies`: device-mode rows on their way to the host without a sync;
 * :mod:`~ampguard.scaler.diagnose`: the skipped-step report (which parameters, why);
 * :mod:`~ampguard.scaler.sharded`: FSDP's ShardedGradScaler with this class's safety.
 """

@@ -57,11 +57,17 @@ class HostBooks(DeviceBooks):
         """Everything the host learns from the one read; returns whether the step is skipped."""
         found = bool(value & listeners.FOUND)
         self._iteration.host_found[id(optimizer)] = found
-        fields = listeners.decode(layout, value)
+        if value < listeners.FIELDS_START and layout is listeners.layout:
+            fields = listeners.no_fields
+        else:
+            fields = listeners.decode(layout, value)
         for listener, field in fields.items():  # the largest of the iteration's reads
             self._iteration.fields[listener] = max(field, self._iteration.fields.get(listener, 0))
-        if listeners.hearing_read:
-            listeners.notify_read(self._handle, optimizer, fields, found)
+        for listener in listeners.hearing_read:
+            try:
+                listener.on_read(self._handle, optimizer, fields.get(listener, 0), found)
+            except Exception as error:
+                listeners.failed(listener, "step()", error)
         if value & listeners.LOSS_NONFINITE:
             self._iteration.loss_nonfinite = True
         if found:
@@ -145,7 +151,14 @@ class HostBooks(DeviceBooks):
         self._count(verdict, alarms)
         if alarms.collapse_at is not None or alarms.stall:
             self._raise_alarms(alarms)
-        listeners.notify_update(self._handle, verdict, self._counters.steps, fields)
+        # The listeners this update concerns: all when it overflowed or changed the scale, else those awake.
+        quiet, steps = not found and bounded == scale_before, self._counters.steps
+        for listener in listeners.overriding["on_update"]:
+            if not quiet or steps >= listener.wake_at.get(id(self._handle), 0) or fields.get(listener):
+                try:
+                    listener.on_update(self._handle, verdict, fields.get(listener, 0))
+                except Exception as error:
+                    listeners.failed(listener, "update()", error)
 
     def _resync_mirror(self) -> None:
         """After a failure in ampguard's bookkeeping (torch's update done): the device's truth, bounded."""

@@ -18,18 +18,35 @@ Per iteration that is 3 kernels: the row, the forward-overflow hold (a
 ``heaviside`` that zeroes the found_inf torch's ``update()`` reads where the
 loss itself was non-finite: no back-off) and the floor/cap (``clamp_``). With
 the hold, torch counts such an iteration toward the growth interval; where its
-row is known at its own update (the CPU, :mod:`ampguard.scaler.row_copies`) and
+row is known at its own update (the CPU, :class:`RowCopies`) and
 it was a forward overflow (:func:`ampguard.scaler.policy.forward_overflow`, the
 rule host mode counts by: the gradients overflowed too; a non-finite loss with
 finite gradients counts as in torch), the scale and tracker are put back as
 host mode keeps them (``_keep_scale``, a few ops after a failure only); on
 a GPU the row arrives later and the count stays.
+
+**Row copies** (:class:`RowCopies`). A fused optimizer skips on the device;
+each row is also copied into host memory as it is written
+(:class:`~ampguard.syncs.HostCopy`: on CUDA a ``non_blocking`` copy into pinned
+memory followed by an event, which :meth:`RowCopies.known` polls without a
+synchronisation at each later ``update()``): a row is known one or two
+iterations after it was written, when the GPU has got there; on the CPU it is
+host memory already and known at once. What is learned early goes to the
+listeners: forward overflows (the probe arms) and the optimizers whose steps
+were skipped (their LR schedulers hold at their next step). The counters
+themselves are still replayed from the ledger at its next read, the one source
+of ``scaler.stats``. Cost on CUDA, per device-mode iteration: one 16-byte
+device-to-host copy and one event record; no host read. On other accelerators
+(no event to poll) rows are learned at the ledger's read.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,14 +56,86 @@ import ampguard.scaler.listeners as listeners
 import ampguard.scaler.policy as policy
 from ampguard.log import logger
 from ampguard.scaler.policy import Alarms, ScalePolicy
-from ampguard.scaler.row_copies import KnownRow, RowCopies
 from ampguard.scaler.verdict import StepVerdict
-from ampguard.syncs import read_to_host
+from ampguard.syncs import HostCopy, read_to_host
 
 try:
     from torch.amp.grad_scaler import OptState
 except ImportError:  # a torch that renamed it: the grad_scaler patch reports itself unavailable
     OptState = None  # type: ignore[assignment, misc]
+
+
+@dataclass
+class KnownRow:
+    """A ledger row read from its host copy: the iteration's verdict."""
+
+    skipped: int  # optimizer steps skipped
+    found: bool  # an optimizer found inf/NaN gradients
+    nonfinite_loss: bool
+    forward_overflow: bool  # policy.forward_overflow: the gradients overflowed while a loss itself was inf/NaN
+    held: bool  # that forward overflow kept the scale and the growth tracker (not under torch.distributed)
+    scale: float  # the scale the iteration ran at
+    unread: list[torch.optim.Optimizer]  # the optimizers stepped that no host read told of (fused; those alive)
+    read_skips: int  # skips among the others, which the host read (so the rest of ``skipped`` is the unread ones')
+
+    @property
+    def unread_all_skipped(self) -> bool:
+        """Every unread optimizer skipped (when only some did, the row does not say which: none is named)."""
+        return bool(self.unread) and self.skipped - self.read_skips >= len(self.unread)
+
+
+class RowCopies:
+    """The host copies of one ledger's rows, oldest first, until each is known."""
+
+    RING_ROWS = 256
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pending: deque[tuple[HostCopy, bool, list[weakref.ref[Any]], int]] = deque()
+        self._free: list[torch.Tensor] = []
+
+    @staticmethod
+    def supported(device: torch.device) -> bool:
+        return HostCopy.supported(device)
+
+    def add(self, row: torch.Tensor, held: bool, unread: list[torch.optim.Optimizer], read_skips: int) -> None:
+        """Start the copy of ``row`` (just written on the device) to the host."""
+        refs = list(map(weakref.ref, unread))
+        into = self._host_row() if self.device.type == "cuda" else None  # (a CPU row is host memory already)
+        self.pending.append((HostCopy(row, into), held, refs, read_skips))
+
+    def known(self) -> list[KnownRow]:
+        """The rows whose copies are complete, oldest first (each returned once). No synchronisation."""
+        rows: list[KnownRow] = []
+        while self.pending and self.pending[0][0].ready:
+            copy, held, refs, read_skips = self.pending.popleft()
+            if copy.event is not None and copy.host is not None:
+                self._free.append(copy.host)
+            rows.append(_known_row(copy.values(), held, refs, read_skips))  # ready: host memory, no device read
+        return rows
+
+    def settle(self, values: list[list[float]]) -> list[KnownRow]:
+        """The rows still pending, from ``values`` (the same rows as the ledger's read gave them), oldest first:
+        each told once, as :meth:`known` would have told it once its copy landed. The copies are dropped."""
+        rows = [
+            _known_row(row, held, refs, read_skips) for (_, held, refs, read_skips), row in zip(self.pending, values)
+        ]
+        self.pending.clear()
+        return rows
+
+    def _host_row(self) -> torch.Tensor:
+        if not self._free:
+            ring = torch.empty(self.RING_ROWS, 4, dtype=torch.float32, pin_memory=True)
+            self._free = list(reversed(ring.unbind(0)))
+        return self._free.pop()
+
+
+def _known_row(values: list[float], held: bool, refs: list[weakref.ref[Any]], read_skips: int) -> KnownRow:
+    skipped, found, check, scale = values
+    nonfinite = check != check
+    unread = [optimizer for ref in refs if (optimizer := ref()) is not None]
+    forward = policy.forward_overflow(bool(found), nonfinite)
+    return KnownRow(int(skipped), bool(found), nonfinite, forward, held and forward, scale, unread, read_skips)
 
 
 class DeviceLedger:
@@ -172,7 +261,7 @@ class DeviceBooks(ScalePolicy):
             if ledger.copies is not None:  # the optimizers host_found does not cover learn of their skips from it
                 ledger.copies.add(row, hold, unread, read_skips)
                 for optimizer in unread:
-                    listeners.notify_step_pending(self._handle, optimizer)
+                    self._tell("on_step_pending", "step pending", optimizer)
             if hold:  # a non-finite loss: torch's update() sees no overflow, so the scale does not back off
                 for state in recorded:
                     for found_inf in state["found_inf_per_device"].values():
@@ -181,9 +270,15 @@ class DeviceBooks(ScalePolicy):
         if self._min_scale > 0 or math.isfinite(self._max_scale):
             scale.clamp_(min=self._min_scale or None, max=self._max_scale)
         self._counters.mirror_scale = None
-        known = listeners.notify_device_update(self._handle, self._counters.steps, check, hold, row)
-        if known is not None and self._counters.last_skipped is None:
-            self._counters.last_skipped = known
+        for listener in listeners.overriding["on_device_update"]:  # the awake ones: the host knows nothing new
+            if self._counters.steps >= listener.wake_at.get(id(self._handle), 0):
+                try:
+                    known = listener.on_device_update(self._handle, check, hold, row)  # whether it read a skip
+                except Exception as error:
+                    listeners.failed(listener, "update()", error)
+                    known = None
+                if known is not None and self._counters.last_skipped is None:
+                    self._counters.last_skipped = known
         rows = self._tell_known_rows(ledger)
         if hold and rows and rows[-1].held and ledger.rows_current:
             self._keep_scale(rows[-1].scale)  # this iteration's forward overflow, known at its own update (CPU)
@@ -213,19 +308,35 @@ class DeviceBooks(ScalePolicy):
         forward_overflows = 0
         for row in rows:  # (a loop: no generator frame)
             forward_overflows += row.forward_overflow
-        listeners.notify_counters_read(
-            self._handle, self._counters.steps, forward_overflows, len(rows), at_read=False, current=ledger.rows_current
-        )
+        self._tell_counters_read(forward_overflows, len(rows), at_read=False, current=ledger.rows_current)
         for row in rows:
             if row.found and not row.held:  # the gradients overflowed (a held row was a forward overflow)
-                listeners.notify_overflow_known(self._handle, row.scale)
+                self._tell("on_overflow_known", "overflow known", row.scale)
             self._tell_steps(row)
         return rows
 
     def _tell_steps(self, row: KnownRow) -> None:
         skipped = row.unread_all_skipped  # (when only some of several fused optimizers skipped: none, said in docs)
         for optimizer in row.unread:
-            listeners.notify_step_known(self._handle, optimizer, skipped)
+            self._tell("on_step_known", "step known", optimizer, skipped)
+
+    def _tell(self, event: str, where: str, *data: Any) -> None:
+        """The listeners that override ``event`` hear it, with the handle and ``data``."""
+        for listener in listeners.overriding[event]:
+            try:
+                getattr(listener, event)(self._handle, *data)
+            except Exception as error:
+                listeners.failed(listener, where, error)
+
+    def _tell_counters_read(self, forward_overflows: int, iterations: int, at_read: bool, current: bool) -> None:
+        """The listeners the rows concern: all at a read of the ledger or when a forward overflow is among them,
+        else the awake ones."""
+        for listener in listeners.overriding["on_counters_read"]:
+            if at_read or forward_overflows or self._counters.steps >= listener.wake_at.get(id(self._handle), 0):
+                try:
+                    listener.on_counters_read(self._handle, forward_overflows, iterations, at_read, current)
+                except Exception as error:
+                    listeners.failed(listener, "counters read", error)
 
     def _found_flag(self, found_infs: list[torch.Tensor], device: torch.device) -> torch.Tensor:
         """One optimizer's found_inf flag (0 or 1) on ``device``: found_inf itself when there is one, already 0/1."""
@@ -260,12 +371,10 @@ class DeviceBooks(ScalePolicy):
         forward_overflows = sum(
             policy.forward_overflow(verdict.found_inf, verdict.loss_nonfinite) for verdict in untold
         )
-        listeners.notify_counters_read(
-            self._handle, self._counters.steps, forward_overflows, len(untold), at_read=True, current=True
-        )
+        self._tell_counters_read(forward_overflows, len(untold), at_read=True, current=True)
         for verdict in untold:  # gradients that overflowed, not a held forward overflow
             if verdict.found_inf and not verdict.forward_overflow:
-                listeners.notify_overflow_known(self._handle, verdict.scale_before)
+                self._tell("on_overflow_known", "overflow known", verdict.scale_before)
         if (
             ledger.copies is not None
         ):  # the steps whose copies had not landed (a GPU): told now, as they would have been

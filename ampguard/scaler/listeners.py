@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 FOUND = 1  # bit 0: the optimizer's found_inf
 LOSS_NONFINITE = 2  # bit 1: a loss of the iteration was inf/NaN
 FIRST_FIELD_BIT = 2
+FIELDS_START = 1 << FIRST_FIELD_BIT  # the values that carry a field
 FIELD_BITS = 22  # 2 + 22 = 24: the integers a float32 holds exactly
 
 
@@ -126,7 +127,7 @@ class StepListener:
         inf/NaN and the step was skipped (a non-finite loss with finite
         gradients steps, as in host mode's :meth:`on_update`). Each iteration is
         told once: from its row's host copy as soon as it is complete
-        (:mod:`ampguard.scaler.row_copies`; ``at_read`` False, at most once per
+        (:class:`ampguard.scaler.ledger.RowCopies`; ``at_read`` False, at most once per
         ``update()``), or at the ledger's read (``at_read`` True). ``current``:
         they end with the iteration just updated (always at a read; on the CPU
         for the copies too).
@@ -140,7 +141,7 @@ class StepListener:
         """A fused ``optimizer``'s step (no host read told of it) is known: stepped, or skipped on the device.
 
         In step order; at the step's own ``update()`` on the CPU, an iteration or
-        two later on CUDA (:mod:`ampguard.scaler.row_copies`).
+        two later on CUDA (:class:`ampguard.scaler.ledger.RowCopies`).
         """
 
     def on_overflow_known(self, handle: ScalerHandle, scale: float) -> None:
@@ -180,7 +181,7 @@ Layout = tuple[tuple[StepListener, int], ...]
 layout: Layout = ()  # (listener, shift) of every listener owning bits of the read, as laid out now
 EVENTS = ("scale", "unscale", "read")  # the events a listener hears only while subscribed
 _subscribed: dict[str, list[StepListener]] = {event: [] for event in EVENTS}
-# Read by the scaler before it calls the notify_* of an event (empty: nobody to call on a healthy step).
+# Read by the scaler before it tells an event (empty: nobody to call on a healthy step).
 hearing_scale: tuple[StepListener, ...] = ()
 hearing_unscale: tuple[StepListener, ...] = ()
 hearing_read: tuple[StepListener, ...] = ()  # the listeners that override on_read
@@ -195,8 +196,8 @@ _OVERRIDABLE = (
     "on_step_known",
     "on_overflow_known",
 )
-_overriding: dict[str, tuple[StepListener, ...]] = dict.fromkeys(_OVERRIDABLE, ())
-_no_fields: dict[StepListener, int] = {}  # every field 0: a read that carried none
+overriding: dict[str, tuple[StepListener, ...]] = dict.fromkeys(_OVERRIDABLE, ())
+no_fields: dict[StepListener, int] = {}  # every field 0: a read that carried none
 
 
 def add(listener: StepListener, subscribed: tuple[str, ...] = EVENTS) -> None:
@@ -246,9 +247,9 @@ def registered() -> tuple[StepListener, ...]:
 
 
 def _relayout() -> None:
-    global layout, hearing_scale, hearing_unscale, adding_to_read, hearing_read, _overriding, _no_fields
+    global layout, hearing_scale, hearing_unscale, adding_to_read, hearing_read, overriding, no_fields
     hearing_read = tuple(known for known in _listeners if type(known).on_read is not StepListener.on_read)
-    _overriding = {
+    overriding = {
         method: tuple(
             known for known in _listeners if getattr(type(known), method) is not getattr(StepListener, method)
         )
@@ -265,11 +266,13 @@ def _relayout() -> None:
             shift += listener.read_bits
     layout = tuple(positions)
     adding_to_read = tuple((listener, shift) for listener, shift in layout if listener in _subscribed["read"])
-    _no_fields = dict.fromkeys((listener for listener, _ in layout), 0)
+    no_fields = dict.fromkeys((listener for listener, _ in layout), 0)
 
 
 # -- the scaler's side ----------------------------------------------------------------------------
 # The scaler's parts call these with its handle (``self._handle``), which every listener receives in its place.
+# The events of every step (on_read, on_update, the device-mode ones) are called by the scaler's part where they
+# happen (accounting.HostBooks, ledger.DeviceBooks), from the tuples above, each call contained as failed() says.
 
 
 def encode(handle: ScalerHandle, code: torch.Tensor) -> tuple[torch.Tensor, Layout]:
@@ -283,9 +286,10 @@ def encode(handle: ScalerHandle, code: torch.Tensor) -> tuple[torch.Tensor, Layo
 
 
 def decode(laid_out: Layout, value: int) -> dict[StepListener, int]:
-    """Each listener's field of the value read (bits 2 and up), by listener (every one: ranks exchange them)."""
-    if value < 1 << FIRST_FIELD_BIT and laid_out is layout:
-        return _no_fields  # (read only)
+    """Each listener's field of the value read (bits 2 and up), by listener (every one: ranks exchange them).
+
+    (A value below :data:`FIELDS_START` read under the layout in force carries none: :data:`no_fields`, which the
+    scaler takes without a call.)"""
     return {listener: (value >> shift) & ((1 << listener.read_bits) - 1) for listener, shift in laid_out}
 
 
@@ -298,78 +302,6 @@ def notify_scale(handle: ScalerHandle, scaled: Any) -> None:
 def notify_unscale(handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
     for listener in hearing_unscale:
         _guarded(listener, "unscale_()", "on_unscale", handle, optimizer)
-
-
-def notify_read(
-    handle: ScalerHandle, optimizer: torch.optim.Optimizer, fields: dict[StepListener, int], skipped: bool
-) -> None:
-    for listener in hearing_read:
-        try:  # (inline, not _guarded(): this one runs at every step)
-            listener.on_read(handle, optimizer, fields.get(listener, 0), skipped)
-        except Exception as error:
-            _failed(listener, "step()", error)
-
-
-def notify_update(handle: ScalerHandle, verdict: StepVerdict, steps: int, fields: dict[StepListener, int]) -> None:
-    """The listeners this update concerns: all when it overflowed or changed the scale, else those awake."""
-    quiet = not verdict.found_inf and verdict.scale == verdict.scale_before
-    for listener in _overriding["on_update"]:
-        if not quiet or steps >= listener.wake_at.get(id(handle), 0) or fields.get(listener):
-            try:  # (inline, as in notify_read)
-                listener.on_update(handle, verdict, fields.get(listener, 0))
-            except Exception as error:
-                _failed(listener, "update()", error)
-
-
-def notify_device_update(
-    handle: ScalerHandle, steps: int, check: torch.Tensor | None, held: bool, row: torch.Tensor | None
-) -> bool | None:
-    """The awake listeners' ``on_device_update`` (nothing is known on the host to wake the others); whether a step
-    was skipped, if one of them read it."""
-    known: bool | None = None
-    for listener in _overriding["on_device_update"]:
-        if steps >= listener.wake_at.get(id(handle), 0):
-            try:  # (inline, as in notify_read: every device-mode update)
-                skipped = listener.on_device_update(handle, check, held, row)
-            except Exception as error:
-                _failed(listener, "update()", error)
-                skipped = None
-            known = skipped if known is None else known
-    return known
-
-
-def notify_counters_read(
-    handle: ScalerHandle, steps: int, forward_overflows: int, iterations: int, at_read: bool, current: bool
-) -> None:
-    """The listeners the rows concern: all at a read of the ledger or when a forward overflow is among them, else
-    the awake ones."""
-    for listener in _overriding["on_counters_read"]:
-        if at_read or forward_overflows or steps >= listener.wake_at.get(id(handle), 0):
-            try:  # (inline, as in notify_read)
-                listener.on_counters_read(handle, forward_overflows, iterations, at_read, current)
-            except Exception as error:
-                _failed(listener, "counters read", error)
-
-
-def notify_step_pending(handle: ScalerHandle, optimizer: torch.optim.Optimizer) -> None:
-    for listener in _overriding["on_step_pending"]:
-        try:  # (inline, as in notify_read)
-            listener.on_step_pending(handle, optimizer)
-        except Exception as error:
-            _failed(listener, "step pending", error)
-
-
-def notify_step_known(handle: ScalerHandle, optimizer: torch.optim.Optimizer, skipped: bool) -> None:
-    for listener in _overriding["on_step_known"]:
-        try:  # (inline, as in notify_read)
-            listener.on_step_known(handle, optimizer, skipped)
-        except Exception as error:
-            _failed(listener, "step known", error)
-
-
-def notify_overflow_known(handle: ScalerHandle, scale: float) -> None:
-    for listener in _overriding["on_overflow_known"]:
-        _guarded(listener, "overflow known", "on_overflow_known", handle, scale)
 
 
 def notify_foreign_step(owner: Any, forward_overflow: bool) -> None:
@@ -406,11 +338,11 @@ def _guarded(listener: StepListener, where: str, method: str, *args: Any) -> Any
     try:
         return getattr(listener, method)(*args)
     except Exception as error:
-        _failed(listener, where, error)
+        failed(listener, where, error)
         return None
 
 
-def _failed(listener: StepListener, where: str, error: Exception) -> None:
+def failed(listener: StepListener, where: str, error: Exception) -> None:
     """A listener raised: torch's or the user's error raised again, ampguard's reported once (the step goes on)."""
     passing = containment.passes_through(error)
     if passing is not None:

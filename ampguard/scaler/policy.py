@@ -50,7 +50,7 @@ def forward_overflow(found_inf: bool, loss_nonfinite: bool) -> bool:
     scale makes that loss finite, so the scale and the growth tracker stay. A non-finite loss with finite gradients is no overflow:
     the optimizers step and the iteration counts toward the growth interval, as
     in torch. Host mode (ampguard.scaler.accounting) and device mode's rows
-    (ampguard.scaler.ledger, ampguard.scaler.row_copies) both ask this.
+    (ampguard.scaler.ledger: the rows and their host copies) ask this.
     """
     return found_inf and loss_nonfinite
 

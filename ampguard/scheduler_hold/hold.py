@@ -29,7 +29,7 @@ and accelerate hold the scheduler on a skipped step; this module makes every
 * **Fused optimizers** (``Adam(fused=True)``) skip on the device: torch's
   GradScaler hands them the found-inf flag, and the host learns of the step
   from the iteration's verdict copied to host memory (no synchronisation,
-  :mod:`ampguard.scaler.row_copies`): on the CPU at the step's own
+  :class:`ampguard.scaler.ledger.RowCopies`): on the CPU at the step's own
   ``update()``, so :func:`note_step` is called before ``scheduler.step()`` as
   for other optimizers; on CUDA one or two iterations later, so the attempts
   are counted that much late and a skip holds the scheduler's ``step()`` that

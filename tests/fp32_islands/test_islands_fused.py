@@ -36,7 +36,7 @@ from test_islands import ISLAND, global_hooks, module_hooks
 from torch import nn
 
 import ampguard.scaler
-import ampguard.scaler.row_copies
+import ampguard.scaler.ledger
 from ampguard import syncs
 from ampguard.fp32_islands import islands
 from ampguard.fp32_islands.patch import applied_healing
@@ -48,7 +48,7 @@ pytestmark = [pytest.mark.usefixtures("one_thread", "fresh_islands", "rows_known
 @pytest.fixture
 def rows_known_at_reads_only(monkeypatch):
     """No ledger row copied to the host: the scaler learns of device-mode iterations only at its reads."""
-    monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: False))
+    monkeypatch.setattr(ampguard.scaler.ledger.RowCopies, "supported", staticmethod(lambda device: False))
 
 
 READ_EVERY = 20  # AMPGUARD_STATS_EVERY in these tests: the host reads the device-side counters that often
@@ -88,7 +88,7 @@ def test_reads_cost_nothing_on_healthy_steps_and_one_per_step_only_while_the_pro
 def test_a_healthy_fused_run_matches_torch_bit_for_bit_without_any_read(reinstall, monkeypatch, copies):
     reinstall(AMPGUARD_STATS_EVERY="0")
     if copies == "rows copied":  # (the module's fixture switched them off)
-        monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: True))
+        monkeypatch.setattr(ampguard.scaler.ledger.RowCopies, "supported", staticmethod(lambda device: True))
     reference_model, model = make_net(), make_net()
     with HostReadCounter() as torch_reads:
         reference = train(
@@ -311,7 +311,7 @@ def test_a_nonfinite_loss_with_finite_gradients_is_no_forward_overflow(
     forward overflow (the probe watched the next forward passes), host mode only those whose step was skipped."""
     reinstall(AMPGUARD_STATS_EVERY="4")
     if optimizer_kind == "fused (rows copied)":
-        monkeypatch.setattr(ampguard.scaler.row_copies.RowCopies, "supported", staticmethod(lambda device: True))
+        monkeypatch.setattr(ampguard.scaler.ledger.RowCopies, "supported", staticmethod(lambda device: True))
     torch.manual_seed(0)
     model = nn.Linear(4, 4)
     fused_kind = optimizer_kind.startswith("fused")

@@ -187,7 +187,7 @@ def test_watch_every_values(value: str, every: int):
 
 @needs_fused_adam
 def test_with_a_fused_optimizer_the_first_overflow_is_blamed_at_its_own_update(reinstall, ampguard_log):
-    """Device mode reads nothing per step: the step's row (ampguard/scaler/row_copies.py) and the watch of step 2
+    """Device mode reads nothing per step: the step's row (ampguard/scaler/ledger.py, RowCopies) and the watch of step 2
     (its own host copy) are known without a read, so the first overflow (step 10) blames the block at its own
     update, after one read: did the batch hold inf/NaN? Before the row copies, the overflows waited for the
     counters' read at step 20: 2 lost."""

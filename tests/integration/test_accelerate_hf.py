@@ -194,7 +194,7 @@ def test_optimizer_step_was_skipped_on_forward_overflows_also_with_a_fused_optim
     assert stock_flags == [False] * STEPS
 
     # ampguard reports each skip, without reading the device for it: each step's verdict reaches the host
-    # from its row's copy (ampguard/scaler/row_copies.py; on the CPU at the step's own update). Without the
+    # from its row's copy (ampguard/scaler/ledger.py, RowCopies; on the CPU at the step's own update). Without the
     # fp32 islands patch, whose probe would read once per step after the first forward overflow.
     reinstall(AMPGUARD_STATS_EVERY="4", AMPGUARD_DISABLE="fp32_islands")
     AcceleratorState._reset_state(reset_partial_state=True)

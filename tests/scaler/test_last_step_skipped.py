@@ -14,7 +14,7 @@ import torch
 from scaler_support import DeviceSkipSGD, iteration, one_thread, safe, stock  # noqa: F401 (a fixture)
 
 from ampguard import syncs
-from ampguard.scaler.row_copies import RowCopies
+from ampguard.scaler.ledger import RowCopies
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -89,7 +89,7 @@ def test_with_a_fused_optimizer_the_flag_is_the_same_and_asking_reads_the_device
     # Without fp32 islands: its probe, armed at the first read that finds a forward overflow, would read
     # every step after it (the next test).
     reinstall(AMPGUARD_DISABLE="fp32_islands", AMPGUARD_STATS_EVERY="0")
-    if not copies:  # an accelerator without events to poll (ampguard/scaler/row_copies.py)
+    if not copies:  # an accelerator without events to poll (ampguard/scaler/ledger.py, RowCopies)
         monkeypatch.setattr(RowCopies, "supported", staticmethod(lambda device: False))
     torch_skipped, _ = torch_s_skips(FORWARD_OVERFLOWS)
     with HostReadCounter() as reads:

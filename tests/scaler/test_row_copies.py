@@ -1,4 +1,4 @@
-"""A fused optimizer's skips, known on the host without a sync: the ledger rows' host copies (ampguard.scaler.row_copies).
+"""A fused optimizer's skips, known on the host without a sync: the ledger rows' host copies (ampguard.scaler.ledger.RowCopies).
 
 Before, with a fused optimizer (the HF Trainer's default), the host learned of a
 forward overflow or a skipped step only at the next read of the device-side
@@ -24,7 +24,7 @@ from torch import nn
 import ampguard
 import ampguard.scaler
 from ampguard import syncs
-from ampguard.scaler.row_copies import RowCopies
+from ampguard.scaler.ledger import RowCopies
 from ampguard.stats.counters import process_counters
 from ampguard.syncs import HostReadCounter
 
@@ -143,7 +143,7 @@ def test_a_row_copied_from_the_gpu_is_known_once_its_event_completed_mocked_cuda
             assert into is not None  # a CUDA row is copied into the ring
             self.host, self.event = into.copy_(tensor), _Event()
 
-    monkeypatch.setattr(ampguard.scaler.row_copies, "HostCopy", MockedCudaCopy)
+    monkeypatch.setattr(ampguard.scaler.ledger, "HostCopy", MockedCudaCopy)
     monkeypatch.setattr(RowCopies, "_host_row", lambda self: torch.empty(4))  # pinned memory needs CUDA
     copies = RowCopies(torch.device("cuda"))
     optimizer = torch.optim.SGD([nn.Parameter(torch.ones(1))], lr=0.1)
@@ -158,7 +158,7 @@ def test_a_row_copied_from_the_gpu_is_known_once_its_event_completed_mocked_cuda
     assert len(copies._free) == 1  # the ring row is used again
 
 
-# -- Rows known on the host without a sync (ampguard.scaler.row_copies), judged against what happened. -----------------
+# -- Rows known on the host without a sync (ampguard.scaler.ledger.RowCopies), judged against what happened. -----------------
 
 
 @pytest.mark.usefixtures("rows_one_update_late", "probe_only")

@@ -233,7 +233,7 @@ def _step_schedulers(trainees: list[Trainee], skipped: list[bool]) -> None:
     """ampguard holds a scheduler whose optimizer step the scaler skipped (docs/schedulers.md; a fused one's on
     the CPU at once, its row known in place); torch's substitute is the loop accelerate and DeepSpeed run: step
     the scheduler only after a real step. The iteration's row says how many fused optimizers skipped, not
-    which: their schedulers hold when every fused one skipped (ampguard/scaler/row_copies.py)."""
+    which: their schedulers hold when every fused one skipped (ampguard/scaler/ledger.py, RowCopies)."""
     fused_all_skipped = all(was_skipped for trainee, was_skipped in zip(trainees, skipped) if trainee.fused)
     for trainee, was_skipped in zip(trainees, skipped):
         if trainee.scheduler is None:
