@@ -19,6 +19,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -27,6 +28,7 @@ import ampguard
 import ampguard.clip_grad.api
 import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
+import ampguard.clip_grad.state
 import ampguard.containment
 import ampguard.master_weights.patch
 import ampguard.underflow.counts
@@ -174,7 +176,22 @@ def test_clip_check_fails_for_a_clip_that_skips_unscaling(monkeypatch):
 
 @pytest.mark.parametrize("name", ["clip_after_unscale", "clip_without_unscale"])
 def test_clip_checks_fail_for_a_clip_that_does_not_clip(name, monkeypatch):
+    # ampguard's kernels (still-scaled gradients), and in the recipe's case torch's clip_grads_with_norm_ that
+    # ampguard calls (torch >= 2.6; before, its clip_grad_norm_, which only the kernels' path can replace here).
     monkeypatch.setattr(ampguard.clip_grad.kernels, "clip_coefficient", lambda max_norm, total: torch.ones_like(total))
+    state, activate = ampguard.clip_grad.state, ampguard.clip_grad.state.activate
+
+    def activate_a_clip_that_does_not_clip(*args: Any, **kwargs: Any) -> None:  # (the check installs ampguard)
+        activate(*args, **kwargs)
+        if state.state.halves is not None:
+            state.state.halves = (state.state.halves[0], lambda *args: None)
+
+    monkeypatch.setattr(state, "activate", activate_a_clip_that_does_not_clip)
+    if state.state.halves is None:  # torch < 2.6: the recipe's case through the kernels
+        recipe_case = ampguard.clip_grad.norm._recipe_case
+        monkeypatch.setattr(
+            ampguard.clip_grad.norm, "_recipe_case", lambda params: (case := recipe_case(params)) and (case[0], True)
+        )
     result = run(name)
     assert result.status == "failed" and result.measured["max_parameter_difference"] > 1e-6
 

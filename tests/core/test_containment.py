@@ -38,7 +38,6 @@ HOOKS = [
     (ampguard.fp32_islands.iteration_ends, "end_iteration"),
     (ampguard.scaler.accounting, "log_stats"),  # the stats line
     (ampguard.clip_grad.norm, "_recipe_case"),  # clip_grad_norm_ after unscale_: the recipe's case
-    (ampguard.clip_grad.norm, "_clip_unscaled"),
 ]
 
 
