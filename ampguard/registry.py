@@ -122,7 +122,9 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
         ensure_default_handler()  # first: reading the environment may warn (an unknown AMPGUARD_* name)
         config = config_module.load(environ, patch_names=_registry.names())
         stats_file.attach(config.stats_file)  # after the default handler, which ampguard adds only to a bare logger
+        # Filled as the patches apply, so that a patch finds those applied before it (applied_patch()).
         statuses: dict[str, PatchStatus] = {}
+        _registry.statuses = statuses
         for patch in _registry.patches:
             verdict = _decide(patch, config)
             if verdict is None:
@@ -134,6 +136,7 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
             for patch in reversed(applied):
                 _revert_quietly(patch)
             stats_file.attach(None)
+            _registry.statuses = {}
             raise ConfigError(
                 "AMPGUARD_ENABLE",
                 ",".join(sorted(config.enable)),
@@ -148,7 +151,6 @@ def install(environ: Mapping[str, str] | None = None) -> list[PatchStatus]:
         except Exception as error:  # never the cause of a crash: report and go on
             logger.warning("ampguard could not rebind names bound before it was imported: %r", error)
         _registry.config = config
-        _registry.statuses = statuses
         _registry.installed = True
         _show_banner(config, statuses)
         return status()
@@ -202,7 +204,8 @@ def is_installed() -> bool:
 
 
 def applied_patch(name: str) -> Patch | None:
-    """The patch object named ``name`` while it is applied (installed, not off), else None."""
+    """The patch object named ``name`` while it is applied (installed, not off), else None; during an install, once
+    it has applied (a patch's ``apply()`` finds those before it in the registry's order)."""
     with _registry.lock:
         entry = _registry.statuses.get(name)
         if entry is None or entry.state != "applied":

@@ -36,9 +36,10 @@ from ampguard.scaler import TorchGradScaler
 
 
 def _grad_scaler_patch_applied() -> bool:
-    import ampguard.patches.grad_scaler as grad_scaler
+    """Whether every GradScaler is a SafeGradScaler: the grad_scaler patch applied (it applies before this one)."""
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
 
-    return grad_scaler._active_patch is not None
+    return applied_patch("grad_scaler") is not None
 
 
 class ClipGradPatch(Patch):

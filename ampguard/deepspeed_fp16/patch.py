@@ -64,8 +64,7 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
     ),
 )
 
-_active: DeepSpeedFp16Patch | None = None  # the applied patch, which the (permanent) import hook serves
-_hooked = False
+_hooked = False  # wrapt keeps a post-import hook for the process: registered once
 
 
 def unsupported(module: ModuleType) -> str | None:
@@ -97,7 +96,7 @@ class DeepSpeedFp16Patch(Patch):
         self.attached = False
 
     def apply(self, config: Config) -> None:
-        global _active, _hooked
+        global _hooked
         if not config.deepspeed:
             return
         module = sys.modules.get("deepspeed")
@@ -113,15 +112,13 @@ class DeepSpeedFp16Patch(Patch):
             on_stall=config.on_stall,
             stats_every=config.stats_every,
         )
-        _active = self
-        if _hooked:  # wrapt keeps a hook for good: a second install attaches by hand
-            if module is not None:
-                _on_import(module)
-            return
-        import wrapt
+        if not _hooked:
+            import wrapt
 
-        _hooked = True
-        wrapt.register_post_import_hook(_on_import, "deepspeed")  # called at once when already imported
+            _hooked = True
+            wrapt.register_post_import_hook(_on_import, "deepspeed")  # (at once when already imported: not applied yet)
+        if module is not None:  # imported before install: attached now (the hook serves later imports)
+            _attach(self, module)
 
     def attach(self, module: ModuleType) -> None:
         """Bind the replacements on DeepSpeed's classes (``module``: ``deepspeed``, imported)."""
@@ -136,9 +133,6 @@ class DeepSpeedFp16Patch(Patch):
         self.attached = True
 
     def revert(self) -> None:
-        global _active
-        if _active is self:
-            _active = None
         self.attached = False
         self.policy = None
         checkpoint.reset()
@@ -146,8 +140,16 @@ class DeepSpeedFp16Patch(Patch):
 
 
 def _on_import(module: ModuleType) -> None:
-    patch = _active
-    if patch is None or patch.attached:
+    """deepspeed was imported: the applied deepspeed_fp16 patch, if any, attaches to it."""
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
+
+    patch = applied_patch(DeepSpeedFp16Patch.name)
+    if isinstance(patch, DeepSpeedFp16Patch):
+        _attach(patch, module)
+
+
+def _attach(patch: DeepSpeedFp16Patch, module: ModuleType) -> None:
+    if patch.attached or patch.policy is None:  # (no policy: AMPGUARD_DEEPSPEED off, nothing to attach)
         return
     try:
         patch.attach(module)

@@ -76,8 +76,7 @@ for _cls in (CudaGradScaler, CpuGradScaler):
 GradScaler.__name__ = "SafeGradScaler"
 
 
-_hook_registered = False
-_active_patch: GradScalerPatch | None = None
+_hook_registered = False  # wrapt keeps a post-import hook for the process: registered once
 
 
 class GradScalerPatch(Patch):
@@ -87,7 +86,6 @@ class GradScalerPatch(Patch):
     requires_privates = torch_privates.GRAD_SCALER
 
     def apply(self, config: Config) -> None:
-        global _active_patch
         original = torch.amp.grad_scaler.GradScaler
         if not isinstance(original, type) or issubclass(original, SafeGradScaler):
             raise PatchUnavailable("torch.amp.grad_scaler.GradScaler is not torch's class")
@@ -98,13 +96,10 @@ class GradScalerPatch(Patch):
             self.bindings.rebind_names_of(cpu_legacy, CpuGradScaler)
         # torch's warnings in GradScaler's methods name their caller: SafeGradScaler's, not the user's line.
         attribute_past_ampguard(self.bindings, torch.amp.grad_scaler)
-        _active_patch = self
         _register_sharded_hook()
-
-    def revert(self) -> None:
-        global _active_patch
-        _active_patch = None
-        super().revert()
+        sharded = sys.modules.get(SHARDED_MODULE)
+        if sharded is not None:  # imported before install (the hook finds this patch once the install is done)
+            _patch_sharded(self, sharded)
 
     def patch_sharded_module(self, module: Any) -> None:
         """Give FSDP's ShardedGradScaler SafeGradScaler's safety (its module was just imported)."""
@@ -124,9 +119,15 @@ class GradScalerPatch(Patch):
 
 
 def _on_sharded_import(module: Any) -> None:
-    patch = _active_patch
-    if patch is None:
-        return
+    """FSDP's scaler module was imported: the applied grad_scaler patch, if any, patches it."""
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
+
+    patch = applied_patch(GradScalerPatch.name)
+    if isinstance(patch, GradScalerPatch):
+        _patch_sharded(patch, module)
+
+
+def _patch_sharded(patch: GradScalerPatch, module: Any) -> None:
     try:
         patch.patch_sharded_module(module)
     except Exception as error:  # never the cause of a crash
@@ -137,11 +138,8 @@ def _on_sharded_import(module: Any) -> None:
 
 def _register_sharded_hook() -> None:
     global _hook_registered
-    if _hook_registered:
-        if SHARDED_MODULE in sys.modules:
-            _on_sharded_import(sys.modules[SHARDED_MODULE])
-        return
-    import wrapt
+    if not _hook_registered:
+        import wrapt
 
-    _hook_registered = True
-    wrapt.register_post_import_hook(_on_sharded_import, SHARDED_MODULE)
+        _hook_registered = True
+        wrapt.register_post_import_hook(_on_sharded_import, SHARDED_MODULE)  # (at once when already imported)
