@@ -104,8 +104,11 @@ def clip_grad_norm_wrapper(
     if halves is None:  # torch < 2.6: one function
         return wrapped(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     # torch's clip_grad_norm_ is these two; called unwrapped, as their wrappers would ask again what is scaled.
-    total = halves[0](grads, norm_type, error_if_nonfinite, foreach)
-    halves[1](parameters, max_norm, total, foreach)
+    try:  # (containment.torch_call inlined, every clip: torch's errors are torch's, raised once)
+        total = halves[0](grads, norm_type, error_if_nonfinite, foreach)
+        halves[1](parameters, max_norm, total, foreach)
+    except Exception as error:
+        raise containment.FromTorch(error) from None
     return total
 
 

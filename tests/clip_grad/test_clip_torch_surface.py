@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
+import traceback
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -17,10 +19,12 @@ from typing import Any
 import pytest
 import torch
 import wrapt
+from scaler_support import ampguard_log, records  # noqa: F401  (a fixture)
 from torch import nn
 
 import ampguard
 import ampguard.scaler
+from ampguard import containment
 
 
 @pytest.fixture(autouse=True)
@@ -82,6 +86,28 @@ def test_a_nonfinite_norm_raises_torchs_message_for_an_int_norm_type() -> None:
     seen = _recipe(clip)
     assert all("order 2.0 " in message for message in expected), expected
     assert seen == expected
+
+
+@pytest.mark.parametrize("given", [list, tuple])
+def test_a_nonfinite_norm_raises_torchs_error_once_and_nothing_else(
+    given: type, ampguard_log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``error_if_nonfinite=True`` with an inf gradient after ``unscale_``: torch's RuntimeError, raised once by torch's
+    own clip as without ampguard (nothing chained to it), and not reported as a failure of ampguard's."""
+    monkeypatch.setattr(containment, "_reported", set())  # (a failure is reported once per process)
+
+    def clip(model: nn.Module) -> Any:
+        model[0].weight.grad[0, 0] = float("inf")
+        try:
+            return torch.nn.utils.clip_grad_norm_(given(model.parameters()), 1.0, error_if_nonfinite=True)
+        except RuntimeError as error:  # (what the caller's traceback shows: one error, no other chained to it)
+            shown = "".join(traceback.format_exception(error))
+            return str(error), shown.count("Traceback"), "During handling" in shown or "direct cause" in shown
+
+    expected = _without_ampguard(lambda: _recipe(clip))
+    seen = _recipe(clip)
+    assert seen == expected and all(tracebacks == 1 and not chained for _, tracebacks, chained in seen), seen
+    assert not records(ampguard_log, logging.WARNING)
 
 
 def test_the_empty_generator_warning_points_at_the_callers_line() -> None:
