@@ -16,6 +16,7 @@ import wrapt
 from torch import Tensor
 
 import ampguard.containment as containment
+from ampguard.log import logger
 
 _WRAPT_DIR = os.path.dirname(wrapt.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)
@@ -71,6 +72,9 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
     The wrapper is handed torch's function through :func:`containment.torch_call`,
     so torch's own errors reach the caller unchanged; parameters given as a
     generator are read once here, so that the fallback gets them all again.
+    Where torch's function refuses the call too (``max_norm=None``, a
+    ``norm_type`` that is no number) the error is torch's, raised as torch
+    raises it, and no failure of ampguard's is reported.
     """
 
     def decorate(inner: _Wrapper) -> _Wrapper:
@@ -83,9 +87,14 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
                 passing = containment.passes_through(error)
                 if passing is not None:
                     raise passing from None
-                containment.report(where, error)
                 args, kwargs = again()
-                return wrapped(*args, **kwargs)
+                try:
+                    result = wrapped(*args, **kwargs)
+                except Exception as refused:
+                    logger.debug("%s: torch's function refuses these arguments too (%r)", where, refused)
+                    raise refused from None
+                containment.report(where, error)
+                return result
 
         return cast(_Wrapper, wrapper)
 

@@ -110,6 +110,50 @@ def test_a_nonfinite_norm_raises_torchs_error_once_and_nothing_else(
     assert not records(ampguard_log, logging.WARNING)
 
 
+BAD_ARGUMENTS: dict[str, Callable[[nn.Module], Any]] = {
+    "clip_grad_norm_, max_norm=None": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), None),
+    "clip_grad_norm_, norm_type='foo'": lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0, "foo"),
+    "clip_grad_value_, clip_value=None": lambda m: torch.nn.utils.clip_grad_value_(m.parameters(), None),
+}
+if hasattr(torch.nn.utils, "get_total_norm"):  # torch >= 2.6
+    BAD_ARGUMENTS["get_total_norm, norm_type='foo'"] = lambda m: torch.nn.utils.get_total_norm(
+        [p.grad for p in m.parameters()], "foo"
+    )
+    BAD_ARGUMENTS["clip_grads_with_norm_, max_norm=None"] = lambda m: torch.nn.utils.clip_grads_with_norm_(
+        m.parameters(), None, torch.tensor(1.0)
+    )
+
+
+@pytest.mark.parametrize("unscaled", [False, True], ids=["still scaled", "after unscale_"])
+@pytest.mark.parametrize("call", BAD_ARGUMENTS.values(), ids=BAD_ARGUMENTS.keys())
+def test_arguments_torch_refuses_get_torchs_error_and_no_report(
+    call: Callable[[nn.Module], Any], unscaled: bool, ampguard_log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clip call torch itself refuses raises torch's error, whatever ampguard's own code made of the arguments:
+    no "failure of ampguard's" is reported for the caller's mistake."""
+    monkeypatch.setattr(containment, "_reported", set())
+
+    def one_step() -> str:
+        model = _model()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+        scaler.scale(model(torch.ones(2, 8)).square().mean()).backward()
+        if unscaled:
+            scaler.unscale_(optimizer)
+        try:
+            call(model)
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        finally:
+            ampguard.scaler.scalers_in_iteration.clear()
+        return "no error"
+
+    expected = _without_ampguard(one_step)
+    assert expected != "no error"
+    assert one_step() == expected
+    assert not records(ampguard_log, logging.WARNING)
+
+
 def test_the_empty_generator_warning_points_at_the_callers_line() -> None:
     """torch warns about an empty generator of parameters at the line that called ``clip_grad_norm_``; under
     ampguard (a scaler in play) the same warning must point at the same line, not into ampguard."""
