@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import ampguard.containment as containment
 import ampguard.deepspeed_fp16.tracking as deepspeed_tracking
@@ -40,63 +40,77 @@ INTEGRATIONS: dict[str, str] = {
     "pytorch_lightning.trainer.trainer": "ampguard.trainer_logs.lightning",
 }
 
-_bindings: Bindings | None = None
-_attached: dict[str, ModuleType] = {}  # trainer module name -> the integration attached to it
-_hooked: set[str] = set()
+_hooked: set[str] = set()  # wrapt keeps a post-import hook for the process: one per trainer module, registered once
+
+
+class Attachments(Protocol):
+    """What the trainer_logs patch holds: its bindings, and the integration attached to each trainer module."""
+
+    bindings: Bindings
+    attached: dict[str, ModuleType]
+
+
+def _applied() -> Attachments | None:
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
+
+    patch = applied_patch("trainer_logs")
+    return patch if isinstance(getattr(patch, "attached", None), dict) else None  # type: ignore[return-value]
 
 
 def active() -> bool:
     """True while the patch is applied (a callback left in a trainer built earlier does nothing otherwise)."""
-    return _bindings is not None
+    return _applied() is not None
 
 
-def activate(bindings: Bindings) -> None:
+def activate(patch: Attachments) -> None:
     """Attach every integration whose trainer module is imported, now or later."""
-    global _bindings
     import wrapt
 
-    _bindings = bindings
     for module_name in INTEGRATIONS:
-        if module_name in _hooked:  # wrapt keeps a hook for good: a second install attaches by hand
-            if module_name in sys.modules:
-                _on_import(sys.modules[module_name])
-            continue
-        _hooked.add(module_name)
-        wrapt.register_post_import_hook(_on_import, module_name)  # called at once when already imported
+        if module_name not in _hooked:
+            _hooked.add(module_name)
+            wrapt.register_post_import_hook(_on_import, module_name)  # (at once when imported: not applied yet)
+        module = sys.modules.get(module_name)
+        if module is not None:  # imported before install: attached now (the hook serves later imports)
+            _attach(patch, module)
 
 
-def deactivate() -> None:
+def deactivate(patch: Attachments) -> None:
     """Detach every integration (the patch's revert then undoes their bindings)."""
-    global _bindings
-    _bindings = None
-    for integration in _attached.values():
+    for integration in patch.attached.values():
         try:
             integration.detach()
         except Exception as error:  # never the cause of a crash
             containment.report("trainer_logs detach", error)
-    _attached.clear()
+    patch.attached.clear()
 
 
 def attached() -> list[str]:
     """The trainer modules an integration is attached to now."""
-    return sorted(_attached)
+    patch = _applied()
+    return sorted(patch.attached) if patch is not None else []
 
 
 def _on_import(module: ModuleType) -> None:
-    bindings = _bindings
+    patch = _applied()
+    if patch is not None:
+        _attach(patch, module)
+
+
+def _attach(patch: Attachments, module: ModuleType) -> None:
     name = module.__name__
-    if bindings is None or name in _attached:
+    if name in patch.attached:
         return
     try:
         integration = importlib.import_module(INTEGRATIONS[name])
-        integration.attach(module, bindings)
+        integration.attach(module, patch.bindings)
     except PatchUnavailable as reason:
         logger.info("ampguard's stats do not reach %s's logs: %s", name, reason)
         return
     except Exception as error:  # a hook inside somebody's import: never let it fail
         containment.report(f"trainer_logs hook for {name}", error)
         return
-    _attached[name] = integration
+    patch.attached[name] = integration
 
 
 class MetricFields:

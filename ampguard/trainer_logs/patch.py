@@ -9,6 +9,8 @@ as they are.
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import ampguard.trainer_logs.attach as integrations
 from ampguard.config import Config
 from ampguard.patch import Patch
@@ -22,9 +24,13 @@ class TrainerLogsPatch(Patch):
     )
     requires_torch = ">=2.3"
 
+    def __init__(self) -> None:
+        super().__init__()
+        self.attached: dict[str, ModuleType] = {}  # trainer module name -> the integration attached to it
+
     def apply(self, config: Config) -> None:
-        integrations.activate(self.bindings)
+        integrations.activate(self)
 
     def revert(self) -> None:
-        integrations.deactivate()
+        integrations.deactivate(self)
         super().revert()
