@@ -1,10 +1,10 @@
 """The README's table of CI legs is .ci/run's, and its test counts are what each leg collects.
 
 Each leg's torch pins, extras and pytest arguments are read from .ci/run's arrays; its tests are counted by
-``pytest --collect-only -q`` with those arguments, in this interpreter (or, where this session is the leg's own
-command, as in CI, by this session's own collection: the same count without a second one). The README says
-"about N" (the
-suites grow every week): a count more than 10% away from N fails here, with the count to write. A leg is
+``pytest --collect-only -q`` with those arguments, in this interpreter (or, where this session is the leg's whole
+command, ``pytest -p no:cacheprovider ARGS`` from the root, by this session's own collection: the same count
+without a second one; .ci/run runs each leg as shards, so there the count is a second collection). The README
+says "about N" (the suites grow every week): a count more than 10% away from N fails here, with the count to write. A leg is
 counted only in an environment that has its extras (the newest leg's integration libraries, the oldest's
 matplotlib), so each leg's run of the suite checks its own figure.
 """
@@ -76,8 +76,8 @@ SAME_COLLECTION = ("-p", "no:cacheprovider", "-q", "-v", "-ra")
 
 
 def collected_by_this_session(session: pytest.Session, pytest_args: str) -> int | None:
-    """This session's collected count where the session is the leg's command itself (.ci/run: ``pytest -p
-    no:cacheprovider ARGS`` from the root, no PYTEST_ADDOPTS), else None. Nothing else selects tests then, so it
+    """This session's collected count where the session is the leg's whole command (``pytest -p no:cacheprovider
+    ARGS`` from the root, no PYTEST_ADDOPTS; not one of .ci/run's shards), else None. Nothing else selects tests then, so it
     is what ``pytest --collect-only`` with ``ARGS`` prints."""
     invocation = session.config.invocation_params
     argv = [arg for arg in invocation.args if arg not in SAME_COLLECTION]
