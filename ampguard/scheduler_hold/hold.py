@@ -82,23 +82,28 @@ class _Steps:
         self.advanced_at: dict[int, int] = {}
 
 
-class _State:
+class Hold:
+    """What one application of the scheduler_hold patch holds: whether it is on (a wrapper kept past uninstall
+    then runs torch's step), and its once-only messages."""
+
     def __init__(self) -> None:
-        self.active = False
+        self.active = True
         self.logged = False
         self.failed = False
 
+    def report_failure(self) -> None:
+        if not self.failed:
+            self.failed = True
+            logger.warning("scheduler_hold failed; lr_scheduler.step() runs as in torch (traceback at DEBUG)")
+        logger.debug("scheduler_hold failure", exc_info=True)
 
-state = _State()
-
-
-def activate() -> None:
-    state.active = True
-    state.logged = False
-
-
-def deactivate() -> None:
-    state.active = False
+    def count_hold(self) -> None:
+        process_counters.scheduler_held += 1
+        if not self.logged and is_rank_zero():
+            self.logged = True
+            logger.info(HELD.format(count=process_counters.scheduler_held))
+        elif logger.isEnabledFor(logging.DEBUG):
+            logger.debug("lr_scheduler.step() held (%d so far)", process_counters.scheduler_held)
 
 
 def note_step(optimizer: Any, skipped: bool, was_pending: bool = False) -> None:
@@ -170,36 +175,20 @@ def should_hold(scheduler: Any) -> bool:
     return False
 
 
-def step_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``step`` of an LR scheduler class, held on skipped optimizer steps."""
+def step_wrapper(original: Callable[..., Any], hold: Hold) -> Callable[..., Any]:
+    """``step`` of an LR scheduler class, held on skipped optimizer steps while ``hold`` is active."""
 
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if state.active:
+        if hold.active:
             try:
-                hold = should_hold(self)
+                held = should_hold(self)
             except Exception:  # never the reason a run dies: torch's behaviour for this call
-                _report_failure()
-                hold = False
-            if hold:
-                _count_hold()
+                hold.report_failure()
+                held = False
+            if held:
+                hold.count_hold()
                 return None
         return original(self, *args, **kwargs)
 
     return step
-
-
-def _report_failure() -> None:
-    if not state.failed:
-        state.failed = True
-        logger.warning("scheduler_hold failed; lr_scheduler.step() runs as in torch (traceback at DEBUG)")
-    logger.debug("scheduler_hold failure", exc_info=True)
-
-
-def _count_hold() -> None:
-    process_counters.scheduler_held += 1
-    if not state.logged and is_rank_zero():
-        state.logged = True
-        logger.info(HELD.format(count=process_counters.scheduler_held))
-    elif logger.isEnabledFor(logging.DEBUG):
-        logger.debug("lr_scheduler.step() held (%d so far)", process_counters.scheduler_held)

@@ -18,8 +18,6 @@ from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
 from ampguard.patches.warning_attribution import attribute_past_ampguard
 
-LISTENER = scheduler_hold.StepsListener()
-
 
 class SchedulerHoldPatch(Patch):
     name = "scheduler_hold"
@@ -28,6 +26,11 @@ class SchedulerHoldPatch(Patch):
         "(and torch's 'lr_scheduler.step() before optimizer.step()' warning is not raised for it)"
     )
     requires_torch = ">=2.3"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listener = scheduler_hold.StepsListener()
+        self.hold: scheduler_hold.Hold | None = None  # this application's (a new one each apply)
 
     def apply(self, config: Config) -> None:
         module = torch.optim.lr_scheduler
@@ -39,14 +42,16 @@ class SchedulerHoldPatch(Patch):
             for cls in vars(module).values()
             if isinstance(cls, type) and issubclass(cls, base) and callable(vars(cls).get("step"))
         ]
+        self.hold = hold = scheduler_hold.Hold()
         for cls in classes:
-            self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"]))
+            self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"], hold))
         # torch's warnings in step() (ordering, deprecated epoch) name its caller: the wrapper, not the user's line.
         attribute_past_ampguard(self.bindings, module)
-        scheduler_hold.activate()
-        listeners.add(LISTENER)
+        listeners.add(self.listener)
 
     def revert(self) -> None:
-        listeners.remove(LISTENER)
-        scheduler_hold.deactivate()
+        listeners.remove(self.listener)
+        if self.hold is not None:
+            self.hold.active = False
+            self.hold = None
         super().revert()

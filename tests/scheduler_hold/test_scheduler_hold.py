@@ -23,10 +23,19 @@ from torch import nn
 import ampguard
 import ampguard.scaler
 import ampguard.scheduler_hold.hold
+from ampguard.registry import applied_patch
+from ampguard.scheduler_hold.patch import SchedulerHoldPatch
 from ampguard.stats.counters import process_counters
 from ampguard.syncs import HostReadCounter
 
 TORCH_WARNING = "Detected call of `lr_scheduler.step()` before `optimizer.step()`"
+
+
+def applied_hold() -> ampguard.scheduler_hold.hold.Hold:
+    """The Hold of the applied scheduler_hold patch (a new one at each install)."""
+    patch = applied_patch("scheduler_hold")
+    assert isinstance(patch, SchedulerHoldPatch) and patch.hold is not None
+    return patch.hold
 
 
 @pytest.fixture(autouse=True)
@@ -96,7 +105,7 @@ def test_the_torch_warning_for_a_real_ordering_bug_is_kept() -> None:
 
 
 def test_holds_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(ampguard.scheduler_hold.hold.state, "logged", False)  # once per installation
+    monkeypatch.setattr(applied_hold(), "logged", False)  # once per installation
     before = process_counters.scheduler_held
     with caplog.at_level(logging.DEBUG, logger="ampguard"):
         Run(warmup_lambda, OVERFLOWS).train(ITERATIONS)
@@ -210,7 +219,7 @@ def test_a_failure_inside_the_hold_falls_back_to_torch_with_one_warning(
         raise RuntimeError("injected")
 
     monkeypatch.setattr(ampguard.scheduler_hold.hold, "should_hold", broken)
-    monkeypatch.setattr(ampguard.scheduler_hold.hold.state, "failed", False)
+    monkeypatch.setattr(applied_hold(), "failed", False)
     with caplog.at_level(logging.WARNING, logger="ampguard"):
         run = Run(warmup_lambda, {1, 2}).train(4)
     assert run.scheduler.last_epoch == 4  # torch's behaviour
