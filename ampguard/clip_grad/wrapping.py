@@ -16,7 +16,6 @@ import wrapt
 from torch import Tensor
 
 import ampguard.containment as containment
-from ampguard.log import logger
 
 _WRAPT_DIR = os.path.dirname(wrapt.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)
@@ -72,9 +71,10 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
     The wrapper is handed torch's function through :func:`containment.torch_call`,
     so torch's own errors reach the caller unchanged; parameters given as a
     generator are read once here, so that the fallback gets them all again.
-    Where torch's function refuses the call too (``max_norm=None``, a
-    ``norm_type`` that is no number) the error is torch's, raised as torch
-    raises it, and no failure of ampguard's is reported.
+    Where torch's function refuses the call with the same error
+    (``max_norm=None``, a ``norm_type`` that is no number) the error is the
+    caller's, raised as torch raises it, and no failure of ampguard's is
+    reported.
     """
 
     def decorate(inner: _Wrapper) -> _Wrapper:
@@ -91,7 +91,9 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
                 try:
                     result = wrapped(*args, **kwargs)
                 except Exception as refused:
-                    logger.debug("%s: torch's function refuses these arguments too (%r)", where, refused)
+                    # The same error from torch's own function: the caller's arguments, not ampguard's failure.
+                    if type(refused) is not type(error) or str(refused) != str(error):
+                        containment.report(where, error)
                     raise refused from None
                 containment.report(where, error)
                 return result

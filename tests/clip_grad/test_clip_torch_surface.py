@@ -23,6 +23,7 @@ from scaler_support import ampguard_log, records  # noqa: F401  (a fixture)
 from torch import nn
 
 import ampguard
+import ampguard.clip_grad.norm as norm
 import ampguard.scaler
 from ampguard import containment
 
@@ -152,6 +153,30 @@ def test_arguments_torch_refuses_get_torchs_error_and_no_report(
     assert expected != "no error"
     assert one_step() == expected
     assert not records(ampguard_log, logging.WARNING)
+
+
+def test_a_failure_of_ampguards_clip_is_reported_also_where_torchs_clip_then_raises(
+    ampguard_log, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """ampguard's clip fails (a bug, simulated) on gradients torch's own clip refuses for their values (inf, with
+    ``error_if_nonfinite=True``): the caller gets torch's error, and ampguard's failure is still reported once
+    (only an error torch raises the same way is the caller's, as in the test above)."""
+
+    def bug(*args: Any, **kwargs: Any) -> Any:
+        raise IndexError("simulated ampguard bug")
+
+    monkeypatch.setattr(containment, "_reported", set())
+    monkeypatch.setattr(norm, "scaled_total_norm", bug)
+    model = _model()
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    scaler.scale(model(torch.ones(2, 8)).square().mean()).backward()  # (unscale_ forgotten: still scaled)
+    for p in model.parameters():
+        p.grad.fill_(float("inf"))
+    with pytest.raises(RuntimeError, match="is non-finite, so it cannot be clipped"):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    ampguard.scaler.scalers_in_iteration.clear()
+    warnings = records(ampguard_log, logging.WARNING, "safe clip_grad_norm_ failed (IndexError: simulated")
+    assert len(warnings) == 1
 
 
 def test_the_empty_generator_warning_points_at_the_callers_line() -> None:
