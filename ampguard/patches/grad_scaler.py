@@ -106,6 +106,8 @@ class GradScalerPatch(Patch):
         from ampguard.bindings import rebind_queued
 
         sharded = module.ShardedGradScaler
+        if isinstance(sharded, type) and issubclass(sharded, SafeGradScaler):
+            return  # patched already (the hook of an import that raced with install, which patched it first)
         stock = TorchGradScaler
         if sharded.__bases__ == (GradScaler,):
             # Imported after install, it subclassed SafeGradScaler through the

@@ -182,6 +182,23 @@ def test_fsdp_sharded_scaler_pickles_and_loads_in_a_new_process(tmp_path):
     assert done.stdout.split() == ["True", "True", "256.0"]
 
 
+def test_fsdp_sharded_scaler_patched_once_when_its_import_hook_comes_late(monkeypatch, caplog):
+    """FSDP's scaler module imported by another thread while install ran: install patched it from sys.modules, and
+    the import hook, run once install let go of its lock, leaves it as it is (no second subclass, no warning)."""
+    import torch.distributed.fsdp.sharded_grad_scaler as sharded_module
+
+    import ampguard.patches.grad_scaler as grad_scaler_patch
+
+    patched = sharded_module.ShardedGradScaler
+    assert issubclass(patched, ampguard.SafeGradScaler)
+    monkeypatch.setattr(logging.getLogger("ampguard"), "propagate", True)
+    with caplog.at_level(logging.WARNING, logger="ampguard"):
+        grad_scaler_patch._on_sharded_import(sharded_module)  # the late hook
+    assert sharded_module.ShardedGradScaler is patched
+    assert isinstance(sharded_module.ShardedGradScaler("cpu"), ampguard.SafeGradScaler)
+    assert not [r.getMessage() for r in caplog.records if r.name == "ampguard"]
+
+
 def _train_in_thread(seed: int, steps: int = 200) -> list[torch.Tensor]:
     # The initial weights from this thread's own generator: torch.manual_seed is process-wide, and
     # another thread reseeding between it and the layer's initialisation gave other weights.
