@@ -51,7 +51,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ampguard.log import is_rank_zero, logger
 from ampguard.scaler.listeners import StepListener
@@ -83,11 +83,9 @@ class _Steps:
 
 
 class Hold:
-    """What one application of the scheduler_hold patch holds: whether it is on (a wrapper kept past uninstall
-    then runs torch's step), and its once-only messages."""
+    """What one application of the scheduler_hold patch holds: its once-only messages."""
 
     def __init__(self) -> None:
-        self.active = True
         self.logged = False
         self.failed = False
 
@@ -175,12 +173,20 @@ def should_hold(scheduler: Any) -> bool:
     return False
 
 
-def step_wrapper(original: Callable[..., Any], hold: Hold) -> Callable[..., Any]:
-    """``step`` of an LR scheduler class, held on skipped optimizer steps while ``hold`` is active."""
+class HoldOwner(Protocol):
+    """The scheduler_hold patch: its ``hold`` while applied, None otherwise."""
+
+    hold: Hold | None
+
+
+def step_wrapper(original: Callable[..., Any], owner: HoldOwner) -> Callable[..., Any]:
+    """``step`` of an LR scheduler class, held on skipped optimizer steps while ``owner`` (the patch) is applied:
+    a wrapper kept past an uninstall runs torch's step, and holds again after the next install."""
 
     @functools.wraps(original)
     def step(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if hold.active:
+        hold = owner.hold
+        if hold is not None:
             try:
                 held = should_hold(self)
             except Exception:  # never the reason a run dies: torch's behaviour for this call

@@ -42,16 +42,14 @@ class SchedulerHoldPatch(Patch):
             for cls in vars(module).values()
             if isinstance(cls, type) and issubclass(cls, base) and callable(vars(cls).get("step"))
         ]
-        self.hold = hold = scheduler_hold.Hold()
+        self.hold = scheduler_hold.Hold()
         for cls in classes:
-            self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"], hold))
+            self.bindings.set_attribute(cls, "step", scheduler_hold.step_wrapper(vars(cls)["step"], self))
         # torch's warnings in step() (ordering, deprecated epoch) name its caller: the wrapper, not the user's line.
         attribute_past_ampguard(self.bindings, module)
         listeners.add(self.listener)
 
     def revert(self) -> None:
         listeners.remove(self.listener)
-        if self.hold is not None:
-            self.hold.active = False
-            self.hold = None
+        self.hold = None
         super().revert()

@@ -10,6 +10,7 @@ iterations.
 from __future__ import annotations
 
 import logging
+import math
 import pickle
 import warnings
 from collections.abc import Callable, Iterator
@@ -102,6 +103,32 @@ def test_the_torch_warning_for_a_real_ordering_bug_is_kept() -> None:
     finally:
         ampguard.install()
     assert warned_from() == plain  # attributed where torch attributes it: this line (torch's own file before 2.4)
+
+
+def test_a_step_kept_across_a_reinstall_holds_again() -> None:
+    """A scheduler's bound ``step`` taken before an uninstall and install (a loop that keeps it) holds on skipped
+    steps as one looked up afterwards does: the wrappers ask the patch, whichever install made them."""
+
+    def lrs(keep: bool) -> list[float]:
+        torch.manual_seed(0)
+        model = nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda epoch: 1.0 / (epoch + 1))
+        kept = scheduler.step
+        ampguard.uninstall()
+        ampguard.install()
+        step = kept if keep else scheduler.step
+        scaler, seen = torch.amp.GradScaler("cpu"), []
+        for i in range(4):
+            optimizer.zero_grad()
+            scaler.scale(model(torch.ones(1, 2) * (math.inf if i in (1, 2) else 1.0)).sum()).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            step()
+            seen.append(optimizer.param_groups[0]["lr"])
+        return seen
+
+    assert lrs(keep=True) == lrs(keep=False) == [0.5, 0.5, 0.5, 1 / 3]  # held at the two skipped steps
 
 
 def test_holds_are_counted_and_logged_once(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
