@@ -25,6 +25,7 @@ from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
 from ampguard.patches.warning_attribution import attribute_past_ampguard
 from ampguard.scaler import SafeGradScaler, TorchGradScaler, safe_sharded_scaler_class
+from ampguard.scaler.sharded import is_safe_sharded
 
 SHARDED_MODULE = "torch.distributed.fsdp.sharded_grad_scaler"
 
@@ -106,7 +107,7 @@ class GradScalerPatch(Patch):
         from ampguard.bindings import rebind_queued
 
         sharded = module.ShardedGradScaler
-        if isinstance(sharded, type) and issubclass(sharded, SafeGradScaler):
+        if is_safe_sharded(sharded):
             return  # patched already (the hook of an import that raced with install, which patched it first)
         stock = TorchGradScaler
         if sharded.__bases__ == (GradScaler,):

@@ -69,3 +69,8 @@ def pickled_class() -> type:
     """``ampguard.scaler.SafeShardedGradScaler``: the class is made when FSDP's module is imported (patched)."""
     sharded = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler").ShardedGradScaler
     return sharded if sharded in _sharded_classes.values() else safe_sharded_scaler_class(sharded)
+
+
+def is_safe_sharded(cls: Any) -> bool:
+    """Whether ``cls`` is a class :func:`safe_sharded_scaler_class` made (FSDP's scaler patched already)."""
+    return cls in _sharded_classes.values()
