@@ -8,12 +8,14 @@ install, and a status entry per patch.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from types import ModuleType
 from typing import Any, Literal
 
 import ampguard.config as config_module
@@ -197,6 +199,34 @@ def uninstall() -> None:
         stats_file.attach(None)
         _registry.config = None
         _registry.statuses = {}
+
+
+_import_hooks: set[tuple[str, Any]] = set()  # (module name, act): wrapt keeps a post-import hook for the process
+
+
+def when_imported(patch: Patch, module_name: str, act: Callable[[Any, ModuleType], None]) -> None:
+    """From ``patch.apply()``: ``act(patch, module)`` now when ``module_name`` is imported already, and at its
+    import later while a patch of that name is applied (found then with :func:`applied_patch`).
+
+    wrapt keeps a post-import hook for good, so each (module, act) is hooked once per process; ``act`` must do
+    nothing the second time for one module (an import racing with the install calls it twice).
+    """
+    key = (module_name, act)
+    if key not in _import_hooks:
+        import wrapt
+
+        _import_hooks.add(key)
+        # (called at once when the module is imported already: the patch is not applied yet, so it does nothing)
+        wrapt.register_post_import_hook(functools.partial(_imported, patch.name, act), module_name)
+    module = sys.modules.get(module_name)
+    if module is not None:
+        act(patch, module)
+
+
+def _imported(name: str, act: Callable[[Any, ModuleType], None], module: ModuleType) -> None:
+    patch = applied_patch(name)
+    if patch is not None:
+        act(patch, module)
 
 
 def is_installed() -> bool:

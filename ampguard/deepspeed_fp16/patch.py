@@ -64,8 +64,6 @@ _TARGETS: tuple[tuple[str, str, str, Any], ...] = (
     ),
 )
 
-_hooked = False  # wrapt keeps a post-import hook for the process: registered once
-
 
 def unsupported(module: ModuleType) -> str | None:
     """Why this DeepSpeed cannot be patched, or None."""
@@ -96,7 +94,6 @@ class DeepSpeedFp16Patch(Patch):
         self.attached = False
 
     def apply(self, config: Config) -> None:
-        global _hooked
         if not config.deepspeed:
             return
         module = sys.modules.get("deepspeed")
@@ -112,13 +109,9 @@ class DeepSpeedFp16Patch(Patch):
             on_stall=config.on_stall,
             stats_every=config.stats_every,
         )
-        if not _hooked:
-            import wrapt
+        from ampguard.registry import when_imported  # (the registry imports the patches)
 
-            _hooked = True
-            wrapt.register_post_import_hook(_on_import, "deepspeed")  # (at once when already imported: not applied yet)
-        if module is not None:  # imported before install: attached now (the hook serves later imports)
-            _attach(self, module)
+        when_imported(self, "deepspeed", _attach)
 
     def attach(self, module: ModuleType) -> None:
         """Bind the replacements on DeepSpeed's classes (``module``: ``deepspeed``, imported)."""
@@ -137,15 +130,6 @@ class DeepSpeedFp16Patch(Patch):
         self.policy = None
         checkpoint.reset()
         super().revert()
-
-
-def _on_import(module: ModuleType) -> None:
-    """deepspeed was imported: the applied deepspeed_fp16 patch, if any, attaches to it."""
-    from ampguard.registry import applied_patch  # (the registry imports the patches)
-
-    patch = applied_patch(DeepSpeedFp16Patch.name)
-    if isinstance(patch, DeepSpeedFp16Patch):
-        _attach(patch, module)
 
 
 def _attach(patch: DeepSpeedFp16Patch, module: ModuleType) -> None:

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -77,9 +76,6 @@ for _cls in (CudaGradScaler, CpuGradScaler):
 GradScaler.__name__ = "SafeGradScaler"
 
 
-_hook_registered = False  # wrapt keeps a post-import hook for the process: registered once
-
-
 class GradScalerPatch(Patch):
     name = "grad_scaler"
     summary = "every GradScaler is a SafeGradScaler: init_scale 1024, growth every 100 steps, skip accounting"
@@ -97,10 +93,9 @@ class GradScalerPatch(Patch):
             self.bindings.rebind_names_of(cpu_legacy, CpuGradScaler)
         # torch's warnings in GradScaler's methods name their caller: SafeGradScaler's, not the user's line.
         attribute_past_ampguard(self.bindings, torch.amp.grad_scaler)
-        _register_sharded_hook()
-        sharded = sys.modules.get(SHARDED_MODULE)
-        if sharded is not None:  # imported before install (the hook finds this patch once the install is done)
-            _patch_sharded(self, sharded)
+        from ampguard.registry import when_imported  # (the registry imports the patches)
+
+        when_imported(self, SHARDED_MODULE, _patch_sharded)
 
     def patch_sharded_module(self, module: Any) -> None:
         """Give FSDP's ShardedGradScaler SafeGradScaler's safety (its module was just imported)."""
@@ -121,15 +116,6 @@ class GradScalerPatch(Patch):
         rebind_queued([self.bindings])
 
 
-def _on_sharded_import(module: Any) -> None:
-    """FSDP's scaler module was imported: the applied grad_scaler patch, if any, patches it."""
-    from ampguard.registry import applied_patch  # (the registry imports the patches)
-
-    patch = applied_patch(GradScalerPatch.name)
-    if isinstance(patch, GradScalerPatch):
-        _patch_sharded(patch, module)
-
-
 def _patch_sharded(patch: GradScalerPatch, module: Any) -> None:
     try:
         patch.patch_sharded_module(module)
@@ -137,12 +123,3 @@ def _patch_sharded(patch: GradScalerPatch, module: Any) -> None:
         from ampguard.log import logger
 
         logger.warning("ampguard could not patch FSDP's ShardedGradScaler (%r); it stays torch's.", error)
-
-
-def _register_sharded_hook() -> None:
-    global _hook_registered
-    if not _hook_registered:
-        import wrapt
-
-        _hook_registered = True
-        wrapt.register_post_import_hook(_on_sharded_import, SHARDED_MODULE)  # (at once when already imported)

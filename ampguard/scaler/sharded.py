@@ -68,7 +68,7 @@ def safe_sharded_scaler_class(sharded: Any) -> type:
 def pickled_class() -> type:
     """``ampguard.scaler.SafeShardedGradScaler``: the class is made when FSDP's module is imported (patched)."""
     sharded = importlib.import_module("torch.distributed.fsdp.sharded_grad_scaler").ShardedGradScaler
-    return sharded if sharded in _sharded_classes.values() else safe_sharded_scaler_class(sharded)
+    return sharded if is_safe_sharded(sharded) else safe_sharded_scaler_class(sharded)
 
 
 def is_safe_sharded(cls: Any) -> bool:

@@ -17,7 +17,6 @@ off with one INFO line; any other failure is contained
 from __future__ import annotations
 
 import importlib
-import sys
 from types import ModuleType
 from typing import TYPE_CHECKING, Protocol
 
@@ -39,8 +38,6 @@ INTEGRATIONS: dict[str, str] = {
     "lightning.pytorch.trainer.trainer": "ampguard.trainer_logs.lightning",
     "pytorch_lightning.trainer.trainer": "ampguard.trainer_logs.lightning",
 }
-
-_hooked: set[str] = set()  # wrapt keeps a post-import hook for the process: one per trainer module, registered once
 
 
 class Attachments(Protocol):
@@ -64,15 +61,10 @@ def active() -> bool:
 
 def activate(patch: Attachments) -> None:
     """Attach every integration whose trainer module is imported, now or later."""
-    import wrapt
+    from ampguard.registry import when_imported  # (the registry imports the patches)
 
     for module_name in INTEGRATIONS:
-        if module_name not in _hooked:
-            _hooked.add(module_name)
-            wrapt.register_post_import_hook(_on_import, module_name)  # (at once when imported: not applied yet)
-        module = sys.modules.get(module_name)
-        if module is not None:  # imported before install: attached now (the hook serves later imports)
-            _attach(patch, module)
+        when_imported(patch, module_name, _attach)  # type: ignore[arg-type]  # (the patch object: a Patch)
 
 
 def deactivate(patch: Attachments) -> None:
@@ -89,12 +81,6 @@ def attached() -> list[str]:
     """The trainer modules an integration is attached to now."""
     patch = _applied()
     return sorted(patch.attached) if patch is not None else []
-
-
-def _on_import(module: ModuleType) -> None:
-    patch = _applied()
-    if patch is not None:
-        _attach(patch, module)
 
 
 def _attach(patch: Attachments, module: ModuleType) -> None:

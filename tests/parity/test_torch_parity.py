@@ -188,12 +188,13 @@ def test_fsdp_sharded_scaler_patched_once_when_its_import_hook_comes_late(monkey
     import torch.distributed.fsdp.sharded_grad_scaler as sharded_module
 
     import ampguard.patches.grad_scaler as grad_scaler_patch
+    import ampguard.registry as registry
 
     patched = sharded_module.ShardedGradScaler
     assert issubclass(patched, ampguard.SafeGradScaler)
     monkeypatch.setattr(logging.getLogger("ampguard"), "propagate", True)
     with caplog.at_level(logging.WARNING, logger="ampguard"):
-        grad_scaler_patch._on_sharded_import(sharded_module)  # the late hook
+        registry._imported("grad_scaler", grad_scaler_patch._patch_sharded, sharded_module)  # the late hook
     assert sharded_module.ShardedGradScaler is patched
     assert isinstance(sharded_module.ShardedGradScaler("cpu"), ampguard.SafeGradScaler)
     assert not [r.getMessage() for r in caplog.records if r.name == "ampguard"]
