@@ -55,14 +55,14 @@ import ampguard.master_weights as master_weights
 from ampguard.clip_grad.norm import idle as clip_grad_norm_idle
 from ampguard.clip_grad.norm import scaled_threshold, scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
-from ampguard.clip_grad.state import guard_active, state
+from ampguard.clip_grad.state import ClipState
 from ampguard.clip_grad.wrapping import contained
 from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 
 
-def idle() -> bool:
-    """No SafeGradScaler scaled a loss in this iteration (or the clip patch is off): torch's function, untouched."""
-    return not state.active or not scalers_in_iteration
+def idle(state: ClipState) -> bool:
+    """No SafeGradScaler scaled a loss in this iteration: torch's function, untouched."""
+    return not scalers_in_iteration
 
 
 def _plain(tensors: Iterable[Tensor]) -> bool:
@@ -78,10 +78,10 @@ def _bind_value(parameters: Any, clip_value: float, foreach: bool | None = None)
 
 @contained("safe clip_grad_value_")
 def clip_grad_value_wrapper(
-    wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: ClipState, wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grad_value_``."""
-    if instance is not None or idle():
+    if instance is not None or idle(state):
         return wrapped(*args, **kwargs)
     try:
         parameters, clip_value, foreach = _bind_value(*args, **kwargs)
@@ -95,7 +95,7 @@ def clip_grad_value_wrapper(
     clip_value = float(clip_value)
     unscaled = set().union(*(ids for _, _, ids in unscaled_optimizers(scalers)))
     still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled}
-    scale = single_scale(scalers) if still_scaled else None
+    scale = single_scale(state, scalers) if still_scaled else None
     if scale is None:
         still_scaled = set()
     elif len(still_scaled) == len(pairs) and scaled_threshold(scalers[0]):
@@ -167,10 +167,10 @@ def _bind_total(
 
 @contained("safe get_total_norm")
 def get_total_norm_wrapper(
-    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: ClipState, wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
     """wrapt wrapper of ``torch.nn.utils.get_total_norm`` (torch >= 2.6)."""
-    if instance is not None or clip_grad_norm_idle():
+    if instance is not None or clip_grad_norm_idle(state):
         return wrapped(*args, **kwargs)
     try:
         tensors, norm_type, error_if_nonfinite, foreach = _bind_total(*args, **kwargs)
@@ -178,12 +178,12 @@ def get_total_norm_wrapper(
         return wrapped(*args, **kwargs)
     given, for_torch = kernels.materialize(tensors)
     scalers = scalers_in_play()
-    if not given or not _plain(given) or not (scalers or guard_active()):
+    if not given or not _plain(given) or not (scalers or state.guard_active()):
         return wrapped(for_torch, norm_type, error_if_nonfinite, foreach)
     norm_type = float(norm_type)
     with torch.no_grad():
         held = _gradients_held(given, scalers)
-        scale = single_scale(scalers) if held.still_scaled is None or held.still_scaled else None
+        scale = single_scale(state, scalers) if held.still_scaled is None or held.still_scaled else None
         every_one_scaled = held.still_scaled is None or all(id(g) in held.still_scaled for g in held.grads)
         if every_one_scaled and scale is not None and scaled_threshold(scalers[0]):
             # get_scale() read after scale(): the norm for clip_grads_with_norm_(params, max_norm * scale, norm) on
@@ -229,10 +229,10 @@ def _bind_with_norm(
 
 @contained("safe clip_grads_with_norm_")
 def clip_grads_with_norm_wrapper(
-    wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: ClipState, wrapped: Callable[..., None], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> None:
     """wrapt wrapper of ``torch.nn.utils.clip_grads_with_norm_`` (torch >= 2.6)."""
-    if instance is not None or idle():
+    if instance is not None or idle(state):
         return wrapped(*args, **kwargs)
     try:
         parameters, max_norm, total_norm, foreach = _bind_with_norm(*args, **kwargs)
@@ -255,7 +255,7 @@ def clip_grads_with_norm_wrapper(
 
 
 # (name in torch.nn.utils.clip_grad, wrapper, idle): the clip_grad patch wraps those this torch has.
-WRAPPED: list[tuple[str, Callable[..., Any], Callable[[], bool]]] = [
+WRAPPED: list[tuple[str, Callable[..., Any], Callable[[ClipState], bool]]] = [
     ("clip_grad_value_", clip_grad_value_wrapper, idle),
     ("_get_total_norm", get_total_norm_wrapper, clip_grad_norm_idle),  # torch.nn.utils.get_total_norm
     ("_clip_grads_with_norm_", clip_grads_with_norm_wrapper, idle),  # torch.nn.utils.clip_grads_with_norm_

@@ -11,7 +11,7 @@ from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
 import ampguard.stats.summary as summary
-from ampguard.clip_grad.state import guard_stats_line, state
+from ampguard.clip_grad.state import ClipState
 from ampguard.log import is_rank_zero, logger
 from ampguard.stats.counters import process_counters
 
@@ -25,6 +25,7 @@ SKIPPED_STEP = (
 
 
 def clip(
+    state: ClipState,
     pairs: list[tuple[Tensor, Tensor]],
     max_norm: float,
     norm_type: float,
@@ -43,19 +44,19 @@ def clip(
     kernels.multiply_(groups, kernels.clip_coefficient(max_norm, total))
     norm = float(total)
     if not math.isfinite(norm):
-        _skip_step(pairs, norm)
+        _skip_step(state, pairs, norm)
     state.guarded_calls += 1
     if state.stats_every and state.guarded_calls % state.stats_every == 0:
-        _log_guard_stats()
+        _log_guard_stats(state)
     return total
 
 
-def _log_guard_stats() -> None:
+def _log_guard_stats(state: ClipState) -> None:
     if is_rank_zero() and logger.isEnabledFor(logging.INFO):
-        logger.info("%s", guard_stats_line())
+        logger.info("%s", state.guard_stats_line())
 
 
-def _skip_step(pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
+def _skip_step(state: ClipState, pairs: list[tuple[Tensor, Tensor]], norm: float) -> None:
     for param, _ in pairs:
         param.grad = None
     process_counters.clip_skipped += 1

@@ -67,25 +67,25 @@ import ampguard.clip_grad.no_scaler as no_scaler
 import ampguard.containment as containment
 import ampguard.master_weights as master_weights
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
-from ampguard.clip_grad.state import guard_active, original_clip_grad_norm_, state
+from ampguard.clip_grad.state import ClipState
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
 from ampguard.scaler import SafeGradScaler, scalers_in_iteration
 from ampguard.scaler.counters import counters_of
 
 
-def idle() -> bool:
+def idle(state: ClipState) -> bool:
     """Nothing for the safe clip to do: no SafeGradScaler scaled a loss and the no-scaler guard is off.
 
     O(1): then ``clip_grad_norm_`` is torch's function, untouched (its wrapper's first question, every call).
     """
-    return not state.active or (not (state.guard and not state.foreign_scaler) and not scalers_in_iteration)
+    return not scalers_in_iteration and not (state.guard and not state.foreign_scaler)
 
 
 @contained("safe clip_grad_norm_")
 def clip_grad_norm_wrapper(
-    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: ClipState, wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
-    """wrapt wrapper of ``torch.nn.utils.clip_grad_norm_`` (its :class:`SafeFunctionWrapper` checked ``idle()``)."""
+    """Wrapper of ``torch.nn.utils.clip_grad_norm_`` (its :class:`SafeFunctionWrapper` asked :func:`idle`)."""
     if instance is not None:
         return wrapped(*args, **kwargs)
     try:
@@ -94,9 +94,7 @@ def clip_grad_norm_wrapper(
         return wrapped(*args, **kwargs)
     case = _recipe_case(parameters) if isinstance(parameters, (list, tuple)) else None
     if case is None:
-        return safe_clip_grad_norm_(
-            parameters, max_norm, norm_type, error_if_nonfinite, foreach, torch_clip_grad_norm_=wrapped
-        )
+        return safe_clip_grad_norm_(state, wrapped, parameters, max_norm, norm_type, error_if_nonfinite, foreach)
     grads, low_precision = case
     if low_precision:
         return _clip_unscaled(grads, max_norm, norm_type, error_if_nonfinite, foreach)
@@ -113,7 +111,7 @@ def clip_grad_norm_wrapper(
 
 
 def deprecated_clip_grad_norm_wrapper(
-    wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    state: ClipState, wrapped: Callable[..., Tensor], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:
     """wrapt wrapper of the deprecated ``torch.nn.utils.clip_grad_norm``.
 
@@ -123,7 +121,7 @@ def deprecated_clip_grad_norm_wrapper(
     and calls the safe ``clip_grad_norm_`` itself.
     """
     deprecation = state.deprecation
-    if not state.active or instance is not None or deprecation is None:
+    if instance is not None or deprecation is None:
         return wrapped(*args, **kwargs)
     try:
         _bind(*args, **kwargs)
@@ -132,8 +130,7 @@ def deprecated_clip_grad_norm_wrapper(
     warnings.warn(deprecation[1], deprecation[0], stacklevel=caller_stacklevel())
     safe = torch.nn.utils.clip_grad.clip_grad_norm_
     if not isinstance(safe, wrapt.FunctionWrapper):  # somebody replaced it since
-        safe = state.original or safe
-        return clip_grad_norm_wrapper(safe, None, args, kwargs)
+        return clip_grad_norm_wrapper(state, state.original, None, args, kwargs)
     result: Tensor = safe(*args, **kwargs)
     return result
 
@@ -202,39 +199,39 @@ def _clip_unscaled(
 
 
 def safe_clip_grad_norm_(
+    state: ClipState,
+    torch_clip: Callable[..., Tensor],
     parameters: Tensor | Iterable[Tensor],
     max_norm: float,
     norm_type: float = 2.0,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
-    *,
-    torch_clip_grad_norm_: Callable[..., Tensor] | None = None,
 ) -> Tensor:
     """``torch.nn.utils.clip_grad_norm_`` made safe (see the module docstring).
 
-    Arguments and return value are torch's; the returned norm is that of the
-    unscaled gradients, in float32 when they are float16/bfloat16.
-    ``torch_clip_grad_norm_`` is torch's original function, used where
-    ampguard has nothing to add (no gradient at all, tensor subclasses such as
-    DTensor, a GradScaler ampguard does not know).
+    Arguments after ``torch_clip`` and the return value are torch's; the
+    returned norm is that of the unscaled gradients, in float32 when they are
+    float16/bfloat16. ``torch_clip`` is torch's function, used where ampguard
+    has nothing to add (no gradient at all, tensor subclasses such as DTensor,
+    a GradScaler ampguard does not know).
     """
-    torch_clip = torch_clip_grad_norm_ or original_clip_grad_norm_()
     params, for_torch = kernels.materialize(parameters)
     pairs = master_weights.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or not kernels.plain_gradients(pairs):
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()
-    if not scalers and not guard_active():
+    if not scalers and not state.guard_active():
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     max_norm = float(max_norm)
     norm_type = float(norm_type)
     with torch.no_grad():
         if scalers:
-            return _clip_with_scaler(pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
-        return no_scaler.clip(pairs, max_norm, norm_type, error_if_nonfinite, foreach)
+            return _clip_with_scaler(state, pairs, scalers, max_norm, norm_type, error_if_nonfinite, foreach)
+        return no_scaler.clip(state, pairs, max_norm, norm_type, error_if_nonfinite, foreach)
 
 
 def _clip_with_scaler(
+    state: ClipState,
     pairs: list[tuple[Tensor, Tensor]],
     scalers: list[SafeGradScaler],
     max_norm: float,
@@ -250,7 +247,7 @@ def _clip_with_scaler(
     still_scaled = {id(g) for p, g in pairs if id(p) not in unscaled_params} if unscaled_params else None
     if still_scaled is not None and len(still_scaled) == len(grads):
         still_scaled = None
-    scale = single_scale(scalers) if still_scaled is None or still_scaled else None
+    scale = single_scale(state, scalers) if still_scaled is None or still_scaled else None
     groups = kernels.groups(grads, foreach)
     scale_known = scale is not None and norm_type != 0.0  # the "0-norm" counts non-zeros: scale-free
     threshold_is_scaled = scale_known and scaled_threshold(scalers[0])

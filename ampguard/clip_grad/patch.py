@@ -25,9 +25,9 @@ import wrapt
 import ampguard.clip_grad.api as api
 import ampguard.clip_grad.norm as norm
 import ampguard.clip_grad.scalers as scalers
-import ampguard.clip_grad.state as state
 import ampguard.clip_grad.wrapping as wrapping
 import ampguard.torch_privates as torch_privates
+from ampguard.clip_grad.state import ClipState
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
 from ampguard.patch import Patch
@@ -52,6 +52,12 @@ class ClipGradPatch(Patch):
     requires_torch = ">=2.3"
     requires_privates = torch_privates.CLIP_GRAD
 
+    def __init__(self) -> None:
+        super().__init__()
+        # This application's state (a new one each apply); the wrappers read it at every call, so that a name
+        # bound to one of them before an uninstall and install clips again, and after an uninstall is torch's.
+        self.clip: ClipState | None = None
+
     def apply(self, config: Config) -> None:
         module = torch.nn.utils.clip_grad
         original = getattr(module, "clip_grad_norm_", None)
@@ -60,21 +66,24 @@ class ClipGradPatch(Patch):
         if isinstance(original, wrapt.FunctionWrapper):
             raise PatchUnavailable("torch.nn.utils.clip_grad.clip_grad_norm_ is already wrapped")
         self.bindings.rebind_names_of(
-            original, wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, idle=norm.idle)
+            original,
+            wrapping.safe_function_wrapper(original, norm.clip_grad_norm_wrapper, self, idle=norm.idle),
         )
         originals = {}
         for name, wrapper, idle in api.WRAPPED:
             function = getattr(module, name, None)  # get_total_norm, clip_grads_with_norm_: torch >= 2.6
             if callable(function) and not isinstance(function, wrapt.FunctionWrapper):
                 originals[name] = function
-                self.bindings.rebind_names_of(function, wrapping.safe_function_wrapper(function, wrapper, idle=idle))
+                self.bindings.rebind_names_of(
+                    function, wrapping.safe_function_wrapper(function, wrapper, self, idle=idle)
+                )
         total_norm, clip_with_norm = originals.get("_get_total_norm"), originals.get("_clip_grads_with_norm_")
         deprecated = getattr(module, "clip_grad_norm", None)
         deprecation = None
         if callable(deprecated) and not isinstance(deprecated, wrapt.FunctionWrapper):
             deprecation = wrapping.record_deprecation(deprecated)
             self.bindings.rebind_names_of(
-                deprecated, wrapping.safe_function_wrapper(deprecated, norm.deprecated_clip_grad_norm_wrapper)
+                deprecated, wrapping.safe_function_wrapper(deprecated, norm.deprecated_clip_grad_norm_wrapper, self)
             )
         # torch's warnings in the clip (an empty generator of parameters) name the caller's line, not ampguard's.
         attribute_past_ampguard(self.bindings, module)
@@ -82,8 +91,8 @@ class ClipGradPatch(Patch):
         if guard:
             scale = vars(TorchGradScaler).get("scale")
             if scale is not None:
-                self.bindings.set_attribute(TorchGradScaler, "scale", scalers.scale_wrapper(scale))
-        state.activate(
+                self.bindings.set_attribute(TorchGradScaler, "scale", scalers.scale_wrapper(scale, self))
+        self.clip = ClipState(
             original,
             guard=guard,
             deprecation=deprecation,
@@ -92,5 +101,5 @@ class ClipGradPatch(Patch):
         )
 
     def revert(self) -> None:
-        state.deactivate()
+        self.clip = None
         super().revert()

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ampguard.clip_grad.state import state
+from ampguard.clip_grad.state import ClipOwner, ClipState
 from ampguard.log import logger
 from ampguard.scaler import SafeGradScaler, live_scalers, params_of
 
@@ -42,7 +42,7 @@ def unscaled_optimizers(scalers: list[SafeGradScaler]) -> list[tuple[SafeGradSca
     return [(scaler, optimizer, params_of([optimizer])) for scaler in scalers for optimizer in scaler.view().unscaled]
 
 
-def single_scale(scalers: list[SafeGradScaler]) -> Tensor | None:
+def single_scale(state: ClipState, scalers: list[SafeGradScaler]) -> Tensor | None:
     """The scale still-scaled gradients carry: None when several scalers are in play (one WARNING)."""
     if len(scalers) == 1:
         return scalers[0].view().scale_on_device
@@ -62,14 +62,15 @@ def raise_found_inf(
             scaler.skip_step_if(optimizer, nonfinite)
 
 
-def scale_wrapper(original: Callable[..., Any]) -> Callable[..., Any]:
+def scale_wrapper(original: Callable[..., Any], owner: ClipOwner) -> Callable[..., Any]:
     """``GradScaler.scale`` of torch's class, noting a scaler that is not a SafeGradScaler."""
 
     @functools.wraps(original)
     def scale(self: Any, outputs: Any) -> Any:
+        state = owner.clip
         if (
-            not state.foreign_scaler
-            and state.active
+            state is not None
+            and not state.foreign_scaler
             and getattr(self, "_enabled", False)
             and not isinstance(self, SafeGradScaler)
         ):

@@ -1,10 +1,10 @@
-"""What the clip_grad patch set up, read on every call: on or off, torch's function, the no-scaler guard."""
+"""What one application of the clip_grad patch set up, read on every clip call: torch's functions, the guard."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
-import torch
 from torch import Tensor
 
 from ampguard.log import RateLimiter
@@ -12,84 +12,63 @@ from ampguard.log import RateLimiter
 SKIP_LOG_INTERVAL = 60.0  # seconds between two "step skipped" warnings
 
 
-class _State:
-    """What the clip patch set up: read on every call, so plain attributes."""
+class ClipState:
+    """What the clip patch set up when it was applied (a new one each apply): plain attributes, read every call.
 
-    def __init__(self) -> None:
-        self.active = False
-        self.original: Callable[..., Tensor] | None = None  # torch's clip_grad_norm_
+    The wrappers torch's names are bound to ask their :class:`ClipOwner` for it
+    at each call: None (the patch reverted) means torch's function, unchanged.
+    """
+
+    def __init__(
+        self,
+        original: Callable[..., Tensor],
+        *,
+        guard: bool,
+        deprecation: tuple[type[Warning], str] | None = None,
+        stats_every: int = 0,
+        halves: tuple[Callable[..., Tensor], Callable[..., None]] | None = None,
+    ) -> None:
+        self.original = original  # torch's clip_grad_norm_
         # torch's get_total_norm and clip_grads_with_norm_ (>= 2.6), unwrapped: what its clip_grad_norm_ calls.
-        self.halves: tuple[Callable[..., Tensor], Callable[..., None]] | None = None
-        self.deprecation: tuple[type[Warning], str] | None = None  # what torch's clip_grad_norm warns
+        self.halves = halves
+        self.deprecation = deprecation  # what torch's clip_grad_norm warns
         # The no-scaler guard: on only when the grad_scaler patch is applied, so
         # that every GradScaler is a SafeGradScaler and "none in
         # scalers_in_iteration" means "no loss was scaled".
-        self.guard = False
+        self.guard = guard
         self.foreign_scaler = False
         self.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
         self.warned_ambiguous = False
         # bf16/fp32 training has no scaler, hence no scaler stats line: the
         # guard logs its own every `stats_every` calls (AMPGUARD_STATS_EVERY).
-        self.stats_every = 0
-        self.guarded_calls = 0  # since activate(): the guard's "whole run"
+        self.stats_every = stats_every
+        self.guarded_calls = 0  # since the patch was applied: the guard's "whole run"
         self.guarded_skipped = 0  # of those, the steps it skipped
         self.skipped_at_last_line = 0  # guarded_skipped when its previous stats line was logged
 
+    def guard_active(self) -> bool:
+        """Whether a non-finite norm with no scaler in play skips the step right now."""
+        return self.guard and not self.foreign_scaler
 
-state = _State()
+    def guard_stats_line(self) -> str:
+        """The no-scaler guard's stats line, each figure under the words that say what it counts, as in a scaler's.
 
-
-def activate(
-    original: Callable[..., Tensor],
-    *,
-    guard: bool,
-    deprecation: tuple[type[Warning], str] | None = None,
-    stats_every: int = 0,
-    halves: tuple[Callable[..., Tensor], Callable[..., None]] | None = None,
-) -> None:
-    """Turn the safe clip on (called by the clip_grad patch with torch's ``clip_grad_norm_``)."""
-    state.active = True
-    state.stats_every = stats_every
-    state.guarded_calls = 0
-    state.guarded_skipped = 0
-    state.skipped_at_last_line = 0
-    state.original = original
-    state.halves = halves
-    state.deprecation = deprecation
-    state.guard = guard
-    state.foreign_scaler = False
-    state.skip_log = RateLimiter(SKIP_LOG_INTERVAL)
-    state.warned_ambiguous = False
+        ``stats clip_calls=1000 | this interval: clip_skipped=0 of 500 calls | whole run: clip_skipped=2 (0.20% of
+        1000 calls)``: "this interval" is the guarded calls since the previous line, "whole run" every guarded
+        call since the patch was applied. Called once an interval; the next interval starts here.
+        """
+        calls, skipped = self.guarded_calls, self.guarded_skipped
+        in_interval = skipped - self.skipped_at_last_line
+        interval_calls = self.stats_every if self.stats_every and calls >= self.stats_every else calls
+        self.skipped_at_last_line = skipped
+        share = 100.0 * skipped / calls if calls else 0.0
+        return (
+            f"stats clip_calls={calls} | this interval: clip_skipped={in_interval} of {interval_calls} calls "
+            f"| whole run: clip_skipped={skipped} ({share:.2f}% of {calls} calls)"
+        )
 
 
-def guard_stats_line() -> str:
-    """The no-scaler guard's stats line, each figure under the words that say what it counts, as in a scaler's.
+class ClipOwner(Protocol):
+    """What a wrapper is built with: the clip_grad patch, whose ``clip`` is its current application's state."""
 
-    ``stats clip_calls=1000 | this interval: clip_skipped=0 of 500 calls | whole run: clip_skipped=2 (0.20% of
-    1000 calls)``: "this interval" is the guarded calls since the previous line, "whole run" every guarded call
-    since ampguard was installed. Called once an interval; the next interval starts here.
-    """
-    calls, skipped = state.guarded_calls, state.guarded_skipped
-    in_interval = skipped - state.skipped_at_last_line
-    interval_calls = state.stats_every if state.stats_every and calls >= state.stats_every else calls
-    state.skipped_at_last_line = skipped
-    share = 100.0 * skipped / calls if calls else 0.0
-    return (
-        f"stats clip_calls={calls} | this interval: clip_skipped={in_interval} of {interval_calls} calls "
-        f"| whole run: clip_skipped={skipped} ({share:.2f}% of {calls} calls)"
-    )
-
-
-def deactivate() -> None:
-    """Turn it off: wrappers still held somewhere call torch's function unchanged."""
-    state.active = False
-    state.guard = False
-
-
-def guard_active() -> bool:
-    """Whether a non-finite norm with no scaler in play skips the step right now."""
-    return state.active and state.guard and not state.foreign_scaler
-
-
-def original_clip_grad_norm_() -> Callable[..., Tensor]:
-    return state.original if state.original is not None else torch.nn.utils.clip_grad.clip_grad_norm_
+    clip: ClipState | None

@@ -16,18 +16,26 @@ import wrapt
 from torch import Tensor
 
 import ampguard.containment as containment
+from ampguard.clip_grad.state import ClipOwner, ClipState
 
 _WRAPT_DIR = os.path.dirname(wrapt.__file__)
 _PACKAGE_DIR = os.path.dirname(__file__)
 
 
 def safe_function_wrapper(
-    original: Callable[..., Any], wrapper: Callable[..., Any], *, idle: Callable[[], bool] | None = None
+    original: Callable[..., Any],
+    wrapper: Callable[..., Any],
+    owner: ClipOwner,
+    *,
+    idle: Callable[[ClipState], bool] | None = None,
 ) -> wrapt.FunctionWrapper[Any, Any]:
-    """``wrapt.FunctionWrapper(original, wrapper)``, made to behave under torch.compile, copy and pickle.
+    """``wrapt.FunctionWrapper`` of ``original``, made to behave under torch.compile, copy and pickle.
 
-    ``idle()`` true means that ``wrapper`` would only call ``original``: the
-    call then goes to ``original`` directly (the idle path costs one Python frame).
+    Each call asks ``owner`` for its current :class:`ClipState`: None (the
+    patch reverted: the name was kept somewhere) or ``idle(state)`` true
+    (``wrapper`` would only call ``original``) and the call goes to
+    ``original`` directly (the idle path costs one Python frame); else to
+    ``wrapper(state, original, instance, args, kwargs)``.
 
     * A plain FunctionWrapper passes ``isinstance(w, types.FunctionType)`` (it
       proxies ``__class__``), so dynamo takes it for torch's function, inlines
@@ -39,15 +47,22 @@ def safe_function_wrapper(
       reference to the module attribute, as for a function (wrapt refuses both).
     """
 
+    def bound(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        state = owner.clip  # (wrapt calls this for the function bound as a method)
+        return wrapped(*args, **kwargs) if state is None else wrapper(state, wrapped, instance, args, kwargs)
+
     class SafeFunctionWrapper(wrapt.FunctionWrapper[Any, Any]):
         @property  # type: ignore[misc]
         def __class__(self) -> type:
             return type(self)
 
         def __call__(self, *args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling() or (idle is not None and idle()):
+            if torch.compiler.is_compiling():
                 return original(*args, **kwargs)
-            return wrapt.FunctionWrapper.__call__(self, *args, **kwargs)
+            state = owner.clip
+            if state is None or (idle is not None and idle(state)):
+                return original(*args, **kwargs)
+            return wrapper(state, original, None, args, kwargs)  # what wrapt calls for a function
 
         def __copy__(self) -> SafeFunctionWrapper:
             return self
@@ -59,7 +74,7 @@ def safe_function_wrapper(
             return self.__wrapped__.__qualname__
 
     SafeFunctionWrapper.__name__ = SafeFunctionWrapper.__qualname__ = "SafeFunctionWrapper"
-    return SafeFunctionWrapper(original, wrapper)
+    return SafeFunctionWrapper(original, bound)
 
 
 _Wrapper = TypeVar("_Wrapper", bound=Callable[..., Any])
@@ -79,10 +94,12 @@ def contained(where: str) -> Callable[[_Wrapper], _Wrapper]:
 
     def decorate(inner: _Wrapper) -> _Wrapper:
         @functools.wraps(inner)
-        def wrapper(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        def wrapper(
+            state: ClipState, wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
             args, kwargs, again = _generator_read_once(args, kwargs)
             try:
-                return inner(functools.partial(containment.torch_call, wrapped), instance, args, kwargs)
+                return inner(state, functools.partial(containment.torch_call, wrapped), instance, args, kwargs)
             except Exception as error:
                 passing = containment.passes_through(error)
                 if passing is not None:

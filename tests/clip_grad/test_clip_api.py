@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import wrapt
+from clip_support import clip_state
 from torch import nn
 
 import ampguard
@@ -154,7 +155,7 @@ def test_torchs_own_clip_grad_norm_through_the_wrapped_halves_is_the_recipe() ->
     expected = _params_holding(_unscaled_gradients())
     expected_norm = _torch("clip_grad_norm_")(expected, MAX_NORM)
     iteration = Iteration(torch.float32, unscale_first=False)
-    norm = ampguard.clip_grad.state.state.original(iteration.params, MAX_NORM)  # torch's clip_grad_norm_, unwrapped
+    norm = clip_state().original(iteration.params, MAX_NORM)  # torch's clip_grad_norm_, unwrapped
     torch.testing.assert_close(norm, expected_norm, rtol=1e-6, atol=0)
     for g, p in zip(iteration.finish(), expected):
         torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=0)

@@ -21,14 +21,15 @@ from typing import Any
 import pytest
 import torch
 import wrapt
+from clip_support import clip_state
 from torch import nn
 
 import ampguard
-import ampguard.clip_grad.state
 import ampguard.registry
 import ampguard.scaler
 from ampguard.log import RateLimiter
 from ampguard.patch import torch_release
+from ampguard.registry import applied_patch
 from ampguard.stats.counters import process_counters, stats_line
 from ampguard.syncs import HostReadCounter
 
@@ -337,7 +338,7 @@ def test_default_fp32_training_is_bit_identical_to_stock() -> None:
     with stock():
         expected = fp32_train()
     got = fp32_train()
-    assert ampguard.clip_grad.state.guard_active()
+    assert clip_state().guard_active()
     assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
 
 
@@ -479,7 +480,7 @@ def _adam_state(optimizer: torch.optim.Optimizer) -> list[tuple[torch.Tensor, ..
 def test_no_scaler_nonfinite_norm_skips_the_step(
     dtype: torch.dtype, ampguard_log: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ampguard.clip_grad.state.state, "skip_log", RateLimiter(60.0))
+    monkeypatch.setattr(clip_state(), "skip_log", RateLimiter(60.0))
     model = make_model(dtype=dtype)
     xs, ys = make_data(4)
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -553,14 +554,14 @@ def test_a_torch_scaler_made_before_install_turns_the_guard_off(ampguard_log: li
     """A GradScaler of torch's class (made while ampguard was not installed) needs the gradients to see the overflow."""
     with stock():
         scaler = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
-    assert type(scaler) is ampguard.scaler.TorchGradScaler and ampguard.clip_grad.state.guard_active()
+    assert type(scaler) is ampguard.scaler.TorchGradScaler and clip_state().guard_active()
     model = make_model()
     xs, ys = make_data(1)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     before = flat(model)
     scaler.scale(fp16_loss(model, xs[0, 0], ys[0, 0])).backward()
     model[0].weight.grad[0, 0] = math.inf
-    assert not ampguard.clip_grad.state.guard_active()
+    assert not clip_state().guard_active()
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)
     scaler.step(optimizer)  # torch's "No inf checks were recorded" if the gradients had been hidden
     scaler.update()
@@ -598,7 +599,7 @@ def test_grad_scaler_disabled_torch_scaler_loop_is_bit_identical_to_stock(unscal
     statuses = {s.name: s.state for s in reinstall(AMPGUARD_DISABLE="grad_scaler")}
     assert statuses == {**statuses, "grad_scaler": "disabled", "clip_grad": "applied"}
     assert isinstance(torch.nn.utils.clip_grad_norm_, wrapt.FunctionWrapper)
-    assert not ampguard.clip_grad.state.guard_active()
+    assert not clip_state().guard_active()
     params, norms, scale = _torch_scaler_loop(unscale)
     assert type(torch.amp.GradScaler("cpu")) is ampguard.scaler.TorchGradScaler
     assert torch.equal(params, expected_params)
@@ -777,7 +778,7 @@ def test_uninstall_restores_the_original_objects() -> None:
         assert torch.nn.utils.clip_grad.clip_grad_norm_ is original
         assert torch.nn.utils.clip_grad_norm is deprecated and torch.nn.utils.clip_grad.clip_grad_norm is deprecated
         assert vars(ampguard.scaler.TorchGradScaler)["scale"] is scale.__wrapped__
-        assert not ampguard.clip_grad.state.state.active
+        assert applied_patch("clip_grad") is None
         # A wrapper somebody still holds behaves as torch's function.
         assert _forgotten_unscale_norm(wrapper) == pytest.approx(5.0 * INIT_SCALE)
     finally:
@@ -813,7 +814,7 @@ def test_generator_single_tensor_and_empty_inputs() -> None:
 def test_two_scalers_with_still_scaled_gradients_clip_as_torch(
     ampguard_log: list, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ampguard.clip_grad.state.state, "warned_ambiguous", False)
+    monkeypatch.setattr(clip_state(), "warned_ambiguous", False)
     param = nn.Parameter(torch.tensor([3.0, 4.0]))
     first = torch.amp.GradScaler("cpu", init_scale=INIT_SCALE)
     second = torch.amp.GradScaler("cpu", init_scale=2 * INIT_SCALE)

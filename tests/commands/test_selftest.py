@@ -28,11 +28,11 @@ import ampguard
 import ampguard.clip_grad.api
 import ampguard.clip_grad.kernels
 import ampguard.clip_grad.norm
-import ampguard.clip_grad.state
 import ampguard.containment
 import ampguard.master_weights.patch
 import ampguard.underflow.counts
 from ampguard import machine, master_weights, registry
+from ampguard.clip_grad.state import ClipState
 from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
 from ampguard.patch import torch_release
@@ -167,7 +167,7 @@ def test_clip_check_fails_for_a_clip_that_skips_unscaling(monkeypatch):
     # (clip_grad_norm_ itself, and get_total_norm / clip_grads_with_norm_, which torch's clip_grad_norm_ calls)
     for module in (ampguard.clip_grad.norm, ampguard.clip_grad.api):
         monkeypatch.setattr(module, "scalers_in_play", lambda: [])
-        monkeypatch.setattr(module, "guard_active", lambda: False)
+    monkeypatch.setattr(ClipState, "guard_active", lambda self: False)
     assert run("clip_after_unscale").status == "passed"  # unscale_ did the work: nothing broken there
     result = run("clip_without_unscale")
     assert result.status == "failed"
@@ -179,15 +179,15 @@ def test_clip_checks_fail_for_a_clip_that_does_not_clip(name, monkeypatch):
     # ampguard's kernels (still-scaled gradients), and in the recipe's case torch's clip_grads_with_norm_ that
     # ampguard calls (torch >= 2.6; before, its clip_grad_norm_, which only the kernels' path can replace here).
     monkeypatch.setattr(ampguard.clip_grad.kernels, "clip_coefficient", lambda max_norm, total: torch.ones_like(total))
-    state, activate = ampguard.clip_grad.state, ampguard.clip_grad.state.activate
+    made = ClipState.__init__
 
-    def activate_a_clip_that_does_not_clip(*args: Any, **kwargs: Any) -> None:  # (the check installs ampguard)
-        activate(*args, **kwargs)
-        if state.state.halves is not None:
-            state.state.halves = (state.state.halves[0], lambda *args: None)
+    def a_clip_that_does_not_clip(state: ClipState, *args: Any, **kwargs: Any) -> None:  # (the check installs)
+        made(state, *args, **kwargs)
+        if state.halves is not None:
+            state.halves = (state.halves[0], lambda *args: None)
 
-    monkeypatch.setattr(state, "activate", activate_a_clip_that_does_not_clip)
-    if state.state.halves is None:  # torch < 2.6: the recipe's case through the kernels
+    monkeypatch.setattr(ClipState, "__init__", a_clip_that_does_not_clip)
+    if not hasattr(torch.nn.utils, "get_total_norm"):  # torch < 2.6: the recipe's case through the kernels
         recipe_case = ampguard.clip_grad.norm._recipe_case
         monkeypatch.setattr(
             ampguard.clip_grad.norm, "_recipe_case", lambda params: (case := recipe_case(params)) and (case[0], True)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from ampguard.clip_grad import state as clip_state
+from ampguard.clip_grad.state import ClipState
 from ampguard.stats.counters import ScalerStats, stats_line
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -104,12 +104,10 @@ def test_the_pages_quote_stats_lines():
     assert {"stats-file.md", "islands.md", "trainer-logs.md", "underflow.md"} <= pages
 
 
-def test_each_quoted_clip_guard_line_is_the_guard_s_line_but_for_its_numbers(monkeypatch):
-    monkeypatch.setattr(clip_state.state, "stats_every", 500)
-    monkeypatch.setattr(clip_state.state, "guarded_calls", 1000)
-    monkeypatch.setattr(clip_state.state, "guarded_skipped", 2)
-    monkeypatch.setattr(clip_state.state, "skipped_at_last_line", 2)
-    shape = NUMBER.sub("N", clip_state.guard_stats_line())
+def test_each_quoted_clip_guard_line_is_the_guard_s_line_but_for_its_numbers():
+    state = ClipState(lambda *args: None, guard=True, stats_every=500)
+    state.guarded_calls, state.guarded_skipped, state.skipped_at_last_line = 1000, 2, 2
+    shape = NUMBER.sub("N", state.guard_stats_line())
     found = quotes(CLIP_QUOTE)
     assert found, "docs/clipping.md quotes the clip guard's line"
     for page, quote in found:

@@ -17,11 +17,11 @@ from typing import Any
 
 import pytest
 import torch
+from clip_support import clip_state
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ampguard
 import ampguard.scaler
-from ampguard.clip_grad.state import original_clip_grad_norm_
 
 MAX_EXTRA_OPS = 4
 WARMUP, COUNTED = 3, 5
@@ -83,7 +83,7 @@ def _ops_per_step(scaler_class: type, clip_grad_norm_: Callable[..., torch.Tenso
 
 def _extra_ops(fused: bool) -> tuple[int, dict[str, int]]:
     assert issubclass(torch.amp.GradScaler, ampguard.SafeGradScaler)  # conftest: ampguard installed, defaults
-    torch_ops = _ops_per_step(ampguard.scaler.TorchGradScaler, original_clip_grad_norm_(), fused)
+    torch_ops = _ops_per_step(ampguard.scaler.TorchGradScaler, clip_state().original, fused)
     ours = _ops_per_step(torch.amp.GradScaler, torch.nn.utils.clip_grad_norm_, fused)
     extra = ours.copy()
     extra.subtract(torch_ops)
