@@ -7,8 +7,11 @@
   optimizers, DeepSpeed's loss-scale steps.
 - ``probe``: the global module hooks that find the first module turning finite inputs into inf/NaN.
 - ``watch_verdicts``: what the headroom watch's (:mod:`ampguard.headroom_watch`) sightings decide: an island before an overflow, or the module blamed at one.
-- ``islands``: making, naming, reporting and restoring islands (the casts at their boundary: ``island_io``).
-- ``island_hooks``: the hooks an island carries (stateless: a saved or copied model keeps working; torch.compile does not trace them).
+- ``islands``: ``Islands``, one per apply, held by the healing: making, naming, taking back and reporting islands.
+- ``checkpoint_islands``: the islands a loaded checkpoint names, re-applied at the next module call.
+- ``compiled_islands``: an island that compiled code leaves out, named once.
+- ``island_hooks``: the hooks an island carries and the table they read (a saved or copied model keeps working, its
+  hooks doing nothing; torch.compile does not trace them).
 - ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.
 - ``half_parameters``: an island's float16/bfloat16 parameters and buffers read as float32 copies, call by call.
 - ``tensor_tree``: the floating tensors inside any nesting of containers (torch's pytree, dataclasses).

@@ -31,13 +31,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import ampguard.fp32_islands.islands as islands
 import ampguard.fp32_islands.model_inputs as model_inputs
 import ampguard.fp32_islands.rerun as rerun
 import ampguard.fp32_islands.watch_verdicts as watch_verdicts
 import ampguard.messages as messages
 from ampguard.fp32_islands.back_off import BackOff
 from ampguard.fp32_islands.buffers import BufferGuard
+from ampguard.fp32_islands.islands import Islands
 from ampguard.fp32_islands.model_inputs import ModelInputs
 from ampguard.fp32_islands.probe import Probe
 from ampguard.headroom_watch.watch import HeadroomWatch
@@ -57,9 +57,10 @@ class Healing:
     mode: str
     max_islands: int
     probe_steps: int
+    islands: Islands  # the islands made (and reported) while the patch is applied
+    watch: HeadroomWatch  # it passes over those islands
     rerun: bool = True  # a forward overflow's forward passes run again under the probe (rerun.py)
     probe: Probe = field(default_factory=Probe)
-    watch: HeadroomWatch = field(default_factory=lambda: HeadroomWatch(0, 4.0))
     buffers: BufferGuard = field(default_factory=BufferGuard)
     inputs: ModelInputs = field(default_factory=ModelInputs)  # to tell a batch holding inf/NaN from a module
     verdict: int = 0  # the probe's verdict decoded from this iteration's read
@@ -82,8 +83,10 @@ class Healing:
     @classmethod
     def from_config(cls, config: Config, on_engaged: Callable[[], None] | None = None) -> Healing:
         """Heal from now on; ``on_engaged()`` is told when it is engaged between updates (bench, a freed owner)."""
-        settings = (config.fp32_islands, config.max_islands, config.probe_steps, config.forward_rerun)
-        return cls(*settings, watch=HeadroomWatch(config.watch_every, config.headroom), on_engaged=on_engaged)
+        islands = Islands()
+        watch = HeadroomWatch(config.watch_every, config.headroom, islands)
+        limits = (config.fp32_islands, config.max_islands, config.probe_steps)
+        return cls(*limits, islands, watch, rerun=config.forward_rerun, on_engaged=on_engaged)
 
     def close(self) -> None:
         """The patch is reverted: every hook the probe, the watch, the buffers, the inputs and the islands hold."""
@@ -92,7 +95,7 @@ class Healing:
         self.buffers.close()
         self.inputs.close()
         model_inputs.strip_everywhere()
-        islands.clear()
+        self.islands.clear()
 
     def watch_next_iteration(self) -> bool:
         """Have the headroom watch observe the next iteration, off its schedule (for ``ampguard bench``).
@@ -142,9 +145,9 @@ class Healing:
             self._say_once(f"rerun {reason.split(':')[0]}", messages.NOT_RUN_AGAIN.format(step=step, reason=reason))
         if call is None:
             return None if reason is not None else False
-        again = islands.holds(call[0])  # an island that overflows in float32 too
-        islands.settle_blame(call[0], call[1], step)
-        made = islands.decide(*call, step=step, mode=self.mode, max_islands=self.max_islands)
+        again = self.islands.holds(call[0])  # an island that overflows in float32 too
+        self.islands.settle_blame(call[0], call[1], step)
+        made = self.islands.decide(*call, step=step, mode=self.mode, max_islands=self.max_islands)
         self.after_verdict(made_island=made, conclusive=again)
         return True
 
@@ -165,7 +168,7 @@ class Healing:
         self._note_limit()
 
     def _note_limit(self) -> None:
-        self.exhausted = "(limit)" in islands.reported or len(islands.reported) >= self.max_islands
+        self.exhausted = "(limit)" in self.islands.reported or len(self.islands.reported) >= self.max_islands
 
     # -- the headroom watch -----------------------------------------------------------------
 
@@ -188,7 +191,7 @@ class Healing:
         try:
             may_blame = may_blame and self.may_watch()
             watch, mode, limit = self.watch, self.mode, self.max_islands
-            return watch_verdicts.judge(watch, step, overflow, verdict, mode, limit, may_blame, watched)
+            return watch_verdicts.judge(self.islands, watch, step, overflow, verdict, mode, limit, may_blame, watched)
         except Exception as error:  # never the reason a run dies
             self.stop("watch", error)
             return False

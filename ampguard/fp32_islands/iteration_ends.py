@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-import ampguard.fp32_islands.islands as islands
 import ampguard.messages as messages
 import ampguard.scaler.live as live
 from ampguard.distributed import distributed
@@ -54,10 +53,15 @@ def _host_iteration(healing: Healing, handle: ScalerHandle, overflow: bool) -> N
 def _end_iteration(healing: Healing, step: int, owner: bool, overflow: bool, blamed: bool) -> None:
     """``step``: the optimizer steps of the scale heard; ``blamed``: the forward overflow is accounted for (an
     island made at once, or a batch holding inf/NaN)."""
-    if not overflow and not healing.probe.armed and not islands.restoring() and healing.buffers.idle():
+    if (
+        not overflow
+        and not healing.probe.armed
+        and not healing.islands.checkpoint.restoring()
+        and healing.buffers.idle()
+    ):
         return  # the healthy step of a model without small buffers: nothing to do
     try:
-        islands.end_restore_window()
+        healing.islands.checkpoint.end_window()
         healing.buffers.on_update(overflow, step, discover=owner)
         verdict, healing.verdict = healing.verdict, 0
         fresh, healing.armed_since_update = healing.armed_since_update, False
@@ -81,9 +85,9 @@ def _end_iteration(healing: Healing, step: int, owner: bool, overflow: bool, bla
                 healing.warn_once("unlocated", messages.PROBE_UNLOCATED.format(step=step))
                 healing.after_verdict(made_island=False)
             else:
-                again = islands.holds(call[0])  # an island that overflows in float32 too
-                islands.settle_blame(call[0], call[1], step)
-                made = islands.decide(*call, step=step, mode=healing.mode, max_islands=healing.max_islands)
+                again = healing.islands.holds(call[0])  # an island that overflows in float32 too
+                healing.islands.settle_blame(call[0], call[1], step)
+                made = healing.islands.decide(*call, step=step, mode=healing.mode, max_islands=healing.max_islands)
                 probe.disarm()
                 healing.after_verdict(made_island=made, conclusive=again)
                 return
@@ -139,7 +143,7 @@ def end_device_iteration(
             healing.watch.finish()
         healing.watch.after_update(handle.steps, may_watch=healing.may_watch(), handle=handle)
         healing.keep_inputs()
-    if not healing.probe.armed and healing.buffers.discovered and not islands.restoring():
+    if not healing.probe.armed and healing.buffers.discovered and not healing.islands.checkpoint.restoring():
         return None
     try:
         if healing.probe.armed and check is not None and row is not None and distributed() is None:
@@ -153,7 +157,7 @@ def end_device_iteration(
                 healing.seen_in_device_mode[handle] = healing.seen_in_device_mode.get(handle, 0) + 1
             _host_iteration(healing, handle, overflow)
             return bool(skipped_value > 0)
-        islands.end_restore_window()
+        healing.islands.checkpoint.end_window()
         if owner and not healing.buffers.discovered:
             healing.buffers.advance(handle.steps)  # its copy is compared with them at a read
     except Exception as error:  # never the reason a run dies

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 import ampguard.fp32_islands.compiled_islands as compiled_islands
-import ampguard.fp32_islands.islands as islands
 import ampguard.fp32_islands.iteration_ends as iteration_ends
 import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
@@ -36,7 +35,7 @@ if TYPE_CHECKING:
     from ampguard.scaler.verdict import StepVerdict
 
 # Island names qualified from the top-level module; a checkpoint without this entry has names relative to the
-# outermost module called (ampguard.fp32_islands.islands.restore finds those by the end of their full name).
+# outermost module called (ampguard.fp32_islands.checkpoint_islands finds those by the end of their full name).
 ISLAND_NAMES_KEY = "fp32_islands_named_from"
 ISLAND_NAMES_FULL = "top-level module"
 
@@ -47,7 +46,8 @@ def engaged(state: Healing) -> bool:
     was freed (the next one heard takes over)."""
     owner = state.buffers_owner
     handover = owner is not None and owner() is None
-    return bool(state.probe.armed or state.watch.busy() or not state.buffers.idle() or islands.restoring() or handover)
+    restoring = state.islands.checkpoint.restoring()
+    return bool(state.probe.armed or state.watch.busy() or not state.buffers.idle() or restoring or handover)
 
 
 class IslandsListener(listeners.StepListener):
@@ -125,16 +125,17 @@ class IslandsListener(listeners.StepListener):
         state = self.healing
         last = state.watch.last if state is not None else None
         return {
-            "fp32_islands": islands.names(),
+            "fp32_islands": state.islands.names() if state is not None else (),
             "buffers_restored": state.buffers.restores if state is not None else 0,
             "headroom": last.tightest() if last is not None else (),
         }
 
     def save(self, handle: ScalerHandle | Any) -> dict[str, Any]:
-        names = list(islands.names())  # plain strings
+        state = self.healing
+        names = list(state.islands.names()) if state is not None else []  # plain strings
         entries: dict[str, Any] = {"fp32_islands": names}
         # each island's output dtypes under autocast, given again after a resume
-        outputs = islands.recorded_outputs() if self.healing is not None else {}
+        outputs = state.islands.recorded_outputs() if state is not None else {}
         if outputs:
             entries["fp32_island_outputs"] = outputs
         if names:  # qualified from the top-level module (earlier: from the one called)
@@ -151,7 +152,7 @@ class IslandsListener(listeners.StepListener):
         state, names = self.healing, entries.get("fp32_islands")
         if state is not None and state.mode == "auto" and names:
             full_names = entries.get(ISLAND_NAMES_KEY) == ISLAND_NAMES_FULL
-            islands.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
+            state.islands.checkpoint.restore(names, entries.get("fp32_island_outputs"), full_names=full_names)
 
 
 class Fp32IslandsPatch(Patch):
@@ -179,7 +180,7 @@ class Fp32IslandsPatch(Patch):
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
         self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
         if torch_release().release >= (2, 4):  # islands are left out of compiled code: say so when it is compiled
-            self.bindings.set_attribute(torch, "compile", compiled_islands.naming_islands(torch.compile))
+            self.bindings.set_attribute(torch, "compile", compiled_islands.naming_islands(torch.compile, self))
         export = getattr(torch, "export", None)  # (torch.export.export: torch >= 2.1)
         if export is not None and hasattr(export, "export"):
             self.bindings.set_attribute(export, "export", without_our_hooks(export.export))

@@ -3,18 +3,19 @@
 :mod:`ampguard.headroom_watch` watches; :mod:`ampguard.fp32_islands.healing`
 calls :func:`judge` at each update where the watch has something to say, or a
 forward overflow came. Islands are made (or, in report mode, named) by
-:func:`ampguard.fp32_islands.islands.decide`, with the watch's own messages.
+:meth:`ampguard.fp32_islands.islands.Islands.decide`, with the watch's own messages.
 """
 
 from __future__ import annotations
 
-import ampguard.fp32_islands.islands as islands
 import ampguard.messages as messages
+from ampguard.fp32_islands.islands import Islands
 from ampguard.headroom_watch.sighting import FLOAT16_MAX
 from ampguard.headroom_watch.watch import HeadroomWatch
 
 
 def judge(
+    islands: Islands,
     watch: HeadroomWatch,
     step: int,
     overflow: bool,

@@ -43,10 +43,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
-import ampguard.fp32_islands.islands as islands
 from ampguard.headroom_watch.observer import Observer
 from ampguard.headroom_watch.sighting import FLOAT16_MAX, Candidate, Sighting, summarise
-from ampguard.headroom_watch.watched_pass import WatchedPass
+from ampguard.headroom_watch.watched_pass import IslandsSeen, WatchedPass
 from ampguard.log import event_logger
 
 if TYPE_CHECKING:
@@ -68,11 +67,12 @@ class HeadroomWatch:
     and the blame are here; the module calls of a watched iteration are :class:`WatchedPass`'s.
     """
 
-    def __init__(self, every: int, headroom: float) -> None:
+    def __init__(self, every: int, headroom: float, islands: IslandsSeen) -> None:
         self.every = every if Observer is not None else 0
         self.limit = FLOAT16_MAX / headroom
         self.headroom = headroom
-        self._pass = WatchedPass(self.fail)
+        self.islands = islands
+        self._pass = WatchedPass(self.fail, islands)
         self._watched_step = 0
         self.broken = False  # after an error: no more watching
         self._due = False  # the second iteration is watched, then one every ``every`` optimizer steps
@@ -211,6 +211,6 @@ class HeadroomWatch:
             if peak < FLOAT16_MAX / BLAME_BOUND:
                 return None
             found = sighting.candidate(index)
-            if found is not None and not islands.holds(found[0]):
+            if found is not None and not self.islands.holds(found[0]):
                 return found, float(peak), sighting.step
         return None

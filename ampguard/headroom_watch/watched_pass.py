@@ -20,11 +20,10 @@ import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
-import ampguard.fp32_islands.islands as islands
 from ampguard.fp32_islands.island_io import output_kinds
 from ampguard.fp32_islands.probe import is_compiled, qualified_name, unwrap
 from ampguard.fp32_islands.tensor_tree import tensors
@@ -85,6 +84,15 @@ class WatchedModule:
     call: Any = None  # the frame running this module's current call, while it is on the stack
 
 
+class IslandsSeen(Protocol):
+    """What the watch asks of the islands (:class:`ampguard.fp32_islands.islands.Islands`): islands are not
+    candidates, modules named in report mode are measured but passed over."""
+
+    def holds(self, module: torch.nn.Module) -> bool: ...
+
+    def was_named_in_report(self, module: torch.nn.Module) -> bool: ...
+
+
 class WatchedPass:
     """The module hooks of a watched iteration and what they keep: the calls running, each module's samples.
 
@@ -92,8 +100,9 @@ class WatchedPass:
     :meth:`stop_measuring` the hooks keep the stack but sample nothing.
     """
 
-    def __init__(self, fail: Callable[[Exception], None]) -> None:
+    def __init__(self, fail: Callable[[Exception], None], islands: IslandsSeen) -> None:
         self._fail = fail
+        self._islands = islands
         self._measuring = True
         self._thread = 0
         # The hooks run in the training thread; begin() and end() may come from any (another thread's scaler, an
@@ -235,9 +244,9 @@ class WatchedPass:
         watched = self._modules.get(id(module))
         if watched is None or watched.module() is not module:
             root = self._stack[0].module() if self._stack else module
-            candidate = bool(self._stack) and not islands.holds(module)
+            candidate = bool(self._stack) and not self._islands.holds(module)
             root_ref = weakref.ref(root if root is not None else module)
-            named = candidate and islands.was_named_in_report(module)
+            named = candidate and self._islands.was_named_in_report(module)
             watched = self._modules[id(module)] = WatchedModule(weakref.ref(module), root_ref, candidate, named)
         elif not self._stack:
             watched.candidate = False  # called as the root too: its own code is never islanded

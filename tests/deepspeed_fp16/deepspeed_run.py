@@ -38,7 +38,7 @@ import torch
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
-import ampguard.fp32_islands.islands as fp32_islands
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 # isort: split
@@ -178,7 +178,7 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     else:
         values = [p.detach().float().clone() for p in parameters]
     counts = tracking.of(engine.optimizer)
-    island_names = list(fp32_islands.names())
+    island_names = list(healing.islands.names()) if (healing := applied_healing()) is not None else []
     result = {
         "died": died,
         "died_at": died_at,

@@ -13,10 +13,8 @@ import logging
 
 import pytest
 import torch
-from islands_support import EVERY, batch, fresh_islands, make_net, probe_only, stock_scaler, train  # noqa: F401
+from islands_support import EVERY, applied_islands, batch, fresh_islands, make_net, probe_only, stock_scaler, train  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
-
-from ampguard.fp32_islands import islands
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -71,8 +69,8 @@ def test_the_island_has_one_name_whichever_module_the_loop_calls(reinstall, call
     model = make_net()
     task = Task(model)
     train(2 * EVERY, model=task if called == "task" else model, optimizer=torch.optim.SGD(model.parameters(), lr=0.01))
-    assert islands.names() == ("trainable_module.blocks.1.attn",)
-    assert islands.holds(task.get_submodule(islands.names()[0]))
+    assert applied_islands().names() == ("trainable_module.blocks.1.attn",)
+    assert applied_islands().holds(task.get_submodule(applied_islands().names()[0]))
 
 
 def trained_recipe(saved_names: list[str], full_names: bool):
@@ -103,15 +101,15 @@ def resume(reinstall, recipe, optimizer, state, steps: int = 3 * EVERY):
 def test_a_checkpointed_island_re_attaches_by_its_full_name_not_to_a_module_sharing_its_short_name(reinstall):
     recipe, optimizer, state = trained_recipe(["xtts.gpt.blocks.1.attn"], full_names=True)
     run = resume(reinstall, recipe, optimizer, state)
-    assert islands.names() == ("xtts.gpt.blocks.1.attn",)
-    assert islands.holds(recipe.xtts.gpt.blocks[1].attn)
+    assert applied_islands().names() == ("xtts.gpt.blocks.1.attn",)
+    assert applied_islands().holds(recipe.xtts.gpt.blocks[1].attn)
     assert run.nonfinite_losses == 0
 
 
 def test_an_earlier_checkpoint_s_short_name_still_loads_where_it_names_one_module(reinstall, ampguard_log):
     recipe, optimizer, state = trained_recipe(["blocks.1.attn"], full_names=False)  # relative to xtts.gpt
     run = resume(reinstall, recipe, optimizer, state)
-    assert islands.names() == ("xtts.gpt.blocks.1.attn",)  # and from now on saved by its full name
+    assert applied_islands().names() == ("xtts.gpt.blocks.1.attn",)  # and from now on saved by its full name
     assert run.nonfinite_losses == 0
     assert len(records(ampguard_log, logging.INFO, "fp32 island xtts.gpt.blocks.1.attn (Attention) re-applied")) == 1
 
@@ -120,7 +118,7 @@ def test_an_earlier_checkpoint_s_short_name_still_loads_where_it_names_one_modul
 def test_an_earlier_checkpoint_s_short_name_that_fits_several_modules_is_not_re_applied(reinstall, ampguard_log):
     recipe, optimizer, state = trained_recipe(["1"], full_names=False)
     run = resume(reinstall, recipe, optimizer, state, steps=EVERY)
-    assert islands.names() == ()
+    assert applied_islands().names() == ()
     ambiguous = records(ampguard_log, logging.WARNING, "the checkpoint names fp32 island 1, which could be any of")
     assert len(ambiguous) == 1 and "xtts.gpt.blocks.1" in ambiguous[0].getMessage()
     assert run.nonfinite_losses == 1  # not healed yet: the probe finds it again

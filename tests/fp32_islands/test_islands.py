@@ -19,13 +19,26 @@ from pathlib import Path
 
 import pytest
 import torch
-from islands_support import CLASSES, DIM, EVERY, HYPER, batch, fresh_islands, make_net, probe_only, stock_scaler, train  # noqa: F401
+from islands_support import (  # noqa: F401
+    CLASSES,
+    DIM,
+    EVERY,
+    HYPER,
+    applied_islands,
+    batch,
+    fresh_islands,
+    make_net,
+    probe_only,
+    stock_scaler,
+    train,
+)
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
 import ampguard
 import ampguard.scaler
 import ampguard.scaler.listeners as listeners
-from ampguard.fp32_islands import islands, rerun
+from ampguard.fp32_islands import rerun
+from ampguard.fp32_islands.islands import permanent_line
 from ampguard.fp32_islands.model_inputs import KeepInputs
 from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
@@ -136,7 +149,7 @@ def test_healing_run_reads_the_host_as_often_as_torch_plus_the_documented_diagno
 
 def test_the_permanent_line_from_the_warning_heals_plain_torch(stock_torch):
     model = make_net()
-    line = islands.permanent_line("blocks.1.attn", "cpu")
+    line = permanent_line("blocks.1.attn", "cpu")
     exec(line, {"model": model, "torch": torch})
     run = train(3 * EVERY, model=model, scaler=stock_scaler())
     assert run.nonfinite_losses == 0
@@ -154,7 +167,7 @@ def test_probe_disarms_after_probe_steps_without_overflow(reinstall):
 def test_max_islands_limit_reports_that_the_model_does_not_suit_fp16(reinstall, ampguard_log, monkeypatch):
     reinstall(AMPGUARD_MAX_ISLANDS="1")
     elsewhere = torch.nn.Linear(2, 2)
-    islands.make(elsewhere, "elsewhere")
+    applied_islands().make(elsewhere, "elsewhere")
     run = train(3 * EVERY)
     assert run.scaler.stats.fp32_islands == ("elsewhere",)
     limit = records(ampguard_log, logging.WARNING, "AMPGUARD_MAX_ISLANDS=1: this model does not suit float16")
@@ -345,7 +358,7 @@ def test_after_an_error_inside_ampguard_the_probe_stops_for_good(ampguard_log, m
     def broken(*args, **kwargs):
         raise RuntimeError("broken")
 
-    monkeypatch.setattr(islands, "decide", broken)
+    monkeypatch.setattr(applied_islands(), "decide", broken)
     run = train(6 * EVERY)
     stopped = records(ampguard_log, logging.WARNING, "probe stopped after an error")
     assert len(stopped) == 1 and "does not arm again" in stopped[0].getMessage()

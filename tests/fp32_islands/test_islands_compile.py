@@ -15,10 +15,9 @@ import logging
 
 import pytest
 import torch
-from islands_support import batch, fresh_islands, make_moe, make_net  # noqa: F401
+from islands_support import applied_islands, batch, fresh_islands, make_moe, make_net  # noqa: F401
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 
-from ampguard.fp32_islands import islands
 from ampguard.patch import torch_release
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -31,7 +30,7 @@ def model_and_plain_torch() -> tuple[torch.nn.Module, torch.nn.Module]:
     """A model with an island on the module a loud batch overflows, and the same weights without ampguard's hooks."""
     model = make_net()
     plain = copy.deepcopy(model)  # (before the island: no hooks)
-    islands.make(model.blocks[1].attn, "blocks.1.attn", outputs=("autocast",))
+    applied_islands().make(model.blocks[1].attn, "blocks.1.attn", outputs=("autocast",))
     return model, plain
 
 
@@ -75,7 +74,7 @@ def test_an_eager_model_with_an_island_says_nothing_about_compiled_code(ampguard
 def test_a_compiled_moe_with_an_island_runs():
     """Before: dynamo raised tracing the island's pre-hook (InternalTorchDynamoError, AutocastModeVariable)."""
     model = make_moe()
-    islands.make(model.experts[1], "experts.1", outputs=("autocast",))
+    applied_islands().make(model.experts[1], "experts.1", outputs=("autocast",))
     x, _ = batch(9)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
         eager = model(x)

@@ -21,6 +21,7 @@ from islands_support import (  # noqa: F401  (fixture)
     EVERY,
     HYPER,
     Result,
+    applied_islands,
     batch,
     fresh_islands,
     fused,
@@ -38,7 +39,6 @@ from torch import nn
 import ampguard.scaler
 import ampguard.scaler.ledger
 from ampguard import syncs
-from ampguard.fp32_islands import islands
 from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
@@ -274,7 +274,7 @@ def test_torch_leaves_the_buffers_poisoned_with_a_fused_optimizer(stock_torch):
 
 
 def test_islands_named_in_a_checkpoint_stop_being_looked_for_after_the_first_iteration(ampguard_log):
-    islands.restore(["blocks.9.attn"], None, full_names=True)  # as a loaded checkpoint does
+    applied_islands().checkpoint.restore(["blocks.9.attn"], None, full_names=True)  # as a loaded checkpoint does
     model = make_net()
     train(3, model=model, optimizer=fused(model), healthy=True)
     assert global_hooks() == 0

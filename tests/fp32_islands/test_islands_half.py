@@ -21,6 +21,7 @@ from islands_support import (  # noqa: F401
     EVERY,
     TOKENS,
     Net,
+    applied_islands,
     fresh_islands,
     overflows,
 )
@@ -32,7 +33,6 @@ from scaler_support import (  # noqa: F401  (fixtures)
 from torch import nn
 
 import ampguard
-from ampguard.fp32_islands import islands
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -87,7 +87,7 @@ def test_a_model_loaded_in_float16_gets_its_overflowing_attention_block_as_an_is
     lost, optimizer, scaler = recipe(model, half=True)
 
     assert lost <= 3  # the probe arms at the first loud batch and names the block at the second (before: all 20)
-    assert islands.names() == ("blocks.1.attn",)
+    assert applied_islands().names() == ("blocks.1.attn",)
     made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention)")
     assert len(made) == 1 and "its float16 parameters stay float16" in made[0].getMessage()
     assert all(a is b for a, b in zip(model.parameters(), params, strict=True))  # the same Parameters, still float16
@@ -125,7 +125,7 @@ def test_a_half_precision_block_in_a_float32_model_becomes_an_island(ampguard_lo
     model = two_blocks()
     attn = model.blocks[1].attn.to(dtype)
     lost, _, _ = recipe(model, half=True)
-    assert lost <= 3 and islands.names() == ("blocks.1.attn",)
+    assert lost <= 3 and applied_islands().names() == ("blocks.1.attn",)
     name = str(dtype).replace("torch.", "")
     made = records(ampguard_log, logging.WARNING, "fp32 island: blocks.1.attn (Attention)")[0].getMessage()
     assert f"its {name} parameters stay {name}" in made and "m.float(); m.forward = " in made
@@ -172,7 +172,7 @@ def test_an_island_reads_float32_copies_and_the_gradients_and_buffer_updates_rea
     module = SharedAndNormed().half()
     reference = copy.deepcopy(module).float()
     weight, running_mean = module.a.weight, module.norm.running_mean
-    islands.make(module, "shared", outputs=("autocast",))
+    applied_islands().make(module, "shared", outputs=("autocast",))
     x = torch.randn(8, DIM) * 30.0  # 1000 * x @ W.T passes 65504: float16 overflows, float32 does not
     with torch.autocast("cpu", dtype=torch.float16):
         out = module(x)
@@ -218,7 +218,7 @@ def test_a_half_island_with_a_hook_computed_weight_runs_as_without_the_island(no
     x = torch.randn(4, 8)
     with torch.autocast("cpu", dtype=torch.float16):
         expected = module(x)
-    islands.make(module, "conv", outputs=("autocast",))
+    applied_islands().make(module, "conv", outputs=("autocast",))
     with torch.autocast("cpu", dtype=torch.float16):
         out = module(x)  # ampguard: RuntimeError: self and mat2 must have the same dtype, but got Float and Half
     assert out.dtype == expected.dtype and torch.allclose(out.float(), expected.float(), atol=1e-2)

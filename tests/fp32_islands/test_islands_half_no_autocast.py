@@ -12,13 +12,23 @@ import logging
 
 import pytest
 import torch
-from islands_support import DIM, HALF_STEPS, Net, ampguard_loop, batch, fresh_islands, half_net, overflows, probe_only  # noqa: F401
+from islands_support import (  # noqa: F401
+    DIM,
+    HALF_STEPS,
+    Net,
+    ampguard_loop,
+    applied_islands,
+    batch,
+    fresh_islands,
+    half_net,
+    overflows,
+    probe_only,
+)
 from scaler_support import ampguard_log, one_thread, records  # noqa: F401  (fixtures)
 from test_islands_half import SharedAndNormed
 from torch import nn
 
 import ampguard
-from ampguard.fp32_islands import islands
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -73,7 +83,7 @@ def test_a_float16_model_without_autocast_loses_at_most_two_steps_where_plain_to
         out, expected = attn(hidden), copy.deepcopy(attn).float()(hidden.float())
     assert out.dtype == torch.float16 and torch.isfinite(out).all()
     assert torch.equal(out, expected.half())
-    islands.clear()
+    applied_islands().clear()
     with torch.no_grad():
         assert not torch.isfinite(attn(hidden)).all()  # (without the island it overflows)
     # The printed line, on a fresh float16 model (no island): that block in float32, float16 around it, finite.
@@ -91,7 +101,9 @@ def test_without_autocast_the_gradients_and_buffer_updates_reach_the_float16_ten
     module = SharedAndNormed().half()
     reference = copy.deepcopy(module).float()
     weight, running_mean = module.a.weight, module.norm.running_mean
-    islands.make(module, "shared")  # made by name: no output dtypes recorded, float32 outputs go back to float16
+    applied_islands().make(
+        module, "shared"
+    )  # made by name: no output dtypes recorded, float32 outputs go back to float16
     x = torch.randn(8, DIM) * 30.0  # 1000 * x @ W.T passes 65504: float16 overflows, float32 does not
     out = module(x.half())
     expected = reference(x.half().float())
@@ -107,5 +119,5 @@ def test_without_autocast_the_gradients_and_buffer_updates_reach_the_float16_ten
     assert torch.allclose(weight.grad.float(), reference.a.weight.grad, rtol=1e-2, atol=1e-3)
     # A float32 module called without autocast has nothing in half precision: it runs as it is.
     plain = nn.Linear(DIM, DIM)
-    islands.make(plain, "plain")
+    applied_islands().make(plain, "plain")
     assert plain(x).dtype == torch.float32

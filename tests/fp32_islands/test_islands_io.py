@@ -27,6 +27,7 @@ from islands_support import (
     Hidden,
     HiddenState,
     MoE,
+    applied_islands,
     batch,
     fresh_islands,  # noqa: F401
     make_moe,
@@ -40,7 +41,7 @@ from torch import nn
 
 import ampguard
 import ampguard.scaler
-from ampguard.fp32_islands import island_hooks, island_io, islands
+from ampguard.fp32_islands import island_io
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
@@ -179,7 +180,7 @@ def test_an_island_output_beyond_float16_is_an_overflow_of_its_caller():
 def test_an_island_gives_autocasts_dtype_at_each_call_and_nothing_changes_without_autocast():
     """Recorded under float16: bfloat16 under a bfloat16 autocast; float32, as computed, without autocast."""
     linear = nn.Linear(DIM, DIM)
-    islands.make(linear, "linear", outputs=("autocast",))
+    applied_islands().make(linear, "linear", outputs=("autocast",))
     x = torch.randn(2, DIM).half()
     with torch.no_grad():
         reference = nn.functional.linear(x.float(), linear.weight, linear.bias)
@@ -208,11 +209,11 @@ def test_a_container_that_cannot_be_rebuilt_runs_that_call_under_autocast(ampgua
     """Never the reason a run dies: one WARNING, the call runs as without the island, autocast stays on after it."""
     from torch.utils import _pytree
 
-    monkeypatch.setattr(island_hooks, "_fallback_warned", False)
+    monkeypatch.setattr(applied_islands(), "_fallback_warned", False)
     _pytree.register_pytree_node(_Unbuildable, lambda box: ([box.hidden], None), _rebuild)
     try:
         linear = nn.Linear(DIM, DIM)
-        islands.make(linear.requires_grad_(False), "linear")
+        applied_islands().make(linear.requires_grad_(False), "linear")
         call = lambda box: nn.functional.linear(box.hidden, linear.weight, linear.bias)  # noqa: E731
         linear.forward = call  # type: ignore[method-assign]
         hidden = torch.randn(2, DIM).half()
@@ -244,12 +245,12 @@ def test_an_island_whose_input_hides_float16_in_a_plain_object_steps_aside_for_t
     """The cast cannot reach a float16 tensor in a plain object's attributes: in float32 it would meet the island's
     float32 weights and the module's own forward would raise (``mat1 and mat2 must have the same dtype``), a crash
     plain torch does not have. The call runs as without the island (torch's dtypes), said once at INFO."""
-    monkeypatch.setattr(island_hooks, "_stepped_aside", set())
+    monkeypatch.setattr(applied_islands(), "_stepped_aside", set())
     torch.manual_seed(0)
     linear = nn.Linear(DIM, DIM)
     if not autocast:
         linear.half()  # a float16 model without autocast (DeepSpeed's fp16 mode): its weights read as float32
-    islands.make(linear.requires_grad_(False), "linear")
+    applied_islands().make(linear.requires_grad_(False), "linear")
     call = lambda box: nn.functional.linear(box.hidden, linear.weight, linear.bias)  # noqa: E731
     linear.forward = call  # type: ignore[method-assign]
     hidden = torch.randn(2, DIM).half()

@@ -11,7 +11,18 @@ import io
 
 import pytest
 import torch
-from islands_support import CLASSES, DIM, EVERY, Attention, batch, fresh_islands, make_net, stock_scaler, train  # noqa: F401
+from islands_support import (  # noqa: F401
+    CLASSES,
+    DIM,
+    EVERY,
+    Attention,
+    applied_islands,
+    batch,
+    fresh_islands,
+    make_net,
+    stock_scaler,
+    train,
+)
 from scaler_support import (  # noqa: F401  (fixtures)
     ampguard_log,
     one_thread,
@@ -20,7 +31,7 @@ from scaler_support import (  # noqa: F401  (fixtures)
 from torch import nn
 
 import ampguard
-from ampguard.fp32_islands import islands
+from ampguard.fp32_islands.islands import permanent_line
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -51,7 +62,7 @@ def test_a_mean_teacher_deepcopy_and_its_student_both_keep_their_islands():
         scaler.scale(loss).backward()
         scaler.step(optimizer)
         scaler.update()
-    assert islands.holds(student.blocks[1].attn) and islands.holds(teacher.blocks[1].attn)
+    assert applied_islands().holds(student.blocks[1].attn) and applied_islands().holds(teacher.blocks[1].attn)
     assert len(lost) <= 4 and not [step for step in lost if step >= 4 * EVERY], lost
 
 
@@ -67,7 +78,7 @@ def test_a_checkpoint_loaded_in_the_same_process_after_the_first_model_was_freed
     assert state["ampguard"]["fp32_islands"] == ["blocks.1.attn"]
     del first
     gc.collect()
-    assert islands.names() == ()  # the first model is gone
+    assert applied_islands().names() == ()  # the first model is gone
     scaler = torch.amp.GradScaler("cpu")
     scaler.load_state_dict(state)
     resumed = train(2 * EVERY, model=make_net(), scaler=scaler, start=2 * EVERY)
@@ -104,7 +115,7 @@ def test_the_printed_permanent_line_works_for_a_module_called_with_keyword_argum
     torch.amp.custom_fwd sets ``args[0]._dtype``: a module called with keyword arguments only has no
     args[0] (and a namedtuple / int first argument takes no attribute). The printed line must work as printed.
     """
-    line = islands.permanent_line("blocks.1.attn", "cpu")
+    line = permanent_line("blocks.1.attn", "cpu")
     model = KeywordNet()
     exec(line, {"model": model, "torch": torch})
     run = train(3 * EVERY, model=model, scaler=stock_scaler())  # before: IndexError: tuple index out of range
@@ -135,7 +146,7 @@ def test_a_block_shared_with_a_teacher_is_named_from_the_student_the_loop_calls_
     teacher = SharingTeacher(student.blocks)
     optimizer = torch.optim.SGD(student.parameters(), lr=0.01)
     state = train(2 * EVERY, model=student, optimizer=optimizer).scaler.state_dict()
-    assert islands.names() == ("blocks.1.attn",)
+    assert applied_islands().names() == ("blocks.1.attn",)
     reinstall()  # a new process
     scaler = torch.amp.GradScaler("cpu")
     scaler.load_state_dict(state)
@@ -174,7 +185,7 @@ def test_a_gan_resumed_from_its_checkpoint_gets_the_islands_of_both_models_back(
 
     scalers = {name: torch.amp.GradScaler("cpu", init_scale=1024.0) for name in models}
     loop(scalers, 0)
-    assert set(islands.names()) == {"gpt.blocks.1.attn", "blocks.1.attn"}
+    assert set(applied_islands().names()) == {"gpt.blocks.1.attn", "blocks.1.attn"}
     states = {name: scaler.state_dict() for name, scaler in scalers.items()}
     reinstall()  # a new process
     scalers = {name: torch.amp.GradScaler("cpu") for name in models}
@@ -192,7 +203,7 @@ def test_a_model_with_an_island_can_be_saved_whole_with_torch_save():
     'weakref.ReferenceType' object. Plain torch saves the same model (an ordinary checkpoint call).
     """
     run = train(2 * EVERY)
-    assert islands.names() == ("blocks.1.attn",)
+    assert applied_islands().names() == ("blocks.1.attn",)
     saved = io.BytesIO()
     torch.save(run.model, saved)  # before: TypeError
     saved.seek(0)
@@ -226,7 +237,7 @@ def test_uninstall_scans_live_objects_only_while_a_copy_of_a_hook_lives(monkeypa
     get_objects = gc.get_objects
     monkeypatch.setattr(gc, "get_objects", lambda *args: scans.append(1) or get_objects(*args))
     run = train(2 * EVERY)
-    assert islands.names() == ("blocks.1.attn",)
+    assert applied_islands().names() == ("blocks.1.attn",)
     scans.clear()  # (naming the island scanned the live models: the failure path)
     ampguard.uninstall()
     try:

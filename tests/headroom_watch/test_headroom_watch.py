@@ -301,11 +301,11 @@ def test_the_host_copy_on_a_mocked_cuda_device_is_read_only_when_its_event_is_no
 
 
 def test_the_islands_limit_applies_to_the_watch(reinstall, ampguard_log):
-    from ampguard.fp32_islands import islands
+    from islands_support import applied_islands
 
     reinstall(AMPGUARD_MAX_ISLANDS="1")
     elsewhere = nn.Linear(2, 2)
-    islands.make(elsewhere, "elsewhere")  # the one island allowed
+    applied_islands().make(elsewhere, "elsewhere")  # the one island allowed
     run = recipe(ramped_net(), ramped_batches(105))
     assert run.scaler.stats.fp32_islands == ("elsewhere",) and run.nonfinite == []  # (the ramp's overflows: later)
     limit = records(ampguard_log, logging.WARNING, "AMPGUARD_MAX_ISLANDS=1: this model does not suit float16")

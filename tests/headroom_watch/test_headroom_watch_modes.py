@@ -12,7 +12,7 @@ import logging
 import islands_support
 import pytest
 import torch
-from islands_support import Net, batch, fresh_islands, make_net  # noqa: F401
+from islands_support import Net, applied_islands, batch, fresh_islands, make_net  # noqa: F401
 from scaler_support import (  # noqa: F401  (fixtures)
     ampguard_log,
     needs_fused_adam,
@@ -20,8 +20,6 @@ from scaler_support import (  # noqa: F401  (fixtures)
     records,
 )
 from torch import nn
-
-import ampguard.fp32_islands.islands as islands
 
 pytestmark = pytest.mark.usefixtures("one_thread", "fresh_islands")
 
@@ -61,7 +59,7 @@ def test_report_mode_names_every_module_auto_mode_would_make_an_island(reinstall
     assert [record.getMessage().split(" ")[2] for record in named] == ["blocks.1.attn", "blocks.2.attn"]
     assert all("AMPGUARD_FP32_ISLANDS=report: nothing changed" in record.getMessage() for record in named)
     assert scaler.stats.fp32_islands == ()
-    assert not any(islands.holds(module) for module in model.modules())
+    assert not any(applied_islands().holds(module) for module in model.modules())
     assert scaler.stats.headroom[0][0] == "blocks.1.attn"
 
 

@@ -21,11 +21,13 @@ from torch import nn
 
 L = require("lightning")
 import islands_support  # noqa: E402
-from islands_support import EVERY, fresh_islands  # noqa: E402, F401  (fixture)
+from islands_support import (  # noqa: E402, F401  (fixture)
+    EVERY,
+    applied_islands,
+    fresh_islands,
+)
 from lightning.fabric.plugins.precision import MixedPrecision  # noqa: E402
 from scaler_support import ampguard_log, records  # noqa: E402, F401  (fixture)
-
-from ampguard.fp32_islands import islands  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.usefixtures("fresh_islands")]
 
@@ -55,7 +57,7 @@ def fabric_run(steps: int, state: dict | None = None, start: int = 0, make: Any 
 def test_the_island_is_named_in_the_model_the_script_passed_to_fabric(ampguard_log):
     net, model, scaler, lost = fabric_run(3 * EVERY)
     assert lost == 1 and scaler.stats.fp32_islands == ("blocks.1.attn",)  # blamed by the headroom watch at once
-    assert net.get_submodule("blocks.1.attn") is net.blocks[1].attn and islands.holds(net.blocks[1].attn)
+    assert net.get_submodule("blocks.1.attn") is net.blocks[1].attn and applied_islands().holds(net.blocks[1].attn)
     assert model.get_submodule("blocks.1.attn") is net.blocks[1].attn  # the wrapper passes the lookup on
     made = records(ampguard_log, logging.WARNING, "fp32 island:")[0].getMessage()
     assert made.startswith("fp32 island: blocks.1.attn (Attention)") and "(model: your Net)" in made
@@ -70,7 +72,7 @@ def test_a_checkpointed_island_re_attaches_under_fabric_by_either_name(reinstall
     state["ampguard"]["fp32_islands"] = [saved]
     reinstall()
     net, _, resumed, lost = fabric_run(3 * EVERY, state=state, start=3 * EVERY)
-    assert lost == 0 and islands.holds(net.blocks[1].attn)
+    assert lost == 0 and applied_islands().holds(net.blocks[1].attn)
     assert resumed.stats.fp32_islands == ("blocks.1.attn",)
     assert len(records(ampguard_log, logging.INFO, "fp32 island blocks.1.attn (Attention) re-applied")) == 1
 
@@ -89,5 +91,5 @@ class OverflowsInItsOwnCode(nn.Module):
 def test_an_overflow_in_the_model_s_own_code_under_fabric_is_reported_not_made_a_whole_model_island(ampguard_log):
     """The wrapper's only child is the model itself: it is the root, not a submodule to run in float32."""
     net, _, scaler, _ = fabric_run(3 * EVERY, make=OverflowsInItsOwnCode)
-    assert scaler.stats.fp32_islands == () and not islands.holds(net)
+    assert scaler.stats.fp32_islands == () and not applied_islands().holds(net)
     assert len(records(ampguard_log, logging.WARNING, "forward overflow located in OverflowsInItsOwnCode itself")) == 1

@@ -26,6 +26,8 @@ from torch import nn
 import ampguard
 import ampguard.scaler
 from ampguard import syncs
+from ampguard.fp32_islands.islands import Islands
+from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 DIM = 16
@@ -314,3 +316,10 @@ def ampguard_loop(model: nn.Module) -> tuple[list[int], torch.amp.GradScaler]:
         scaler.step(optimizer)
         scaler.update()
     return lost, scaler
+
+
+def applied_islands() -> Islands:
+    """The islands of the fp32_islands patch as applied now (a new set after each install)."""
+    healing = applied_healing()
+    assert healing is not None, "the fp32_islands patch is applied"
+    return healing.islands
