@@ -71,12 +71,16 @@ class Pass(NamedTuple):
     autocast: tuple[tuple[str, torch.dtype], ...]  # (device type, dtype) of each autocast region it ran in
 
 
-# By id() of the root module: the keeper of its inputs (an entry whose module is dead or whose id was reused is none).
-_kept: dict[int, tuple[weakref.ref[torch.nn.Module], ModelInputs]] = {}
-
-
 class KeepInputs(ModuleHook):
-    """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments."""
+    """Forward pre-hook (with kwargs) of a root module: its keeper notes a reference to the call's arguments.
+
+    A copy of the hook (a deepcopy or a pickle of the model) has no keeper, and a module sharing the hook (a
+    shallow copy shares its hook dict) is not the one followed: both do nothing.
+    """
+
+    def __init__(self, keeper: ModelInputs | None = None, module: torch.nn.Module | None = None) -> None:
+        self.keeper = keeper
+        self.module = weakref.ref(module) if module is not None else None
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         # (an evaluation pass is not a training batch; torch_privates.is_compiling() inlined: every forward pass)
@@ -84,9 +88,9 @@ class KeepInputs(ModuleHook):
             return
         if is_compiling() if _compile_context is None else _compile_context() is not None:
             return
-        entry = _kept.get(id(module))
-        if entry is not None and entry[0]() is module:
-            entry[1].note(module, args, kwargs)
+        keeper, followed = self.keeper, self.module
+        if keeper is not None and followed is not None and followed() is module:
+            keeper.note(module, args, kwargs)
 
 
 def _data(tensor: torch.Tensor) -> bool:
@@ -112,7 +116,8 @@ class ModelInputs:
     """
 
     def __init__(self) -> None:
-        self._handles: dict[int, Any] = {}
+        self._handles: dict[int, Any] = {}  # by id() of the module followed
+        self._followed: dict[int, weakref.ref[torch.nn.Module]] = {}
         # One list of (args, kwargs) per update, the last one open (this update's passes so far).
         # (update count when made, its passes) per update, the last one open (this update's passes so far).
         self._cycles: deque[tuple[int, list[Pass]]] = deque(maxlen=KEEP_UPDATES + 1)
@@ -124,14 +129,21 @@ class ModelInputs:
         """Keep the inputs of each module of ``roots`` (not compiled) from its next call on."""
         for root in roots:
             key = id(root)
-            entry = _kept.get(key)
-            if key in self._refused or (entry is not None and entry[0]() is root):
+            followed = self._followed.get(key)
+            if key in self._refused or (followed is not None and followed() is root):
                 continue
             if is_compiled(root) or isinstance(root, torch.jit.ScriptModule):
                 self._refused.add(key)
                 continue
-            self._handles[key] = root.register_forward_pre_hook(KeepInputs(), with_kwargs=True)
-            _kept[key] = (weakref.ref(root), self)
+            old = self._handles.pop(key, None)  # a dead module's, under a reused id
+            if old is not None:
+                old.remove()
+            self._handles[key] = root.register_forward_pre_hook(KeepInputs(self, root), with_kwargs=True)
+            self._followed[key] = weakref.ref(root)
+
+    def following(self) -> list[torch.nn.Module]:
+        """The live modules whose inputs are kept."""
+        return [module for ref in self._followed.values() if (module := ref()) is not None]
 
     def note(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         begun = live.updates.count
@@ -214,10 +226,10 @@ class ModelInputs:
 
     def close(self) -> None:
         """Take the hooks off (uninstall, another model); forget the inputs."""
-        for key, handle in self._handles.items():
+        for handle in self._handles.values():
             handle.remove()
-            _kept.pop(key, None)
         self._handles.clear()
+        self._followed.clear()
         self._refused.clear()
         self._cycles = deque(maxlen=KEEP_UPDATES + 1)
 

@@ -22,7 +22,6 @@ from torch.nn import functional as F
 import ampguard
 import ampguard.messages as messages
 import ampguard.scaler.live as live
-from ampguard.fp32_islands import model_inputs
 from ampguard.fp32_islands.model_inputs import KEEP_UPDATES, KeepInputs, ModelInputs
 from ampguard.fp32_islands.patch import applied_healing
 
@@ -122,7 +121,7 @@ def test_a_copy_keeps_nothing_a_saved_model_loads_and_uninstall_strips_both(rein
     ampguard.uninstall()
     try:
         assert keepers(model) == keepers(ema) == keepers(loaded) == 0
-        assert not model_inputs._kept
+        assert not state.inputs.following()
     finally:
         ampguard.install()
 
