@@ -51,7 +51,7 @@ import torch
 from torch import Tensor
 
 import ampguard.clip_grad.kernels as kernels
-import ampguard.master_weights as master_weights
+import ampguard.scaler.listeners as listeners
 from ampguard.clip_grad.norm import idle as clip_grad_norm_idle
 from ampguard.clip_grad.norm import scaled_threshold, scaled_total_norm
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
@@ -88,7 +88,7 @@ def clip_grad_value_wrapper(
     except TypeError:  # torch's own error
         return wrapped(*args, **kwargs)
     params, for_torch = kernels.materialize(parameters)
-    pairs = master_weights.gradient_pairs(params)
+    pairs = listeners.gradient_pairs(params)
     scalers = scalers_in_play()
     if not pairs or not scalers or not _plain(g for _, g in pairs):
         return wrapped(for_torch, clip_value, foreach)
@@ -207,7 +207,7 @@ def _gradients_held(tensors: Sequence[Tensor], scalers: list[SafeGradScaler]) ->
         return _Held(list(tensors), set())
     holder: dict[int, Tensor] = {}
     for _, optimizer, _ in unscaled_optimizers(scalers):
-        for param, grad in master_weights.gradients(optimizer):
+        for param, grad in listeners.gradients(optimizer):
             if grad is None:
                 continue
             holder[id(grad)] = grad
@@ -239,7 +239,7 @@ def clip_grads_with_norm_wrapper(
     except TypeError:
         return wrapped(*args, **kwargs)
     params, for_torch = kernels.materialize(parameters)
-    pairs = master_weights.gradient_pairs(params)
+    pairs = listeners.gradient_pairs(params)
     scalers = scalers_in_play()
     if not pairs or not scalers or not isinstance(total_norm, Tensor) or not _plain(g for _, g in pairs):
         return wrapped(for_torch, max_norm, total_norm, foreach)

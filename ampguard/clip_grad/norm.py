@@ -65,7 +65,7 @@ from torch import Tensor
 import ampguard.clip_grad.kernels as kernels
 import ampguard.clip_grad.no_scaler as no_scaler
 import ampguard.containment as containment
-import ampguard.master_weights as master_weights
+import ampguard.scaler.listeners as listeners
 from ampguard.clip_grad.scalers import raise_found_inf, scalers_in_play, single_scale, unscaled_optimizers
 from ampguard.clip_grad.state import ClipState
 from ampguard.clip_grad.wrapping import caller_stacklevel, contained
@@ -170,7 +170,8 @@ def _recipe_case(params: Sequence[Tensor]) -> tuple[list[Tensor], bool] | None:
         grads.append(grad)
         clipped.add(id(param))
     if low_precision:
-        pairs = master_weights.gradient_pairs(params)
+        held = listeners.gradient_holders  # (listeners.gradient_pairs, inline: every clip)
+        pairs = held.of_parameters(params) if held is not None else [(p, p.grad) for p in params if p.grad is not None]
         grads = [grad for _, grad in pairs]
         clipped = {id(param) for param, _ in pairs}
     scaler = next(iter(scalers_in_iteration), None)
@@ -216,7 +217,7 @@ def safe_clip_grad_norm_(
     a GradScaler ampguard does not know).
     """
     params, for_torch = kernels.materialize(parameters)
-    pairs = master_weights.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
+    pairs = listeners.gradient_pairs(params)  # a master's float32 gradient once unscale_ put it there
     if not pairs or not kernels.plain_gradients(pairs):
         return containment.torch_call(torch_clip, for_torch, max_norm, norm_type, error_if_nonfinite, foreach)
     scalers = scalers_in_play()

@@ -24,9 +24,9 @@ The mechanism (apex O2's swap, but only for the length of each step):
 * **Gradients** (:mod:`.gradient_copies`). The half-precision gradient is copied
   into ``master.grad`` (float32): by the GradScaler's ``unscale_``, which then
   unscales and checks it there, or, without a scaler, just before the step.
-  From that copy until the step, :func:`gradients` (:mod:`.step`, the scaler's
-  entry) / :func:`gradient_pairs` answer "which tensor holds this parameter's gradient" for the scaler,
-  ``clip_grad_norm_`` and the skipped-step report.
+  From that copy until the step, :func:`.step.gradients` / :func:`.gradient_copies.gradient_pairs` answer
+  "which tensor holds this parameter's gradient" for the scaler, ``clip_grad_norm_`` and the skipped-step
+  report, which ask the scaler's bus (``ampguard.scaler.listeners.gradients``): the patch holds them there.
 * **The step** (:mod:`.step`). The optimizer's own last step pre-hook (after
   the user's, which see their own parameters) puts the master lists into
   ``param_groups``; the optimizer steps the masters; its own first post-hook
@@ -38,7 +38,9 @@ The mechanism (apex O2's swap, but only for the length of each step):
   whose; ``Module.load_state_dict`` refreshes the masters of what it loaded.
 * **Steps with a closure** (:mod:`.closure`: LBFGS, Lightning): each closure call
   runs on the rounded masters so far and feeds their float32 gradients.
-* **The patch** (:mod:`.patch`): the hooks and wrappers above, and their undo.
+* **The patch** (:mod:`.patch`): the hooks and wrappers above, and their undo. It holds the
+  :class:`~.records.MasterWeights` of its application (the optimizers with masters, their float32 memory),
+  which its hooks and wrappers read at each call.
 
 Optimizers ampguard cannot wrap (not a hooked ``torch.optim.Optimizer``, own
 ``state_dict``, tensor-subclass parameters, sparse gradients) get one message
@@ -47,17 +49,13 @@ and run as they do without master weights.
 
 from __future__ import annotations
 
-from ampguard.master_weights.gradient_copies import gradient_pairs, masters_of
-from ampguard.master_weights.records import STATE_KEY, activate, deactivate, label, state
-from ampguard.master_weights.step import gradients
+from ampguard.master_weights.patch import applied_masters, masters_of
+from ampguard.master_weights.records import STATE_KEY, MasterWeights, label
 
 __all__ = [
     "STATE_KEY",
-    "activate",
-    "deactivate",
-    "gradient_pairs",
-    "gradients",
+    "MasterWeights",
+    "applied_masters",
     "label",
     "masters_of",
-    "state",
 ]

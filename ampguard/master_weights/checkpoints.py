@@ -30,28 +30,30 @@ from ampguard.master_weights.records import (
     FAILED,
     STATE_KEY,
     Masters,
+    MastersOwner,
+    MasterWeights,
     fail,
     label,
     pickled,
     record_of,
-    state,
 )
 from ampguard.master_weights.state_moves import cast_state
 
 logger = event_logger("masters")
 
 
-def _current(optimizer: Any) -> Masters | None:
-    if not state.active:
+def _current(owner: MastersOwner, optimizer: Any) -> Masters | None:
+    masters = owner.masters
+    if masters is None:
         return None
     entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
-    return record_of(optimizer, create=isinstance(entry, Masters))
+    return record_of(masters, optimizer, create=isinstance(entry, Masters))
 
 
-def wrap_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+def wrap_state_dict(original: Callable[..., dict[str, Any]], owner: MastersOwner) -> Callable[..., dict[str, Any]]:
     @functools.wraps(original)
     def state_dict(self: Any) -> dict[str, Any]:
-        record = _current(self)
+        record = _current(owner, self)
         if record is None or not record.params:
             return original(self)
         record.swap(self, to_masters=True)
@@ -65,15 +67,15 @@ def wrap_state_dict(original: Callable[..., dict[str, Any]]) -> Callable[..., di
         result[STATE_KEY] = {position[id(p)]: m.detach() for p, m in zip(record.params, record.masters)}
         return result
 
-    state.wrappers["state_dict"] = state_dict
     return state_dict
 
 
-def wrap_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
+def wrap_load_state_dict(original: Callable[..., None], owner: MastersOwner) -> Callable[..., None]:
     @functools.wraps(original)
     def load_state_dict(self: Any, state_dict: dict[str, Any]) -> None:
+        masters = owner.masters
         try:
-            record = record_of(self, create=True) if state.active else None
+            record = record_of(masters, self, create=True) if masters is not None else None
         except Exception as error:
             logger.warning(FAILED.format(optimizer=label(self), error=repr(error)))
             record = None
@@ -96,32 +98,31 @@ def wrap_load_state_dict(original: Callable[..., None]) -> Callable[..., None]:
         else:
             record.refresh = "exact"  # saved without master weights: rebuilt from the parameters at the next step
 
-    state.wrappers["load_state_dict"] = load_state_dict
     return load_state_dict
 
 
-def wrap_zero_grad(original: Callable[..., None]) -> Callable[..., None]:
+def wrap_zero_grad(original: Callable[..., None], owner: MastersOwner) -> Callable[..., None]:
     @functools.wraps(original)
     def zero_grad(self: Any, *args: Any, **kwargs: Any) -> None:
-        record = None
-        try:
-            record = record_of(self, create=False) if state.active else None
-            if record is not None:
-                record.free_grads()
-        except Exception as error:  # never the reason a run dies: torch's behaviour from here on
-            fail(self, record, error)
+        masters, record = owner.masters, None
+        if masters is not None:
+            try:
+                record = record_of(masters, self, create=False)
+                if record is not None:
+                    record.free_grads(masters)
+            except Exception as error:  # never the reason a run dies: torch's behaviour from here on
+                fail(masters, self, record, error)
         return original(self, *args, **kwargs)
 
-    state.wrappers["zero_grad"] = zero_grad
     return zero_grad
 
 
-def wrap_getstate(original: Callable[..., dict[str, Any]]) -> Callable[..., dict[str, Any]]:
+def wrap_getstate(original: Callable[..., dict[str, Any]], owner: MastersOwner) -> Callable[..., dict[str, Any]]:
     @functools.wraps(original)
     def __getstate__(self: Any) -> dict[str, Any]:
         result = original(self)
         try:
-            record = _current(self)
+            record = _current(owner, self)
             if record is not None and record.params:
                 keyed = copy.copy(result["state"])  # as torch's own copy would be, see records.pickled
                 for param, master in zip(record.params, record.masters):
@@ -135,13 +136,14 @@ def wrap_getstate(original: Callable[..., dict[str, Any]]) -> Callable[..., dict
     return __getstate__
 
 
-def wrap_module_load_state_dict(original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_module_load_state_dict(original: Callable[..., Any], owner: MastersOwner) -> Callable[..., Any]:
     @functools.wraps(original)
     def load_state_dict(self: torch.nn.Module, *args: Any, **kwargs: Any) -> Any:
         result = original(self, *args, **kwargs)
-        if state.active and len(state.records):
+        masters = owner.masters
+        if masters is not None and len(masters.records):
             try:
-                _refresh_loaded(self)
+                _refresh_loaded(masters, self)
             except Exception as error:
                 logger.warning("ampguard could not refresh the master weights of the loaded model: %r", error)
         return result
@@ -149,9 +151,9 @@ def wrap_module_load_state_dict(original: Callable[..., Any]) -> Callable[..., A
     return load_state_dict
 
 
-def _refresh_loaded(module: torch.nn.Module) -> None:
+def _refresh_loaded(masters: MasterWeights, module: torch.nn.Module) -> None:
     """Every record holding a parameter (or one over the same memory) of ``module`` refreshes its masters."""
     loaded = {(p.device, p.untyped_storage().data_ptr()) for p in module.parameters()}
-    for record in list(state.records):
+    for record in list(masters.records):
         if record.refresh is None and any((p.device, p.untyped_storage().data_ptr()) in loaded for p in record.params):
             record.refresh = "check"

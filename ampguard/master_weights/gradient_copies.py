@@ -10,29 +10,29 @@ import torch
 from torch import Tensor
 
 import ampguard.master_weights.storage as storage
-from ampguard.master_weights.records import Masters, Unwrappable, exclude, fail, record_of, state
+from ampguard.master_weights.records import Masters, MasterWeights, Unwrappable, exclude, fail, record_of
 
 
-def sync(optimizer: Any, record: Masters, gradients: bool = True) -> Masters | None:
+def sync(masters: MasterWeights, optimizer: Any, record: Masters, gradients: bool = True) -> Masters | None:
     """Copy the half-precision gradients into the masters' (float32) ``.grad``; the record in use, or None.
 
     ``gradients=False``: only bring the masters up to date (a closure step copies the gradients after each call).
     """
     # A frozen parameter started training: its master now (in a closure step its gradient comes later).
     if any(p.grad is not None or (not gradients and p.requires_grad) for p in record.waiting):
-        rebuilt = record_of(optimizer, create=True, rebuild=True)
+        rebuilt = record_of(masters, optimizer, create=True, rebuild=True)
         if rebuilt is None:  # excluded on the way (and said so)
             return None
         record = rebuilt
     if record.refresh is not None:
         refresh(record)
     if gradients:
-        copy_gradients(record)
+        copy_gradients(masters, record)
     return record
 
 
 @torch.no_grad()
-def copy_gradients(record: Masters) -> None:
+def copy_gradients(masters: MasterWeights, record: Masters) -> None:
     """The parameters' gradients into the masters' float32 ``.grad``."""
     sources, targets = [], []
     shared = record.shared
@@ -44,18 +44,20 @@ def copy_gradients(record: Masters) -> None:
         if grad.layout is not torch.strided:
             raise Unwrappable("it receives sparse gradients")
         if master.grad is None:
-            master.grad = _shared_grad(param, master) if shared and id(param) in shared else torch.empty_like(master)
+            master.grad = (
+                _shared_grad(masters, param, master) if shared and id(param) in shared else torch.empty_like(master)
+            )
         sources.append(grad)
         targets.append(master.grad)
     if sources:
         torch._foreach_copy_(targets, sources)
 
 
-def _shared_grad(param: Tensor, master: Tensor) -> Tensor:
+def _shared_grad(masters: MasterWeights, param: Tensor, master: Tensor) -> Tensor:
     """The float32 gradient every optimizer holding ``param`` uses (each copy and unscale writes the same value)."""
-    grad = state.shared_grads.get(id(param))
+    grad = masters.shared_grads.get(id(param))
     if grad is None or grad.shape != master.shape:
-        grad = state.shared_grads[id(param)] = torch.empty_like(master)
+        grad = masters.shared_grads[id(param)] = torch.empty_like(master)
     return grad
 
 
@@ -70,22 +72,22 @@ def refresh(record: Masters) -> None:
     record.refresh = None
 
 
-def synced_gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+def synced_gradients(masters: MasterWeights, optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
     """:func:`ampguard.master_weights.step.gradients` for an optimizer that may have masters: with ``scaler``
     (its ``unscale_``) the half-precision gradients are copied into the masters first."""
     record = None
     try:
-        record = record_of(optimizer, create=scaler is not None) if state.active else None
+        record = record_of(masters, optimizer, create=scaler is not None)
         if record is not None and scaler is not None:
-            record = sync(optimizer, record)
+            record = sync(masters, optimizer, record)
             if record is not None:
                 record.sync_scaler, record.sync_states = weakref.ref(scaler), scaler._per_optimizer_states
-                state.synced.add(record)
+                masters.synced.add(record)
     except Unwrappable as why:
-        exclude(optimizer, str(why), record)
+        exclude(masters, optimizer, str(why), record)
         record = None
     except Exception as error:  # never the reason a run dies: the scaler unscales the parameters' gradients
-        fail(optimizer, record, error)
+        fail(masters, optimizer, record, error)
         record = None
     if record is None or not record.synced():
         return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
@@ -97,10 +99,10 @@ def synced_gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, T
     ]
 
 
-def gradient_pairs(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
+def gradient_pairs(masters: MasterWeights, params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
     """``(parameter, gradient)`` for each of ``params`` with a gradient: the master's when it holds this iteration's."""
     lookup: dict[int, Tensor] = {}
-    for record in list(state.synced):
+    for record in list(masters.synced):
         if record.synced():
             lookup.update(record.master_of)
     if not lookup:
@@ -112,9 +114,3 @@ def gradient_pairs(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
         if grad is not None:
             pairs.append((p, grad))
     return pairs
-
-
-def masters_of(optimizer: Any) -> list[tuple[Tensor, Tensor]]:
-    """``(parameter, master)`` pairs of ``optimizer`` (empty when it has none)."""
-    record = record_of(optimizer, create=False)
-    return list(zip(record.params, record.masters)) if record is not None else []

@@ -25,16 +25,20 @@ Wires :mod:`ampguard.master_weights` into torch:
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
+from torch import Tensor
 
 import ampguard.master_weights.checkpoints as checkpoints
+import ampguard.master_weights.gradient_copies as gradient_copies
 import ampguard.master_weights.step as step
+import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
 from ampguard.config import Config
 from ampguard.errors import PatchUnavailable
-from ampguard.master_weights import activate, deactivate
+from ampguard.master_weights.records import MasterWeights, record_of
 from ampguard.patch import Patch
 
 DTYPES = {"fp16": (torch.float16,), "all": (torch.float16, torch.bfloat16)}
@@ -49,6 +53,8 @@ class MasterWeightsPatch(Patch):
     def __init__(self) -> None:
         super().__init__()
         self._handles: list[Any] = []
+        # This application's masters (a new one each apply); the hooks and wrappers read it at each call.
+        self.masters: MasterWeights | None = None
 
     def apply(self, config: Config) -> None:
         mode = getattr(config, "master_weights", "fp16")
@@ -59,28 +65,58 @@ class MasterWeightsPatch(Patch):
         pre = optimizer_module.register_optimizer_step_pre_hook
         post = optimizer_module.register_optimizer_step_post_hook
         base = torch.optim.Optimizer
+        masters = MasterWeights(DTYPES[mode])
         for name, wrap in (
             ("state_dict", checkpoints.wrap_state_dict),
             ("load_state_dict", checkpoints.wrap_load_state_dict),
             ("zero_grad", checkpoints.wrap_zero_grad),
             ("__getstate__", checkpoints.wrap_getstate),
         ):
-            self.bindings.set_attribute(base, name, wrap(vars(base)[name]))
+            wrapper = wrap(vars(base)[name], self)
+            self.bindings.set_attribute(base, name, wrapper)
+            masters.wrappers[name] = wrapper  # an optimizer class defining its own is not reached by them
         module_load = vars(torch.nn.Module)["load_state_dict"]
         self.bindings.set_attribute(
-            torch.nn.Module, "load_state_dict", checkpoints.wrap_module_load_state_dict(module_load)
+            torch.nn.Module, "load_state_dict", checkpoints.wrap_module_load_state_dict(module_load, self)
         )
         hook_step = vars(base)["profile_hook_step"].__func__
-        self.bindings.set_attribute(base, "profile_hook_step", staticmethod(step.wrap_profile_hook_step(hook_step)))
+        self.bindings.set_attribute(
+            base, "profile_hook_step", staticmethod(step.wrap_profile_hook_step(hook_step, self))
+        )
         for cls in step.hooked_classes():
-            self.bindings.set_attribute(cls, "step", step.put_back_on_error(vars(cls)["step"]))
-        self._handles = [pre(step.before_step), post(step.after_step)]
-        activate(DTYPES[mode])
+            self.bindings.set_attribute(cls, "step", step.put_back_on_error(vars(cls)["step"], self))
+        self._handles = [pre(functools.partial(step.before_step, self)), post(functools.partial(step.after_step, self))]
+        self.masters = masters
+        # The scaler's unscale_ and the clip ask the bus which tensors hold the gradients (the masters' float32 ones).
+        listeners.hold_gradients(
+            listeners.GradientHolders(
+                functools.partial(step.gradients, self), functools.partial(gradient_copies.gradient_pairs, masters)
+            )
+        )
 
     def revert(self) -> None:
-        deactivate()
+        listeners.hold_gradients(None)
+        masters, self.masters = self.masters, None
+        if masters is not None:
+            masters.retire_all()
         for handle in self._handles:
             handle.remove()
         self._handles = []
         super().revert()
         step.unwrap_steps()
+
+
+def applied_masters() -> MasterWeights | None:
+    """The master weights of the applied master_weights patch (found through the registry); None when it is not
+    applied."""
+    from ampguard.registry import applied_patch  # (the registry imports the patches)
+
+    patch = applied_patch(MasterWeightsPatch.name)
+    return patch.masters if isinstance(patch, MasterWeightsPatch) else None
+
+
+def masters_of(optimizer: Any) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, master)`` pairs of ``optimizer`` (empty when it has none, or master weights are not applied)."""
+    masters = applied_masters()
+    record = record_of(masters, optimizer, create=False) if masters is not None else None
+    return list(zip(record.params, record.masters)) if record is not None else []

@@ -9,11 +9,12 @@ plain dict :func:`pickled` wrote, from which the copy's record is rebuilt.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -41,10 +42,20 @@ CANNOT_WRAP = (
 FAILED = "ampguard's master weights failed for {optimizer} ({error}); it is stepped without master weights from now on."
 
 
-class _State:
-    def __init__(self) -> None:
-        self.active = False
-        self.dtypes: tuple[torch.dtype, ...] = ()
+class MasterWeights:
+    """The master weights of one application of the patch: which dtypes get masters, the optimizers that have
+    them, their float32 memory. The patch holds it (``MasterWeightsPatch.masters``) while applied.
+
+    Example (what the patch's hooks do with it)::
+
+        masters = MasterWeights((torch.float16,))
+        record = record_of(masters, optimizer, create=True)  # the optimizer's masters, made at its first step
+        masters.retire_all()  # reverted: every optimizer back as torch has it
+    """
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...]) -> None:
+        self.dtypes = dtypes
+        self.memory = storage.MasterMemory()
         self.records: weakref.WeakSet[Masters] = weakref.WeakSet()
         self.synced: weakref.WeakSet[Masters] = weakref.WeakSet()  # gradients copied, step not taken yet
         # a parameter in several optimizers: one float32 gradient for all of their masters (clipped once, seen by all)
@@ -56,8 +67,26 @@ class _State:
         # place, and the outer step may have edited their gradients).
         self.step_depth: dict[int, int] = {}
 
+    def retire_all(self) -> None:
+        """Put every optimizer that has masters back as torch would have it (the patch is reverted)."""
+        for record in list(self.records):
+            optimizer = record.optimizer()
+            if optimizer is not None:
+                try:
+                    retire(self, optimizer, record)
+                except Exception as error:
+                    logger.warning("ampguard could not put %s back: %r", label(optimizer), error)
+        self.records = weakref.WeakSet()
+        self.synced = weakref.WeakSet()
+        self.excluded = weakref.WeakSet()
+        self.shared_grads = weakref.WeakValueDictionary()
 
-state = _State()
+
+class MastersOwner(Protocol):
+    """What the hooks and wrappers are built with: the master_weights patch, whose ``masters`` is its current
+    application's (None once reverted: torch's behaviour)."""
+
+    masters: MasterWeights | None
 
 
 class Unwrappable(Exception):
@@ -128,11 +157,11 @@ class Masters:
         with torch.no_grad():
             torch._foreach_copy_(self.params, self.masters)
 
-    def free_grads(self) -> None:
+    def free_grads(self, masters: MasterWeights) -> None:
         for master in self.masters:
             master.grad = None
         self.sync_scaler = self.sync_states = None
-        state.synced.discard(self)
+        masters.synced.discard(self)
 
 
 def _signature(optimizer: Any) -> tuple[Any, ...]:
@@ -149,7 +178,7 @@ def quick(optimizer: Any) -> tuple[Any, ...]:
     return len(groups), id(last), len(last)
 
 
-def _why_not(optimizer: Any) -> str | None:
+def _why_not(masters: MasterWeights, optimizer: Any) -> str | None:
     """Why the hooks and wrappers this package relies on do not reach ``optimizer`` (None: they do)."""
     if not isinstance(optimizer, torch.optim.Optimizer):
         return "it is not a torch.optim.Optimizer, so torch's step hooks do not reach it"
@@ -157,12 +186,12 @@ def _why_not(optimizer: Any) -> str | None:
     if not getattr(cls.step, "hooked", False):
         return "its step() is not wrapped by torch (Optimizer.__init__ was not called), so step hooks do not reach it"
     for name in ("state_dict", "load_state_dict"):
-        if state.wrappers.get(name) is not None and getattr(cls, name) is not state.wrappers[name]:
+        if masters.wrappers.get(name) is not None and getattr(cls, name) is not masters.wrappers[name]:
             return f"{cls.__name__} defines its own {name}(), so the master weights could not be saved with it"
     return None
 
 
-def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
+def _new_masters(masters: MasterWeights, optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
     """Masters for the trainable half-precision parameters not in ``kept``, the widest first.
 
     Widest first, so that a Parameter over a slice of another's memory gets a
@@ -171,7 +200,7 @@ def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
     found = []
     for index, group in enumerate(optimizer.param_groups):
         for position, param in enumerate(group["params"]):
-            if param.dtype in state.dtypes:
+            if param.dtype in masters.dtypes:
                 if type(param) not in _PLAIN_TYPES:
                     raise Unwrappable(f"its parameters are {type(param).__name__} tensors")
                 if param.requires_grad and id(param) not in kept:
@@ -179,7 +208,7 @@ def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
     made = {}
     for where, param in sorted(found, key=lambda item: -item[1].numel()):
         try:
-            made[id(param)] = storage.master_for(param)
+            made[id(param)] = masters.memory.master_for(param)
         except storage.PartialOverlap:
             raise Unwrappable(
                 f"its parameter {where} ({str(param.dtype).replace('torch.', '')}, shape {list(param.shape)}) "
@@ -190,6 +219,7 @@ def _new_masters(optimizer: Any, kept: dict[int, Tensor]) -> dict[int, Tensor]:
 
 
 def _build(
+    masters: MasterWeights,
     optimizer: Any,
     kept: dict[int, Tensor],
     refresh: str | None,
@@ -206,19 +236,19 @@ def _build(
     if revived:
         refresh = refresh or "check"
     kept = {**kept, **revived}
-    made = _new_masters(optimizer, kept)
+    made = _new_masters(masters, optimizer, kept)
     move_state_to_masters(optimizer, made)
     kept = {**kept, **made}
-    model_lists, master_lists, params, masters, waiting = [], [], [], [], []
+    model_lists, master_lists, params, copies, waiting = [], [], [], [], []
     for group in optimizer.param_groups:
         group_params = group["params"]
         group_masters = []
         for param in group_params:
-            if param.dtype in state.dtypes:
+            if param.dtype in masters.dtypes:
                 if param.requires_grad:
                     master = kept[id(param)]
                     params.append(param)
-                    masters.append(master)
+                    copies.append(master)
                     group_masters.append(master)
                     continue
                 waiting.append(param)
@@ -227,10 +257,10 @@ def _build(
         master_lists.append(group_masters)
     if not params and not waiting:
         return Plain(quick(optimizer))
-    record = Masters(weakref.ref(optimizer), signature, model_lists, master_lists, params, masters, waiting)
-    record.master_of = {id(p): m for p, m in zip(params, masters)}
+    record = Masters(weakref.ref(optimizer), signature, model_lists, master_lists, params, copies, waiting)
+    record.master_of = {id(p): m for p, m in zip(params, copies)}
     earlier = {key: made for key, made in earlier.items() if made[0]() is not None}
-    earlier.update((id(p), (weakref.ref(p), m)) for p, m in zip(params, masters))
+    earlier.update((id(p), (weakref.ref(p), m)) for p, m in zip(params, copies))
     record.earlier = earlier
     record.refresh = refresh
     return record
@@ -247,7 +277,7 @@ def pickled(optimizer: Any, record: Masters) -> dict[str, Any]:
     return {"pairs": pairs, "refresh": record.refresh, "state": [optimizer.state.get(m) for _, m in pairs]}
 
 
-def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters | None:
+def record_of(masters: MasterWeights, optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters | None:
     """The optimizer's masters, (re)built when ``create`` and its param_groups changed; None: nothing to do.
 
     A record still ``swapped`` outside a step belongs to a step that raised
@@ -268,67 +298,67 @@ def record_of(optimizer: Any, *, create: bool, rebuild: bool = False) -> Masters
         return None
     previous = entry if isinstance(entry, Masters) else None
     try:
-        reason = _why_not(optimizer)
+        reason = _why_not(masters, optimizer)
         if reason is not None:
             raise Unwrappable(reason)
         if unpickled:
             assert isinstance(entry, dict)
-            pairs = [(param, storage.adopt(param, master)) for param, master in entry["pairs"]]
+            pairs = [(param, masters.memory.adopt(param, master)) for param, master in entry["pairs"]]
             for (param, master), saved in zip(pairs, entry["state"]):
                 optimizer.state.pop(param, None)  # the copy torch would have had: the float32 one goes in its place
                 if saved is not None:
                     optimizer.state[master] = saved
-            built = _build(optimizer, {id(p): m for p, m in pairs}, entry["refresh"])
+            built = _build(masters, optimizer, {id(p): m for p, m in pairs}, entry["refresh"])
         else:
             built = (
-                _build(optimizer, previous.master_of, previous.refresh, previous.earlier)
+                _build(masters, optimizer, previous.master_of, previous.refresh, previous.earlier)
                 if previous is not None
-                else _build(optimizer, {}, None)
+                else _build(masters, optimizer, {}, None)
             )
     except Unwrappable as why:
-        exclude(optimizer, str(why), previous)
+        exclude(masters, optimizer, str(why), previous)
         return None
     optimizer.__dict__[ATTRIBUTE] = built
     if not isinstance(built, Masters):
         return None
-    _put_back_before_its_own_post_hooks(optimizer)
+    _put_back_before_its_own_post_hooks(masters, optimizer)
     if previous is not None:
-        state.records.discard(previous)
-    for other in state.records:
+        masters.records.discard(previous)
+    for other in masters.records:
         common = built.master_of.keys() & other.master_of.keys()
         other.shared |= common
         built.shared |= common
         for key in common:  # a gradient the other optimizer holds already is the one to share
             grad = other.master_of[key].grad
             if grad is not None:
-                state.shared_grads[key] = grad
-    state.records.add(built)
-    for other in list(state.excluded):
-        _note_sharing(other)
+                masters.shared_grads[key] = grad
+    masters.records.add(built)
+    for other in list(masters.excluded):
+        _note_sharing(masters, other)
     if (previous is None or not previous.params) and not unpickled:
         _announce(optimizer, built)
     return built
 
 
-def _put_back_before_its_own_post_hooks(optimizer: Any) -> None:
+def _put_back_before_its_own_post_hooks(masters: MasterWeights, optimizer: Any) -> None:
     """torch runs an optimizer's own step post-hooks before the global one: put the parameters back first for them."""
     if _POST_HOOK in optimizer.__dict__:
         return
     try:
-        handle = optimizer.register_step_post_hook(_put_back)
+        handle = optimizer.register_step_post_hook(functools.partial(_put_back, masters))
         optimizer._optimizer_step_post_hooks.move_to_end(handle.id, last=False)
     except (AttributeError, KeyError):  # the global post-hook puts them back, after the optimizer's own hooks
         return
     optimizer.__dict__[_POST_HOOK] = handle
 
 
-def _put_back(optimizer: Any, args: Any, kwargs: Any) -> None:
+def _put_back(masters: MasterWeights, optimizer: Any, args: Any, kwargs: Any) -> None:
     record = optimizer.__dict__.get(ATTRIBUTE)
     if record.__class__ is Masters and record.swapped:  # (inside a super().step() too: the outer swaps back in)
         try:
             record.put_back(optimizer)
         except Exception as error:  # never the reason a run dies: torch's behaviour from here on
-            fail(optimizer, record, error)
+            fail(masters, optimizer, record, error)
 
 
 def _announce(optimizer: Any, record: Masters) -> None:
@@ -347,47 +377,47 @@ def _announce(optimizer: Any, record: Masters) -> None:
     logger.info(KEEPS.format(optimizer=label(optimizer), counts=counts, mib=sum(numel.values()) * 4 / 2**20))
 
 
-def _half_dtypes(optimizer: Any) -> list[str]:
+def _half_dtypes(masters: MasterWeights, optimizer: Any) -> list[str]:
     found = {
         str(p.dtype).replace("torch.", "")
         for group in getattr(optimizer, "param_groups", ())
         for p in group["params"]
-        if p.dtype in state.dtypes and p.requires_grad
+        if p.dtype in masters.dtypes and p.requires_grad
     }
     return sorted(found)
 
 
-def _mark_excluded(optimizer: Any, reason: str) -> None:
+def _mark_excluded(masters: MasterWeights, optimizer: Any, reason: str) -> None:
     try:
         optimizer.__dict__[ATTRIBUTE] = Excluded(reason)
-        state.excluded.add(optimizer)
+        masters.excluded.add(optimizer)
     except (AttributeError, TypeError):  # not an object we can mark: say it every time it comes back
         return
-    _note_sharing(optimizer)
+    _note_sharing(masters, optimizer)
 
 
-def _note_sharing(optimizer: Any) -> None:
+def _note_sharing(masters: MasterWeights, optimizer: Any) -> None:
     """The records that hold parameters of the excluded ``optimizer`` (its steps write into their masters' weights)."""
     entry = optimizer.__dict__.get(ATTRIBUTE)
     if not isinstance(entry, Excluded):
         return
-    ids = {id(p) for group in optimizer.param_groups for p in group["params"] if p.dtype in state.dtypes}
-    for record in state.records:
+    ids = {id(p) for group in optimizer.param_groups for p in group["params"] if p.dtype in masters.dtypes}
+    for record in masters.records:
         if not ids.isdisjoint(record.master_of):
             entry.shares.add(record)
 
 
-def exclude(optimizer: Any, reason: str, record: Masters | None) -> None:
+def exclude(masters: MasterWeights, optimizer: Any, reason: str, record: Masters | None) -> None:
     """Leave ``optimizer`` as torch has it, for good (putting its state back on its parameters), and say so once."""
     if record is not None:
-        retire(optimizer, record)
-    dtypes = _half_dtypes(optimizer)
-    _mark_excluded(optimizer, reason)
+        retire(masters, optimizer, record)
+    dtypes = _half_dtypes(masters, optimizer)
+    _mark_excluded(masters, optimizer, reason)
     if dtypes:
         logger.warning(CANNOT_WRAP.format(optimizer=label(optimizer), dtypes=" and ".join(dtypes), reason=reason))
 
 
-def retire(optimizer: Any, record: Masters) -> None:
+def retire(masters: MasterWeights, optimizer: Any, record: Masters) -> None:
     """Put the optimizer back as torch would have it: state keyed by the parameters (cast to their dtype)."""
     record.put_back(optimizer)
     for param, master in zip(record.params, record.masters):
@@ -398,8 +428,8 @@ def retire(optimizer: Any, record: Masters) -> None:
             for param, master in zip(record.params, record.masters):
                 if master.grad is not None and param.grad is not None:
                     param.grad.copy_(master.grad)
-    record.free_grads()
-    state.records.discard(record)
+    record.free_grads(masters)
+    masters.records.discard(record)
     optimizer.__dict__.pop(ATTRIBUTE, None)
     for key in (_POST_HOOK, PRE_HOOK):
         handle = optimizer.__dict__.pop(key, None)
@@ -407,34 +437,11 @@ def retire(optimizer: Any, record: Masters) -> None:
             handle.remove()
 
 
-def fail(optimizer: Any, record: Masters | None, error: Exception) -> None:
+def fail(masters: MasterWeights, optimizer: Any, record: Masters | None, error: Exception) -> None:
     logger.warning(FAILED.format(optimizer=label(optimizer), error=f"{type(error).__name__}: {error}"))
     try:
         if record is not None:
-            retire(optimizer, record)
-        _mark_excluded(optimizer, f"failed: {error!r}")
+            retire(masters, optimizer, record)
+        _mark_excluded(masters, optimizer, f"failed: {error!r}")
     except Exception as second:
         logger.debug("ampguard could not put %s back: %r", label(optimizer), second)
-
-
-def activate(dtypes: tuple[torch.dtype, ...]) -> None:
-    state.dtypes = dtypes
-    state.active = True
-
-
-def deactivate() -> None:
-    """Switch off, putting every optimizer that has masters back as torch would have it."""
-    state.active = False
-    for record in list(state.records):
-        optimizer = record.optimizer()
-        if optimizer is not None:
-            try:
-                retire(optimizer, record)
-            except Exception as error:
-                logger.warning("ampguard could not put %s back: %r", label(optimizer), error)
-    state.records = weakref.WeakSet()
-    state.synced = weakref.WeakSet()
-    state.excluded = weakref.WeakSet()
-    state.shared_grads = weakref.WeakValueDictionary()
-    state.wrappers = {}
-    storage.forget()

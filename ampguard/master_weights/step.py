@@ -35,13 +35,14 @@ from ampguard.master_weights.records import (
     PRE_HOOK,
     Excluded,
     Masters,
+    MastersOwner,
+    MasterWeights,
     Plain,
     Unwrappable,
     exclude,
     fail,
     label,
     record_of,
-    state,
 )
 
 logger = event_logger("masters")
@@ -49,23 +50,27 @@ logger = event_logger("masters")
 _PUTS_BACK = "_ampguard_puts_masters_back"
 
 
-def gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+def gradients(owner: MastersOwner, optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
     """``(parameter, the tensor holding its gradient)`` for every parameter of ``optimizer``, in param_groups order.
 
     With ``scaler`` (called from its ``unscale_``), the half-precision gradients
     are first copied into the float32 masters, which the scaler then unscales.
+    (The scaler and the clip find it, bound to the patch, on their bus: ``listeners.gradient_holders``.)
     """
+    masters = owner.masters
+    if masters is None:  # (reverted meanwhile)
+        return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
     entry = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
     if entry.__class__ is Plain:  # the float32 optimizer's path: records.quick(), inlined (every unscale_)
         groups = optimizer.param_groups
         last = groups[-1]["params"] if groups else ()
         if entry.signature == (len(groups), id(last), len(last)):
             return [(p, p.grad) for group in groups for p in group["params"]]
-    return gradient_copies.synced_gradients(optimizer, scaler)
+    return gradient_copies.synced_gradients(masters, optimizer, scaler)
 
 
 def before_step(
-    optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
+    owner: MastersOwner, optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """Global optimizer step pre-hook: the optimizer's record up to date, and :func:`swap_in` last of its pre-hooks.
 
@@ -73,7 +78,8 @@ def before_step(
     every pre-hook of the user's (a gradient mask keyed by the model's parameters would find nothing). The swap is
     the optimizer's own last pre-hook instead, so that the user's see their own parameters, as under torch.
     """
-    if not state.active:
+    masters = owner.masters
+    if masters is None:
         return None
     entry = optimizer.__dict__.get(ATTRIBUTE)
     if entry.__class__ is Plain:  # the float32 optimizer's path: records.quick(), inlined (every step)
@@ -81,52 +87,53 @@ def before_step(
         last = groups[-1]["params"] if groups else ()
         if entry.signature == (len(groups), id(last), len(last)):
             return None
-    # An inner step (a subclass's super().step(), state.step_depth above 1): its hooks see the model's
-    if entry.__class__ is Masters and state.step_depth.get(id(optimizer), 0) > 1:
+    # An inner step (a subclass's super().step(), step_depth above 1): its hooks see the model's
+    if entry.__class__ is Masters and masters.step_depth.get(id(optimizer), 0) > 1:
         if entry.swapped:
             entry.swap(optimizer, to_masters=False)
         return None
     record = None
     try:
-        record = record_of(optimizer, create=True)
-        if record is not None and not _last_pre_hook(optimizer):
-            return swap_in(optimizer, args, kwargs)  # no hook of its own: here, before the user's
+        record = record_of(masters, optimizer, create=True)
+        if record is not None and not _last_pre_hook(owner, optimizer):
+            return swap_in(owner, optimizer, args, kwargs)  # no hook of its own: here, before the user's
     except Exception as error:  # never the reason a run dies: torch's behaviour from here on
-        _give_up(optimizer, record, error)
+        _give_up(masters, optimizer, record, error)
     return None
 
 
-def _last_pre_hook(optimizer: Any) -> bool:
+def _last_pre_hook(owner: MastersOwner, optimizer: Any) -> bool:
     """Put :func:`swap_in` last among the optimizer's own step pre-hooks (False: it cannot have one)."""
     hooks = getattr(optimizer, "_optimizer_step_pre_hooks", None)
     if not isinstance(hooks, dict):
         return False
     handle = optimizer.__dict__.get(PRE_HOOK)
     if handle is None or handle.id not in hooks:
-        optimizer.__dict__[PRE_HOOK] = optimizer.register_step_pre_hook(swap_in)
+        optimizer.__dict__[PRE_HOOK] = optimizer.register_step_pre_hook(functools.partial(swap_in, owner))
     elif next(reversed(hooks)) != handle.id:  # a hook the user registered since: after it
         hooks[handle.id] = hooks.pop(handle.id)
     return True
 
 
 def swap_in(
-    optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
+    owner: MastersOwner, optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The optimizer's last step pre-hook: gradients into the masters, the masters into param_groups.
 
     A step with a closure gets torch's ``(args, kwargs)`` back with a :class:`closure.MasterClosure` in it.
     """
     record = optimizer.__dict__.get(ATTRIBUTE)
-    if not state.active or record.__class__ is not Masters:
+    masters = owner.masters
+    if masters is None or record.__class__ is not Masters:
         return None
-    if state.step_depth.get(id(optimizer), 0) > 1:  # the outer step copied the gradients; the inner steps the masters
+    if masters.step_depth.get(id(optimizer), 0) > 1:  # the outer step copied the gradients; the inner steps the masters
         if not record.swapped:
             record.swap(optimizer, to_masters=True)
         return None
     try:
         step_closure = closure.closure_of(args, kwargs) if len(args) > 1 or kwargs else None
         if step_closure is not None or not record.synced():
-            record = gradient_copies.sync(optimizer, record, gradients=step_closure is None)
+            record = gradient_copies.sync(masters, optimizer, record, gradients=step_closure is None)
         elif record.refresh is not None:  # weights written since the gradients were copied (another optimizer)
             gradient_copies.refresh(record)
         if record is not None and record.params:
@@ -137,23 +144,23 @@ def swap_in(
                     args,
                     kwargs,
                     step_closure,
-                    functools.partial(gradient_copies.copy_gradients, record),
-                    functools.partial(_give_up, optimizer, record),
+                    functools.partial(gradient_copies.copy_gradients, masters, record),
+                    functools.partial(_give_up, masters, optimizer, record),
                 )
             record.swap(optimizer, to_masters=True)
     except Exception as error:  # never the reason a run dies: torch's behaviour from here on
-        _give_up(optimizer, record, error)
+        _give_up(masters, optimizer, record, error)
     return None
 
 
-def _give_up(optimizer: Any, record: Masters | None, error: Exception) -> None:
+def _give_up(masters: MasterWeights, optimizer: Any, record: Masters | None, error: Exception) -> None:
     if isinstance(error, Unwrappable):
-        exclude(optimizer, str(error), record)
+        exclude(masters, optimizer, str(error), record)
     else:
-        fail(optimizer, record, error)
+        fail(masters, optimizer, record, error)
 
 
-def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+def after_step(owner: MastersOwner, optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
     """Global optimizer step post-hook: the model's lists back, the rounded masters into the parameters."""
     record = getattr(optimizer, "__dict__", {}).get(ATTRIBUTE)
     if record.__class__ is not Masters:
@@ -161,14 +168,15 @@ def after_step(optimizer: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> N
             for other in record.shares:
                 other.refresh = other.refresh or "check"
         return
-    if state.step_depth.get(id(optimizer), 0) > 1:  # (an inner step: its own post-hook put the parameters back)
-        return
+    masters = owner.masters
+    if masters is None or masters.step_depth.get(id(optimizer), 0) > 1:  # (an inner step: its own post-hook
+        return  # put the parameters back)
     try:
         if record.swapped:  # else already put back (by a call into this package from an earlier post-hook)
             record.put_back(optimizer)
-        record.free_grads()
+        record.free_grads(masters)
     except Exception as error:
-        fail(optimizer, record, error)
+        fail(masters, optimizer, record, error)
 
 
 def _after_error(optimizer: Any) -> None:
@@ -186,15 +194,18 @@ def _swap_back_in(optimizer: Any) -> None:
         record.swap(optimizer, to_masters=True)
 
 
-def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
+def put_back_on_error(step: Callable[..., Any], owner: MastersOwner) -> Callable[..., Any]:
     """``step`` (torch's hooked wrapper of an optimizer class's step) that puts the masters back if it raises."""
     if getattr(step, _PUTS_BACK, False):
         return step
 
     @functools.wraps(step)
     def step_putting_masters_back_on_error(*args: Any, **kwargs: Any) -> Any:
+        masters = owner.masters
+        if masters is None:  # reverted: torch's step
+            return step(*args, **kwargs)
         key = id(args[0]) if args else 0
-        depth = state.step_depth
+        depth = masters.step_depth
         depth[key] = depth.get(key, 0) + 1
         try:
             result = step(*args, **kwargs)
@@ -215,12 +226,12 @@ def put_back_on_error(step: Callable[..., Any]) -> Callable[..., Any]:
     return step_putting_masters_back_on_error
 
 
-def wrap_profile_hook_step(original: Callable[..., Any]) -> Callable[..., Any]:
+def wrap_profile_hook_step(original: Callable[..., Any], owner: MastersOwner) -> Callable[..., Any]:
     """``Optimizer.profile_hook_step``, which torch calls once per optimizer class to hook its step."""
 
     @functools.wraps(original)
     def profile_hook_step(func: Callable[..., Any]) -> Callable[..., Any]:
-        return put_back_on_error(original(func))
+        return put_back_on_error(original(func), owner)
 
     return profile_hook_step
 

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.amp import grad_scaler
 
-import ampguard.master_weights as master_weights
+import ampguard.scaler.listeners as listeners
 from ampguard.scaler.parts import ScalerParts
 
 
@@ -71,7 +71,7 @@ def _multiply_gradients(optimizer: Any, scale: torch.Tensor) -> None:
     """
     dense: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
     with torch.no_grad():
-        for param, grad in master_weights.gradients(optimizer):
+        for param, grad in listeners.gradients(optimizer):
             if grad is None:
                 continue
             if param.grad is not None and grad is not param.grad:

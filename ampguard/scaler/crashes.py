@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-import ampguard.master_weights as master_weights
 import ampguard.messages as messages
+import ampguard.scaler.listeners as listeners
 from ampguard.log import event, label, logger
 from ampguard.scaler.parts import ScalerParts
 
@@ -66,8 +66,15 @@ class CrashGuards(ScalerParts):
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = {}
         saw_fp16 = False
         with torch.no_grad():
-            # Half-precision parameters with fp32 master weights: their gradients, copied into the masters.
-            for param, grad in master_weights.gradients(optimizer, None if refuse_fp16 else self):
+            # Half-precision parameters with fp32 master weights: their gradients, copied into the masters
+            # (listeners.gradients, inline: every unscale_).
+            holders = listeners.gradient_holders
+            pairs = (
+                holders.of_optimizer(optimizer, None if refuse_fp16 else self)
+                if holders is not None
+                else [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+            )
+            for param, grad in pairs:
                 if grad is None:
                     continue
                 if grad.dtype == torch.float16:

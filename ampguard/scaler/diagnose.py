@@ -30,9 +30,10 @@ from typing import Any
 
 import torch
 
-import ampguard.master_weights as master_weights
 import ampguard.messages as messages
+import ampguard.scaler.listeners as listeners
 from ampguard.log import ANY_RANK, event_logger
+from ampguard.log import label as log_label
 from ampguard.scaler.counters import counters_of
 from ampguard.syncs import read_to_host
 
@@ -116,7 +117,7 @@ class NonFinite:
 
 
 def _grads(optimizer: Any) -> Iterator[tuple[int, int, torch.Tensor, torch.Tensor]]:
-    holders = iter(master_weights.gradients(optimizer))  # a master's float32 gradient once unscale_ copied it there
+    holders = iter(listeners.gradients(optimizer))  # a master's float32 gradient once unscale_ copied it there
     for g, group in enumerate(optimizer.param_groups):
         for i, _ in enumerate(group["params"]):
             param, grad = next(holders)
@@ -210,7 +211,7 @@ def _report(scaler: Any, optimizer: Any, *, loss_nonfinite: bool, step: int, unr
     counters = counters_of(scaler)
     scale = counters.mirror_scale if counters is not None else None
     at_scale = f" at loss scale {scale:g}" if isinstance(scale, float) else ""
-    label = master_weights.label(optimizer)
+    label = log_label(optimizer)
     state = _states.get(scaler)
     if state is not None:
         state.corrupt = _listed(weights) if weights.total else ""

@@ -45,13 +45,21 @@ and asks for a change through ``handle.grow_now()`` and ``handle.skip_step_if()`
 never the scaler's attributes, never the scaler.
 A listener that raises is reported once (:mod:`ampguard.containment`) and the
 step goes on as torch's.
+
+**Where gradients are held.** A capability that keeps parameters' gradients
+elsewhere for the step (master weights: the float32 masters' ``.grad``) says
+so with :func:`hold_gradients`; the scaler's ``unscale_`` and the clip ask
+:data:`gradient_holders` (:func:`gradients`, :func:`gradient_pairs` elsewhere),
+so the scaler imports no capability.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
+from torch import Tensor
 
 import ampguard.containment as containment
 
@@ -198,6 +206,43 @@ _OVERRIDABLE = (
 )
 overriding: dict[str, tuple[StepListener, ...]] = dict.fromkeys(_OVERRIDABLE, ())
 no_fields: dict[StepListener, int] = {}  # every field 0: a read that carried none
+
+
+class GradientHolders(NamedTuple):
+    """Where a capability keeps the parameters' gradients for the step (master weights: in their float32 masters),
+    as the scaler's ``unscale_`` and the clip ask for them."""
+
+    # (optimizer, scaler or None) -> (parameter, the tensor holding its gradient) for every parameter; with the
+    # scaler (its unscale_), the gradients are first moved where they are held.
+    of_optimizer: Callable[..., list[tuple[Tensor, Tensor | None]]]
+    # parameters -> (parameter, its gradient) for those with one
+    of_parameters: Callable[[Iterable[Tensor]], list[tuple[Tensor, Tensor]]]
+
+
+gradient_holders: GradientHolders | None = None  # read inline by the scaler's unscale_ and the clip
+
+
+def hold_gradients(holders: GradientHolders | None) -> None:
+    """``holders`` answer where gradients are from now on (a patch's ``apply()``; None in its ``revert()``)."""
+    global gradient_holders
+    gradient_holders = holders
+
+
+def gradients(optimizer: Any, scaler: Any = None) -> list[tuple[Tensor, Tensor | None]]:
+    """``(parameter, the tensor holding its gradient)`` for every parameter of ``optimizer``, in param_groups order:
+    a master's float32 gradient once ``unscale_`` copied it there, else ``p.grad``."""
+    holders = gradient_holders
+    if holders is not None:
+        return holders.of_optimizer(optimizer, scaler)
+    return [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+
+
+def gradient_pairs(params: Iterable[Tensor]) -> list[tuple[Tensor, Tensor]]:
+    """``(parameter, gradient)`` for each of ``params`` with a gradient: a master's when it holds this iteration's."""
+    holders = gradient_holders
+    if holders is not None:
+        return holders.of_parameters(params)
+    return [(p, p.grad) for p in params if p.grad is not None]
 
 
 def add(listener: StepListener, subscribed: tuple[str, ...] = EVENTS) -> None:

@@ -23,8 +23,8 @@ from torch import nn
 
 import ampguard
 import ampguard.clip_grad.api
-import ampguard.master_weights
 import ampguard.scaler
+import ampguard.scaler.listeners
 from ampguard.syncs import HostReadCounter
 
 SCALE = 1024.0
@@ -80,7 +80,7 @@ class Iteration:
         """unscale_ (if it was forgotten), the gradients the optimizer steps on (float32), then step and update."""
         if not self.unscale_first:
             self.scaler.unscale_(self.optimizer)
-        grads = [g.detach().float().clone() for _, g in ampguard.master_weights.gradient_pairs(self.params)]
+        grads = [g.detach().float().clone() for _, g in ampguard.scaler.listeners.gradient_pairs(self.params)]
         self.scaler.step(self.optimizer)
         self.scaler.update()
         return grads

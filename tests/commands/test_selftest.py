@@ -31,7 +31,7 @@ import ampguard.clip_grad.norm
 import ampguard.containment
 import ampguard.master_weights.patch
 import ampguard.underflow.counts
-from ampguard import machine, master_weights, registry
+from ampguard import machine, registry
 from ampguard.clip_grad.state import ClipState
 from ampguard.commands.selftest import checks, device, faults, report, runner, scaling
 from ampguard.commands.selftest.result import CheckResult, Context
@@ -155,8 +155,7 @@ def test_kernels_check_fails_for_five_more_ops_per_step(monkeypatch):
 
 def test_masters_check_fails_with_the_master_path_turned_off(monkeypatch):
     # the patch applied, no masters made (also after the reference run's uninstall/install)
-    monkeypatch.setattr(ampguard.master_weights.patch, "activate", lambda dtypes: None)
-    monkeypatch.setattr(master_weights.state, "active", False)
+    monkeypatch.setattr(ampguard.master_weights.patch, "DTYPES", {"fp16": (), "all": ()})
     result = run("fp16_model_with_masters")
     assert result.status == "failed" and result.measured["masters"] == 0
     assert not result.measured["finite"] or result.measured["share_of_float32"] < 0.9

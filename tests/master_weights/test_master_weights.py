@@ -19,6 +19,7 @@ from scaler_support import ampguard_log, fused_adam_available, one_thread, recor
 import ampguard
 from ampguard import master_weights
 from ampguard.master_weights import gradient_copies
+from ampguard.scaler import listeners
 from ampguard.syncs import HostReadCounter
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -92,7 +93,7 @@ def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
         loss = model(torch.randn(8, WIDTH)).float().square().mean()
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
-    grads = [g for _, g in master_weights.gradients(opt)]
+    grads = [g for _, g in listeners.gradients(opt)]
     assert all(g.dtype == torch.float32 for g in grads)
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), float(expected) / 2)
@@ -401,9 +402,9 @@ def test_a_second_unscale_leaves_the_master_gradients_alone():
     scaler = torch.amp.GradScaler("cpu")
     scaler.scale(model(torch.randn(4, 8, dtype=torch.float16)).float().square().mean()).backward()
     scaler.unscale_(opt)
-    once = [g.clone() for _, g in master_weights.gradients(opt)]
+    once = [g.clone() for _, g in listeners.gradients(opt)]
     scaler.unscale_(opt)  # a library and the user both call it
-    assert all(torch.equal(a, b) for a, b in zip(once, (g for _, g in master_weights.gradients(opt))))
+    assert all(torch.equal(a, b) for a, b in zip(once, (g for _, g in listeners.gradients(opt))))
     before = [m.clone() for _, m in master_weights.masters_of(opt)]
     scaler.step(opt)
     scaler.update()

@@ -36,14 +36,15 @@ from ampguard.scaler import SafeGradScaler
 
 @contextlib.contextmanager
 def _masters_for(dtype: torch.dtype) -> Iterator[None]:
-    if not master_weights.state.active:
+    masters = master_weights.applied_masters()
+    if masters is None:
         raise RuntimeError("the master_weights patch is not applied (AMPGUARD_MASTER_WEIGHTS=off or disabled)")
-    previous = master_weights.state.dtypes
-    master_weights.state.dtypes = tuple(dict.fromkeys((*previous, dtype)))
+    previous = masters.dtypes
+    masters.dtypes = tuple(dict.fromkeys((*previous, dtype)))
     try:
         yield
     finally:
-        master_weights.state.dtypes = previous
+        masters.dtypes = previous
 
 
 def _bytes(tensors: Any) -> int:
