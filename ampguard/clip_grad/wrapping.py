@@ -3,6 +3,7 @@ with ampguard's failures contained (torch's function runs instead) and warnings 
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import sys
@@ -44,7 +45,8 @@ def safe_function_wrapper(
       class; dynamo traces its ``__call__``, which, while compiling, is torch's
       function itself: compiled code (fullgraph included) clips as torch does.
     * ``copy``/``deepcopy`` return the wrapper itself and pickling stores a
-      reference to the module attribute, as for a function (wrapt refuses both).
+      reference to the module attribute, as for a function (wrapt refuses both);
+      a wrapper that is no longer that attribute pickles as torch's function.
     """
 
     def bound(wrapped: Callable[..., Any], instance: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -70,8 +72,13 @@ def safe_function_wrapper(
         def __deepcopy__(self, memo: dict[int, Any]) -> SafeFunctionWrapper:
             return self
 
-        def __reduce_ex__(self, protocol: Any) -> str:
-            return self.__wrapped__.__qualname__
+        def __reduce_ex__(self, protocol: Any) -> str | tuple[Any, ...]:
+            name = original.__qualname__
+            if getattr(sys.modules.get(original.__module__), name, None) is self:
+                return name  # a reference to the module attribute: loads with or without ampguard
+            # Not the module attribute (held across an uninstall): pickled as torch's function (copy.copy gives a
+            # function back as it is), which it behaves as now.
+            return copy.copy, (original,)
 
     SafeFunctionWrapper.__name__ = SafeFunctionWrapper.__qualname__ = "SafeFunctionWrapper"
     return SafeFunctionWrapper(original, bound)

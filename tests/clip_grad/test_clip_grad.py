@@ -11,6 +11,7 @@ import contextlib
 import inspect
 import logging
 import math
+import pickle
 import sys
 import textwrap
 import warnings
@@ -832,6 +833,21 @@ def test_wrappers_copy_and_pickle_like_functions() -> None:
         assert copy.copy(wrapper) is wrapper and copy.deepcopy({"clip": wrapper})["clip"] is wrapper
         assert pickle.loads(pickle.dumps(wrapper)) is wrapper
     assert b"ampguard" not in pickle.dumps(torch.nn.utils.clip_grad_norm_)  # loads without ampguard
+
+
+def test_a_wrapper_held_across_an_uninstall_pickles_as_torchs_function_does() -> None:
+    """A config holding ``torch.nn.utils.clip_grad_norm_`` taken while installed, pickled after an uninstall: the
+    wrapper, torch's function in behaviour now, pickles as torch's function (it was pickled as a reference to the
+    module attribute, which is torch's function again: pickle refused it, "not the same object"). Found by review."""
+    held = {"clip": torch.nn.utils.clip_grad_norm_}
+    ampguard.uninstall()
+    try:
+        original = torch.nn.utils.clip_grad.clip_grad_norm_
+        data = pickle.dumps(held)
+        loaded = pickle.loads(data)
+    finally:
+        ampguard.install()
+    assert loaded["clip"] is original and b"ampguard" not in data
 
 
 @pytest.mark.parametrize("fullgraph", [False, True], ids=["graph-break", "fullgraph"])
