@@ -11,7 +11,7 @@
 - ``checkpoint_islands``: the islands a loaded checkpoint names, re-applied at the next module call.
 - ``compiled_islands``: an island that compiled code leaves out, named once.
 - ``island_hooks``: the hooks an island carries and the table they read (a saved or copied model keeps working, its
-  hooks doing nothing; torch.compile does not trace them).
+  hooks doing nothing; compiled code leaves them out, fullgraph included).
 - ``island_io``: the inputs cast to float32 at any depth, the outputs given back their autocast dtypes.
 - ``half_parameters``: an island's float16/bfloat16 parameters and buffers read as float32 copies, call by call.
 - ``tensor_tree``: the floating tensors inside any nesting of containers (torch's pytree, dataclasses).

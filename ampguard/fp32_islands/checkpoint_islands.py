@@ -18,11 +18,18 @@ from torch.nn.modules import module as nn_module
 import ampguard.fp32_islands.model_tree as model_tree
 from ampguard.fp32_islands.probe import qualified_name, unwrap
 from ampguard.log import event_logger
+from ampguard.torch_privates import is_compiling
 
 if TYPE_CHECKING:
     from ampguard.fp32_islands.islands import Islands
 
 logger = event_logger("island")
+
+NOT_LOOKED_UP = (
+    "the checkpoint names fp32 islands %s, but no module was called outside compiled code in the first iteration "
+    "after loading (islands do not apply inside torch.compile'd code): not re-applied (ampguard names an island "
+    "again at its next forward overflow)."
+)
 
 
 class CheckpointIslands:
@@ -74,7 +81,8 @@ class CheckpointIslands:
             return
         left = self._names
         self.stop()
-        _report_unresolved(left)  # no module was called at all
+        if left:
+            logger.warning(NOT_LOOKED_UP, ", ".join(left))
 
     def stop(self) -> None:
         """Nothing waits any more (the hook removed)."""
@@ -125,6 +133,8 @@ def _one_shot(checkpoint: CheckpointIslands) -> Any:
     """The global pre-hook: a plain function, as the hooks dynamo may trace are (ampguard.module_hooks)."""
 
     def restore_into(module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():  # a module called inside compiled code: the first eager call looks the names up
+            return
         checkpoint.restore_into(module, args)
 
     return restore_into

@@ -1,11 +1,10 @@
 """fp32 islands inside torch.compile'd code: they do not apply there, and ampguard says so once per island.
 
-The island's hooks are excluded from tracing (``torch._dynamo.disable``: tracing
-their open autocast region made dynamo raise), and torch >= 2.4 then leaves them
-out of the compiled code altogether: a compiled model, or a compiled module
-holding an island, computes the island's module under autocast, in float16, as
-plain torch does (``model.compile()`` after the island alike). torch 2.3's
-dynamo still calls them (a graph break around each) and computes it in float32.
+The island's hooks return at once while dynamo traces them (their first
+line, ``is_compiling()``, is constant there), so nothing of them goes into
+compiled code, ``fullgraph=True`` included: a compiled model, or a compiled
+module holding an island, computes the island's module under autocast, in
+float16, as plain torch does (``model.compile()`` after the island alike).
 
 Each such island is named once (INFO):
 
@@ -36,7 +35,6 @@ from ampguard.fp32_islands.island_hooks import Island, IslandTable
 from ampguard.fp32_islands.probe import is_compiled
 from ampguard.live_objects import instances
 from ampguard.log import event_logger
-from ampguard.patch import torch_release
 
 logger = event_logger("island")
 
@@ -98,10 +96,11 @@ class CompiledIslands:
                 logger.info(SKIPPED_BY_COMPILE, island.name, type(module).__name__, type(compiled).__name__)
 
     def listen(self) -> None:
-        """From the first island on: name the islands that compiled code leaves out (torch >= 2.4, where it does)."""
-        if torch_release().release < (2, 4):
-            return
-        import torch._dynamo.callback  # (imported with torch._dynamo, which the island's hooks import first)
+        """From the first island on: name the islands that compiled code leaves out.
+
+        Imports torch._dynamo (over a second) at the first island, not at ``import ampguard``.
+        """
+        import torch._dynamo.callback
 
         handler = torch._dynamo.callback.callback_handler
         if self.on_compile_start not in handler.start_callbacks:  # (torch._dynamo.reset() may clear them)

@@ -24,6 +24,7 @@ import ampguard.fp32_islands.zero3 as zero3
 from ampguard.fp32_islands.tensor_tree import tensors
 from ampguard.log import event_logger
 from ampguard.module_hooks import ModuleHook, remove_module_hooks, strip_copies
+from ampguard.torch_privates import is_compiling
 
 logger = event_logger("island")
 
@@ -106,6 +107,8 @@ class EnterFloat32(ModuleHook):
         self.table = table  # None in a copy or an unpickled model: the hook does nothing
 
     def __call__(self, module: torch.nn.Module, args: Any, kwargs: Any) -> Any:
+        if is_compiling():  # dynamo traces the hook: nothing of it goes into compiled code (fullgraph included)
+            return None
         table = self.table
         if table is None or table.of(module) is None:
             return None
@@ -170,6 +173,8 @@ class LeaveFloat32(ModuleHook):
         self.table = table  # None in a copy or an unpickled model: the hook does nothing
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> Any:
+        if is_compiling():
+            return None
         stack = _regions.__dict__.get("stack")
         if not stack or stack[-1][0] is not module:  # this call never entered (not an island, a pre-hook raised)
             return None
@@ -197,25 +202,12 @@ class LeaveFloat32(ModuleHook):
 def attach(module: torch.nn.Module, island: Island, table: IslandTable) -> None:
     """Give ``module`` the hooks of ``table``'s island ``island`` (any copied onto it before are taken off first)."""
     strip(module)
-    _exclude_from_tracing()
     # First of the pre-hooks: those that compute a weight from parameters (old-style weight_norm, spectral_norm,
     # prune) then compute it from the float32 copies of a half-precision module's parameters.
     island.handles.append(module.register_forward_pre_hook(EnterFloat32(table), prepend=True, with_kwargs=True))
     # First of the module's forward hooks, as if its forward were wrapped: the others see the caller's dtypes.
     island.handles.append(module.register_forward_hook(LeaveFloat32(table), prepend=True, always_call=True))
     island.handles.extend(zero3.attach(module))  # DeepSpeed ZeRO-3: copies made after each gather
-
-
-def _exclude_from_tracing() -> None:
-    """torch.compile does not trace the hooks (their open autocast region made dynamo raise): they run eagerly.
-
-    Done at the first island, not at import: importing torch._dynamo takes over a second.
-    """
-    for hook in (EnterFloat32, LeaveFloat32):
-        if not getattr(hook.__call__, "_ampguard_untraced", False):
-            untraced = torch._dynamo.disable(hook.__call__)
-            untraced._ampguard_untraced = True
-            setattr(hook, "__call__", untraced)  # noqa: B010 (mypy: a method cannot be assigned)
 
 
 def strip(module: torch.nn.Module) -> bool:

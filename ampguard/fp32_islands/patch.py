@@ -28,7 +28,7 @@ from ampguard.config import Config
 from ampguard.fp32_islands.healing import Healing
 from ampguard.fp32_islands.portable import without_our_hooks
 from ampguard.fp32_islands.probe import VERDICT_BITS
-from ampguard.patch import Patch, torch_release
+from ampguard.patch import Patch
 
 if TYPE_CHECKING:
     from ampguard.scaler.handle import ScalerHandle
@@ -179,8 +179,8 @@ class Fp32IslandsPatch(Patch):
         # A model saved, scripted or exported comes out without ampguard's hooks (portable.py).
         self.bindings.set_attribute(torch, "save", without_our_hooks(torch.save))
         self.bindings.set_attribute(torch.jit, "script", without_our_hooks(torch.jit.script))
-        if torch_release().release >= (2, 4):  # islands are left out of compiled code: say so when it is compiled
-            self.bindings.set_attribute(torch, "compile", compiled_islands.naming_islands(torch.compile, self))
+        # islands are left out of compiled code: say so when it is compiled
+        self.bindings.set_attribute(torch, "compile", compiled_islands.naming_islands(torch.compile, self))
         export = getattr(torch, "export", None)  # (torch.export.export: torch >= 2.1)
         if export is not None and hasattr(export, "export"):
             self.bindings.set_attribute(export, "export", without_our_hooks(export.export))

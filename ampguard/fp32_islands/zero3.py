@@ -32,6 +32,7 @@ import torch
 
 from ampguard.fp32_islands.half_parameters import LOW_PRECISION, Upcast, restore
 from ampguard.module_hooks import ModuleHook, remove_module_hooks
+from ampguard.torch_privates import is_compiling
 
 _calls = threading.local()  # per thread: (module, what was swapped) for each call in progress
 
@@ -54,6 +55,8 @@ class GatheredToFloat32(ModuleHook):
     """Forward pre-hook, after DeepSpeed's: the module's own gathered half-precision parameters as float32 copies."""
 
     def __call__(self, module: torch.nn.Module, args: Any) -> None:
+        if is_compiling():  # inside compiled code the island does not apply (island_hooks)
+            return
         swapped = Upcast()
         entries: dict[str, Any] = module._parameters
         for key, tensor in entries.items():
@@ -67,6 +70,8 @@ class ReleaseFloat32(ModuleHook):
     """Forward hook (``always_call``), ahead of DeepSpeed's: the partitioned parameters back in place."""
 
     def __call__(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if is_compiling():
+            return
         stack = _calls.__dict__.get("stack")
         if stack and stack[-1][0] is module:
             restore(stack.pop()[1])
