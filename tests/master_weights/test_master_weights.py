@@ -104,6 +104,22 @@ def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
     scaler.update()
 
 
+def test_the_documented_gradients_function_gives_the_tensors_the_step_uses():
+    """docs/master-weights.md: ``ampguard.master_weights.gradients(optimizer)`` gives ``(parameter, tensor holding
+    its gradient)``, the masters' float32 gradients after ``unscale_`` (it was gone from the package for a while)."""
+    model = torch.nn.Linear(WIDTH, 4).half()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = model(torch.randn(8, WIDTH)).float().square().mean()
+    scaler.scale(loss).backward()
+    scaler.unscale_(opt)
+    pairs = master_weights.gradients(opt)
+    masters = dict(master_weights.masters_of(opt))
+    assert [id(p) for p, _ in pairs] == [id(p) for p in model.parameters()]
+    assert all(g is masters[p].grad and g.dtype == torch.float32 for p, g in pairs)
+
+
 # -- a frozen float16 base with a trainable float16 adapter ---------------------------
 
 BASE_SHAPE = (48, 40)  # unique in this process: no other tensor has it
