@@ -51,11 +51,13 @@ from __future__ import annotations
 
 from ampguard.master_weights.patch import applied_masters, masters_of
 from ampguard.master_weights.records import STATE_KEY, MasterWeights, label
+from ampguard.scaler.listeners import gradients  # documented here (docs/master-weights.md); the patch answers it
 
 __all__ = [
     "STATE_KEY",
     "MasterWeights",
     "applied_masters",
+    "gradients",
     "label",
     "masters_of",
 ]
