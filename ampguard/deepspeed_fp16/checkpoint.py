@@ -44,14 +44,6 @@ MALFORMED = (
     "loaded, and ampguard's skip counts go on from this run's own."
 )
 
-_said_without = False
-
-
-def reset() -> None:
-    """Forget that the line for a checkpoint without ampguard's counts was said (uninstall)."""
-    global _said_without
-    _said_without = False
-
 
 def state_dict(original: Callable[[Any], Any], policy: Policy) -> Callable[[Any], Any]:
     """``state_dict()`` of DeepSpeed's fp16 optimizers: DeepSpeed's state, and the ``ampguard`` entry."""
@@ -81,7 +73,7 @@ def load_state_dict(original: Callable[..., Any], policy: Policy) -> Callable[..
             return original(self, *args, **kwargs)
         result = original(self, *args, **kwargs)
         try:
-            _restore(self, before, _entry(args, kwargs))
+            _restore(self, policy, before, _entry(args, kwargs))
         except Exception as error:
             containment.report("deepspeed_fp16 load_state_dict", error)
         return result
@@ -115,8 +107,9 @@ def _scaled(optimizer: Any, holder: Any) -> bool:
     return bool(getattr(holder, "dynamic", False))
 
 
-def _restore(optimizer: Any, before: tracking.DeepSpeedLossScale | None, entry: dict[str, Any] | None) -> None:
-    global _said_without
+def _restore(
+    optimizer: Any, policy: Policy, before: tracking.DeepSpeedLossScale | None, entry: dict[str, Any] | None
+) -> None:
     holder = _holder(optimizer)
     scale = float(optimizer.loss_scale)
     if before is not None:
@@ -126,8 +119,8 @@ def _restore(optimizer: Any, before: tracking.DeepSpeedLossScale | None, entry: 
     else:
         counts = None
     if entry is None:
-        if not _said_without and (counts is not None or _scaled(optimizer, holder)):
-            _said_without = True
+        if "without counts" not in policy.said and (counts is not None or _scaled(optimizer, holder)):
+            policy.said.add("without counts")
             logger.info(WITHOUT_COUNTS.format(scale=scale, steps=counts.steps if counts is not None else 0))
         if counts is not None:
             counts.scale = scale

@@ -128,7 +128,6 @@ class DeepSpeedFp16Patch(Patch):
     def revert(self) -> None:
         self.attached = False
         self.policy = None
-        checkpoint.reset()
         super().revert()
 
 

@@ -16,7 +16,7 @@ line, stats file and exit summary as a SafeGradScaler's
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import ampguard.stats.summary as summary
 from ampguard.errors import ScaleCollapseError
@@ -56,6 +56,7 @@ class Policy:
     max_consecutive_skips: int
     on_stall: str
     stats_every: int
+    said: set[str] = field(default_factory=set, compare=False)  # the lines said once while the patch is applied
 
 
 class DeepSpeedLossScale:
