@@ -85,7 +85,8 @@ def test_first_clip_norm_after_unscale_is_the_float32_norm():
     assert tight.norms[0] == pytest.approx(reference.norms[0], rel=0.02)
 
 
-def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
+def _half_linear_unscaled() -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
+    """A float16 Linear whose SGD's gradients a scaler just unscaled (into the masters)."""
     model = torch.nn.Linear(WIDTH, 4).half()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
@@ -93,6 +94,11 @@ def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
         loss = model(torch.randn(8, WIDTH)).float().square().mean()
     scaler.scale(loss).backward()
     scaler.unscale_(opt)
+    return model, opt, scaler
+
+
+def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
+    model, opt, scaler = _half_linear_unscaled()
     grads = [g for _, g in listeners.gradients(opt)]
     assert all(g.dtype == torch.float32 for g in grads)
     expected = torch.linalg.vector_norm(torch.stack([g.norm() for g in grads]))
@@ -107,13 +113,7 @@ def test_clip_norm_returned_is_the_norm_of_the_master_gradients():
 def test_the_documented_gradients_function_gives_the_tensors_the_step_uses():
     """docs/master-weights.md: ``ampguard.master_weights.gradients(optimizer)`` gives ``(parameter, tensor holding
     its gradient)``, the masters' float32 gradients after ``unscale_`` (it was gone from the package for a while)."""
-    model = torch.nn.Linear(WIDTH, 4).half()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = model(torch.randn(8, WIDTH)).float().square().mean()
-    scaler.scale(loss).backward()
-    scaler.unscale_(opt)
+    model, opt, _ = _half_linear_unscaled()
     pairs = master_weights.gradients(opt)
     masters = dict(master_weights.masters_of(opt))
     assert [id(p) for p, _ in pairs] == [id(p) for p in model.parameters()]
