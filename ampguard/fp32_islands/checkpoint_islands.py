@@ -18,7 +18,7 @@ from torch.nn.modules import module as nn_module
 import ampguard.fp32_islands.model_tree as model_tree
 from ampguard.fp32_islands.probe import qualified_name, unwrap
 from ampguard.log import event_logger
-from ampguard.torch_privates import is_compiling
+from ampguard.module_hooks import eager_only
 
 if TYPE_CHECKING:
     from ampguard.fp32_islands.islands import Islands
@@ -68,7 +68,10 @@ class CheckpointIslands:
         )
         self._full_names = full_names
         if self._handle is None:
-            self._handle = nn_module.register_module_forward_pre_hook(_one_shot(self))
+            self._handle = nn_module.register_module_forward_pre_hook(
+                # a plain function that returns at once while dynamo traces it: the first eager call looks up
+                eager_only(self.restore_into)
+            )
 
     def restoring(self) -> bool:
         """Whether names of a checkpoint wait for the next module call."""
@@ -127,17 +130,6 @@ class CheckpointIslands:
             _report_unresolved(left)
         except Exception as error:
             logger.warning("ampguard could not re-apply fp32 islands from the checkpoint (%r).", error)
-
-
-def _one_shot(checkpoint: CheckpointIslands) -> Any:
-    """The global pre-hook: a plain function, as the hooks dynamo may trace are (ampguard.module_hooks)."""
-
-    def restore_into(module: torch.nn.Module, args: Any) -> None:
-        if is_compiling():  # a module called inside compiled code: the first eager call looks the names up
-            return
-        checkpoint.restore_into(module, args)
-
-    return restore_into
 
 
 def _find(name: str, tops: list[torch.nn.Module], legacy: bool) -> list[torch.nn.Module]:
