@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from cli_support import ampguard_cli  # noqa: F401  (a fixture)
 
 from ampguard import machine
 from ampguard.commands import doctor
@@ -187,7 +188,8 @@ def test_tables_on_a_mocked_t4(gpus, capsys):
 
 
 def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
+    """``python -m ampguard doctor ARGS``, started fresh, with these AMPGUARD_* variables only."""
+    environment = {k: v for k, v in os.environ.items() if not k.upper().startswith("AMPGUARD")}
     environment.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "ampguard", "doctor", *args],
@@ -199,6 +201,7 @@ def _run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedP
 
 
 def test_cli_json_on_this_machine_matches_the_docs():
+    """A fresh process: the variables are read by the install at import, and the banner stays off stdout."""
     result = _run("--json", env={"AMPGUARD_ENABLE": "anomaly"})
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)  # nothing but the JSON on stdout
@@ -210,8 +213,8 @@ def test_cli_json_on_this_machine_matches_the_docs():
         assert data["gpus"] == [] and data["recommendation"]["precision"] == "fp32"
 
 
-def test_cli_tables_as_plain_text():
-    result = _run()
+def test_cli_tables_as_plain_text(ampguard_cli):
+    result = ampguard_cli("doctor", env={})
     assert result.returncode == 0, result.stderr
     for heading in ("ampguard doctor", "patches", "configuration", "recommendation:"):
         assert heading in result.stdout
@@ -219,7 +222,7 @@ def test_cli_tables_as_plain_text():
     assert "AMPGUARD_BF16_FALLBACK" in result.stdout
 
 
-def test_libraries_come_from_metadata_without_importing_them(tmp_path):
+def test_libraries_come_from_metadata_without_importing_them(tmp_path, monkeypatch):
     """A fake 'transformers' whose import would fail: the doctor lists its version and never imports it."""
     package = tmp_path / "transformers"
     package.mkdir()
@@ -227,33 +230,18 @@ def test_libraries_come_from_metadata_without_importing_them(tmp_path):
     info = tmp_path / "transformers-99.1.0.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: transformers\nVersion: 99.1.0\n")
-    code = (
-        "import json, sys; from ampguard.commands import doctor; data = doctor.collect(); "
-        "print(json.dumps([data['libraries'], 'transformers' in sys.modules]))"
-    )
-    environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    environment["PYTHONPATH"] = str(tmp_path)
-    environment["AMPGUARD_QUIET"] = "1"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=environment, timeout=120)
-    assert result.returncode == 0, result.stderr
-    libraries, imported = json.loads(result.stdout)
+    monkeypatch.syspath_prepend(str(tmp_path))  # found first, as PYTHONPATH would put it
+    for name in [name for name in sys.modules if name.partition(".")[0] == "transformers"]:
+        monkeypatch.delitem(sys.modules, name)  # another test may have imported the real one
+    libraries = doctor.collect()["libraries"]
     assert {"name": "transformers", "version": "99.1.0"} in libraries
-    assert imported is False
-
-
-def _command(*args: str, **variables: str) -> subprocess.CompletedProcess:
-    """``python -m ampguard ARGS`` with these AMPGUARD_* variables only."""
-    environment = {k: v for k, v in os.environ.items() if not k.upper().startswith("AMPGUARD")}
-    environment |= {"AMPGUARD_QUIET": "1"} | variables
-    return subprocess.run(
-        [sys.executable, "-m", "ampguard", *args], capture_output=True, text=True, env=environment, timeout=120
-    )
+    assert "transformers" not in sys.modules
 
 
 @pytest.mark.parametrize("json_flag", [(), ("--json",)])
-def test_exit_status_0_with_a_good_configuration_or_only_an_unknown_name(json_flag):
+def test_exit_status_0_with_a_good_configuration_or_only_an_unknown_name(json_flag, ampguard_cli):
     """Exit 0: a name ampguard does not know is a warning; the JSON keeps its shape."""
-    result = _command("doctor", *json_flag, AMPGUARD_INIT_SCLAE="1024")
+    result = ampguard_cli("doctor", *json_flag, env={"AMPGUARD_QUIET": "1", "AMPGUARD_INIT_SCLAE": "1024"})
     assert result.returncode == 0, result.stderr
     assert "error" not in result.stderr
     if json_flag:
@@ -265,10 +253,7 @@ def test_exit_status_0_with_a_good_configuration_or_only_an_unknown_name(json_fl
         assert "configuration warning" in result.stdout and "configuration problem" not in result.stdout
 
 
-@pytest.mark.parametrize("json_flag", [(), ("--json",)])
-def test_exit_status_2_with_a_bad_value_as_patches_exits(json_flag):
-    """Exit 2 for AMPGUARD_INIT_SCALE=abc, as ``ampguard patches`` does; the whole report is printed first."""
-    result = _command("doctor", *json_flag, AMPGUARD_INIT_SCALE="abc")
+def _check_exit_2_report(result: subprocess.CompletedProcess[str], json_flag: tuple[str, ...]) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.strip().splitlines()[-1].startswith("ampguard doctor: error: 1 bad AMPGUARD_* value")
@@ -278,4 +263,20 @@ def test_exit_status_2_with_a_bad_value_as_patches_exits(json_flag):
         assert [problem.split("=")[0] for problem in data["config_problems"]] == ["AMPGUARD_INIT_SCALE"]
     else:
         assert "configuration problem" in result.stdout and "recommendation:" in result.stdout
-    assert _command("patches", AMPGUARD_INIT_SCALE="abc").returncode == result.returncode == 2
+
+
+def test_exit_status_2_with_a_bad_value_as_patches_exits():
+    """Exit 2 for AMPGUARD_INIT_SCALE=abc, as ``ampguard patches`` does; the whole report is printed first.
+
+    A fresh process: the status the shell sees, after the package's import under the bad value.
+    """
+    _check_exit_2_report(_run("--json", env={"AMPGUARD_QUIET": "1", "AMPGUARD_INIT_SCALE": "abc"}), ("--json",))
+
+
+@pytest.mark.parametrize("json_flag", [(), ("--json",)])
+def test_report_and_status_2_with_a_bad_value_as_patches(json_flag, ampguard_cli):
+    """What ``ampguard doctor`` prints and returns for AMPGUARD_INIT_SCALE=abc, next to ``ampguard patches``."""
+    bad = {"AMPGUARD_QUIET": "1", "AMPGUARD_INIT_SCALE": "abc"}
+    result = ampguard_cli("doctor", *json_flag, env=bad)
+    _check_exit_2_report(result, json_flag)
+    assert ampguard_cli("patches", env=bad).returncode == result.returncode == 2
