@@ -1,7 +1,12 @@
 """``ampguard run``: an unmodified script runs as under python, with ampguard installed first.
 
-Every test starts real processes: ``python script.py`` as the reference, and
-``python -m ampguard run`` / the ``ampguard`` console script under test.
+Every test compares real processes: ``python script.py`` as the reference, and
+``python -m ampguard run`` / the ``ampguard`` console script under test. What depends
+on how the process started (``sys.path[0]``, the launcher's own entry, ``AMPGUARD=0``
+at import, spawned children) starts a fresh launcher each time; the exit statuses and
+outputs of the other cases come from processes forked by one driver that imported
+torch and ampguard once (:data:`DRIVER`): each case still ends as a process of its own,
+its exit status and output made by python as ``python -m ampguard`` makes them.
 """
 
 from __future__ import annotations
@@ -82,23 +87,34 @@ def _probe(result: subprocess.CompletedProcess[str]) -> dict[str, Any]:
     return json.loads(lines[-1][len("PROBE ") :])
 
 
-@pytest.fixture
-def probe(tmp_path: Path) -> Path:
-    scripts = tmp_path / "scripts"
+@pytest.fixture(scope="module")
+def probe(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("probe")
+    scripts = root / "scripts"
     scripts.mkdir()
     path = scripts / "probe.py"
     path.write_text(PROBE)
-    (tmp_path / "elsewhere").mkdir()
+    (root / "elsewhere").mkdir()
     return path
 
 
+PROBE_ARGS = ["--lr", "3e-4", "-m", "not-ours", "--", "x y"]
+
+
+@pytest.fixture(scope="module")
+def probe_reference(probe: Path) -> dict[str, Any]:
+    """``python scripts/probe.py ARGS`` from another directory: the reference both launchers are held to."""
+    cwd = probe.parent.parent / "elsewhere"
+    return _probe(_run([sys.executable, os.path.relpath(probe, cwd), *PROBE_ARGS], cwd))
+
+
 @pytest.mark.parametrize("launcher", list(LAUNCHERS))
-def test_script_sees_what_python_gives_it(launcher: str, probe: Path) -> None:
+def test_script_sees_what_python_gives_it(launcher: str, probe: Path, probe_reference: dict[str, Any]) -> None:
     cwd = probe.parent.parent / "elsewhere"
     relative = os.path.relpath(probe, cwd)
-    args = ["--lr", "3e-4", "-m", "not-ours", "--", "x y"]
+    args = PROBE_ARGS
 
-    reference = _probe(_run([sys.executable, relative, *args], cwd))
+    reference = probe_reference
     result = _run([*_launcher(launcher), "run", relative, *args], cwd)
     observed = _probe(result)
 
@@ -137,24 +153,103 @@ def test_module_sees_what_python_m_gives_it(tmp_path: Path) -> None:
     assert observed["path"][0] == str(tmp_path)
 
 
-@pytest.mark.parametrize(
-    ("body", "expected_code", "stderr_has"),
-    [
-        ("import sys\nsys.exit(3)\n", 3, None),
-        ("import sys\nsys.exit('fatal: no data')\n", 1, "fatal: no data"),
-        ("import sys\nsys.exit()\n", 0, None),
-        ("def train():\n    raise ValueError('boom')\n\ntrain()\n", 1, "ValueError: boom"),
-        ("x = (\n", 1, "SyntaxError"),
-        ("print('done')\n", 0, None),
-    ],
-    ids=["exit-3", "exit-message", "exit-none", "uncaught", "syntax-error", "clean"],
-)
-def test_exit_status_is_pythons(tmp_path: Path, body: str, expected_code: int, stderr_has: str | None) -> None:
-    script = tmp_path / "job.py"
-    script.write_text(body)
+EXIT_CASES = [
+    ("exit-3", "import sys\nsys.exit(3)\n", 3, None),
+    ("exit-message", "import sys\nsys.exit('fatal: no data')\n", 1, "fatal: no data"),
+    ("exit-none", "import sys\nsys.exit()\n", 0, None),
+    ("uncaught", "def train():\n    raise ValueError('boom')\n\ntrain()\n", 1, "ValueError: boom"),
+    ("syntax-error", "x = (\n", 1, "SyntaxError"),
+    ("clean", "print('done')\n", 0, None),
+]
 
-    reference = _run([sys.executable, str(script)], tmp_path)
-    result = _run([sys.executable, "-m", "ampguard", "run", str(script)], tmp_path)
+TRAIN = textwrap.dedent("""
+    import torch
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    assert type(scaler).__name__ == "SafeGradScaler", type(scaler)
+    for step in range(4):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(8, 4)).float().pow(2).mean()
+        if step == 1:
+            loss = loss * float("inf")
+        optimizer.zero_grad()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.stats.skipped == 1, scaler.stats
+    print("skipped", scaler.stats.skipped)
+""")
+
+DRIVER = """
+import gc, json, os, runpy, sys
+
+import ampguard  # what `python -m ampguard` imports before it runs ampguard.__main__: torch, and the install
+
+gc.freeze()  # else each child's exit collects torch's objects, copying every page it shares with this process
+
+results = {}
+for name, (cwd, args) in json.loads(sys.argv[1]).items():
+    out, err = os.path.join(cwd, name + ".out"), os.path.join(cwd, name + ".err")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        os.chdir(cwd)
+        for fd, path in ((1, out), (2, err)):
+            handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(handle, fd)
+            os.close(handle)
+        sys.argv = ["-m", *args]
+        # ampguard.__main__ as python -m runs it; its SystemExit (or the script's) ends this child as it ends python.
+        runpy.run_module("ampguard", run_name="__main__", alter_sys=True)
+        raise SystemExit("ampguard.__main__ returned")
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    with open(out) as stdout, open(err) as stderr:
+        results[name] = [status, stdout.read(), stderr.read()]
+print("RESULTS " + json.dumps(results))
+"""
+
+
+@pytest.fixture(scope="module")
+def ran(tmp_path_factory: pytest.TempPathFactory) -> dict[str, subprocess.CompletedProcess[str]]:
+    """``python -m ampguard ARGS`` for every case below: exit status, stdout and stderr, each from its own process."""
+    root = tmp_path_factory.mktemp("cases")
+    cases: dict[str, tuple[str, list[str]]] = {}
+    for name, body, _, _ in EXIT_CASES:
+        (root / name).mkdir()
+        (root / name / "job.py").write_text(body)
+        cases[name] = (str(root / name), ["run", str(root / name / "job.py")])
+    (root / "train.py").write_text(TRAIN)
+    cases |= {
+        "missing-script": (str(root), ["run", "nope.py"]),
+        "missing-module": (str(root), ["run", "-m", "no_such_module_here"]),
+        "usage": (str(root), ["run"]),
+        "help": (str(root), ["run", "-h"]),
+        "train": (str(root), ["run", str(root / "train.py")]),
+    }
+    driver = _run([sys.executable, "-c", DRIVER, json.dumps(cases)], root)
+    lines = [line for line in driver.stdout.splitlines() if line.startswith("RESULTS ")]
+    assert driver.returncode == 0 and lines, f"driver failed (exit {driver.returncode}):\n{driver.stderr}"
+    return {
+        name: subprocess.CompletedProcess(cases[name][1], status, stdout, stderr)
+        for name, (status, stdout, stderr) in json.loads(lines[0][len("RESULTS ") :]).items()
+    }
+
+
+@pytest.mark.parametrize(
+    ("case", "expected_code", "stderr_has"),
+    [(name, code, stderr_has) for name, _, code, stderr_has in EXIT_CASES],
+    ids=[name for name, *_ in EXIT_CASES],
+)
+def test_exit_status_is_pythons(
+    ran: dict[str, subprocess.CompletedProcess[str]], case: str, expected_code: int, stderr_has: str | None
+) -> None:
+    result = ran[case]
+    script = Path(result.args[-1])
+    reference = _run([sys.executable, str(script)], script.parent)
 
     assert reference.returncode == expected_code
     assert result.returncode == expected_code, result.stderr
@@ -163,67 +258,44 @@ def test_exit_status_is_pythons(tmp_path: Path, body: str, expected_code: int, s
         assert stderr_has in result.stderr
 
 
-def test_uncaught_traceback_starts_in_the_script(tmp_path: Path) -> None:
-    script = tmp_path / "job.py"
-    script.write_text("def train():\n    raise ValueError('boom')\n\ntrain()\n")
-
-    reference = _run([sys.executable, str(script)], tmp_path)
-    result = _run([sys.executable, "-m", "ampguard", "run", str(script)], tmp_path, AMPGUARD_QUIET="1")
+def test_uncaught_traceback_starts_in_the_script(ran: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    result = ran["uncaught"]
+    script = Path(result.args[-1])
+    reference = _run([sys.executable, str(script)], script.parent)
 
     assert result.returncode == 1
     assert "ampguard" not in result.stderr.replace(str(script), "")  # no frame of ours
     assert result.stderr == reference.stderr
 
 
-def test_missing_script_and_module(tmp_path: Path) -> None:
-    missing = _run([sys.executable, "-m", "ampguard", "run", "nope.py"], tmp_path)
+def test_missing_script_and_module(ran: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    missing = ran["missing-script"]
     assert missing.returncode == 2
     assert "can't open file" in missing.stderr and "nope.py" in missing.stderr
 
-    no_module = _run([sys.executable, "-m", "ampguard", "run", "-m", "no_such_module_here"], tmp_path)
+    no_module = ran["missing-module"]
     assert no_module.returncode == 1
     assert "No module named no_such_module_here" in no_module.stderr
 
 
-def test_usage(tmp_path: Path) -> None:
-    empty = _run([sys.executable, "-m", "ampguard", "run"], tmp_path)
+def test_usage(ran: dict[str, subprocess.CompletedProcess[str]]) -> None:
+    empty = ran["usage"]
     assert empty.returncode == 2 and "usage: ampguard run" in empty.stderr
 
     # (every `ampguard run` also builds the full CLI parser, so add_arguments runs in each test here)
-    helped = _run([sys.executable, "-m", "ampguard", "run", "-h"], tmp_path)
+    helped = ran["help"]
     assert helped.returncode == 0 and "-m module" in helped.stdout
 
 
-def test_script_trains_with_safe_scaler_without_importing_ampguard(tmp_path: Path) -> None:
+def test_script_trains_with_safe_scaler_without_importing_ampguard(
+    ran: dict[str, subprocess.CompletedProcess[str]],
+) -> None:
     """An unmodified AMP loop: under ``ampguard run`` its scaler is ampguard's and counts the injected skip."""
-    script = tmp_path / "train.py"
-    script.write_text(
-        textwrap.dedent("""
-        import torch
-
-        torch.manual_seed(0)
-        model = torch.nn.Linear(4, 1)
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        scaler = torch.amp.GradScaler("cpu")
-        assert type(scaler).__name__ == "SafeGradScaler", type(scaler)
-        for step in range(4):
-            with torch.autocast("cpu", dtype=torch.float16):
-                loss = model(torch.randn(8, 4)).float().pow(2).mean()
-            if step == 1:
-                loss = loss * float("inf")
-            optimizer.zero_grad()
-            scaler.scale(loss).backward()
-            scaler.step(optimizer)
-            scaler.update()
-        assert scaler.stats.skipped == 1, scaler.stats
-        print("skipped", scaler.stats.skipped)
-    """)
-    )
-
-    plain = _run([sys.executable, str(script)], tmp_path)
+    result = ran["train"]
+    script = Path(result.args[-1])
+    plain = _run([sys.executable, str(script)], script.parent)
     assert plain.returncode == 1 and "SafeGradScaler" in plain.stderr  # the check bites without ampguard
 
-    result = _run([sys.executable, "-m", "ampguard", "run", str(script)], tmp_path)
     assert result.returncode == 0, result.stderr
     assert "skipped 1" in result.stdout
 
