@@ -1,8 +1,10 @@
-"""ampguard under torchrun: DDP and FSDP on CPU with gloo, 2 processes.
+"""ampguard across ranks: DDP and FSDP on CPU with gloo, 2 processes.
 
-Each distributed test launches the real thing, ``python -m torch.distributed.run
+The DDP tests launch the real thing, ``python -m torch.distributed.run
 --standalone --nproc-per-node 2`` (a free port is picked by torchrun), with each
-rank's stdout/stderr redirected to its own file, and runs :data:`WORKER`: a
+rank's stdout/stderr redirected to its own file: their claim is the README's
+torchrun commands. The FSDP tests start the 2 ranks directly (torchrun_support.run_ranks,
+torchrun's environment without its agent). Each runs :data:`WORKER`: a
 small fp16-autocast training loop with an overflow injected on one rank only.
 The workers write what they saw to JSON (and their final parameters); the test
 compares the ranks.
@@ -31,7 +33,7 @@ from typing import Any
 
 import pytest
 import torch
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks, run_torchrun, torchrun_command
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -161,25 +163,25 @@ if __name__ == "__main__":
 '''
 
 
-def _torchrun(
-    tmp_path: Path, *worker_args: str, under_ampguard_run: bool = False
-) -> tuple[list[dict[str, Any]], list[str]]:
-    """Run WORKER on 2 ranks; return each rank's record and its stderr."""
+def _job(tmp_path: Path, *worker_args: str, under_ampguard_run: bool = False) -> tuple[list[dict[str, Any]], list[str]]:
+    """Run WORKER on 2 ranks (under ``torchrun -m ampguard run`` or, without it, started directly); return each
+    rank's record and its stderr."""
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    logs = tmp_path / "logs"
-    entry = ["-m", "ampguard", "run", str(worker)] if under_ampguard_run else [str(worker)]
-    command = torchrun_command(*entry, *worker_args, str(out), log_dir=logs)
     env = environment_without_ampguard(AMPGUARD_STATS_EVERY=str(STATS_EVERY), T_STEPS=str(STEPS))
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=180, log_dir=logs)
-    stderr = [_rank_log(logs, rank, "stderr") for rank in range(2)]
-    if result.returncode != 0:
-        pytest.fail(
-            f"torchrun exited {result.returncode}\n--- torchrun\n{result.stderr[-4000:]}\n"
-            + "".join(f"--- rank {r} stderr\n{text[-4000:]}\n" for r, text in enumerate(stderr))
-        )
+    if under_ampguard_run:
+        logs = tmp_path / "logs"
+        command = torchrun_command("-m", "ampguard", "run", str(worker), *worker_args, str(out), log_dir=logs)
+        result = run_torchrun(command, cwd=tmp_path, env=env, timeout=180, log_dir=logs)
+        stderr = [_rank_log(logs, rank, "stderr") for rank in range(2)]
+        returncode, heading = result.returncode, f"torchrun exited {result.returncode}\n{result.stderr[-4000:]}\n"
+    else:
+        ranks = run_ranks([str(worker), *worker_args, str(out)], cwd=tmp_path, env=env, timeout=180)
+        stderr, returncode, heading = ranks.stderr, ranks.returncode, f"the ranks exited {ranks.returncode}\n"
+    if returncode != 0:
+        pytest.fail(heading + "".join(f"--- rank {r} stderr\n{text[-4000:]}\n" for r, text in enumerate(stderr)))
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     for rank, record in enumerate(records):
         record["params"] = torch.load(out / f"params{rank}.pt")
@@ -256,7 +258,7 @@ def _check_logs_from_rank_zero_only(stderr: list[str]) -> None:
 @pytest.mark.distributed
 def test_ddp_overflow_on_one_rank_under_ampguard_run(tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """``torchrun -m ampguard run``, a DDP script that never imports ampguard."""
-    records, stderr = _torchrun(tmp_path, "ddp", "none", under_ampguard_run=True)
+    records, stderr = _job(tmp_path, "ddp", "none", under_ampguard_run=True)
     _ci_line(request, "torchrun-ddp", records[0]["stats"]["skipped"], records[0]["stats"]["steps"])
 
     _check_ranks_agree(records)
@@ -270,7 +272,7 @@ def test_ddp_overflow_on_one_rank_under_ampguard_run(tmp_path: Path, request: py
 @pytest.mark.distributed
 @pytest.mark.parametrize("imports", ["ampguard-first", "sharded-first"])
 def test_fsdp_sharded_scaler_overflow_on_one_rank(tmp_path: Path, imports: str, request: pytest.FixtureRequest) -> None:
-    records, stderr = _torchrun(tmp_path, "fsdp", imports)
+    records, stderr = _job(tmp_path, "fsdp", imports)
     _ci_line(request, f"torchrun-fsdp/{imports}", records[0]["stats"]["skipped"], records[0]["stats"]["steps"])
 
     # The backward overflow landed in rank 1's shard only: rank 0 skipped because

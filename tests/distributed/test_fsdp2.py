@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import pytest
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks
 
 try:
     from torch.distributed.fsdp import fully_shard
@@ -26,7 +26,7 @@ pytestmark = [
 ]
 
 # One job trains twice, each time a fresh model: under plain torch first, then, once it has imported ampguard (which
-# installs itself into the running process), the same again; one torchrun launch instead of one per side.
+# installs itself into the running process), the same again; one job instead of one per side.
 WORKER = r"""
 import gc, json, sys
 import torch, torch.distributed as dist
@@ -88,9 +88,9 @@ def _run(tmp_path: Path) -> dict:
     worker = tmp_path / "fsdp2_worker.py"
     worker.write_text(WORKER)
     env = environment_without_ampguard(AMPGUARD_QUIET="1")
-    done = run_torchrun(torchrun_command(str(worker)), cwd=tmp_path, env=env, timeout=300)
-    assert done.returncode == 0, (done.stdout + done.stderr)[-6000:]
-    line = next(x for x in done.stdout.splitlines() if x.startswith("RESULT "))
+    done = run_ranks([str(worker)], cwd=tmp_path, env=env, timeout=300)
+    assert done.returncode == 0, done.output
+    line = next(x for x in done.stdout[0].splitlines() if x.startswith("RESULT "))
     return json.loads(line[len("RESULT ") :])
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the helpers the workers import
 STEPS = 30
@@ -59,10 +59,10 @@ def test_overflow_on_one_rank_heals_both_ranks_alike(tmp_path: Path) -> None:
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    command = torchrun_command(str(worker), str(out), str(SUPPORT), str(STEPS))
-    env = environment_without_ampguard()
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    result = run_ranks(
+        [str(worker), str(out), str(SUPPORT), str(STEPS)], cwd=tmp_path, env=environment_without_ampguard(), timeout=300
+    )
+    assert result.returncode == 0, result.output
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
     params = [torch.load(out / f"params{rank}.pt") for rank in range(2)]
 

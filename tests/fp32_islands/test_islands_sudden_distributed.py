@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks
 
 SUPPORT = Path(__file__).resolve().parents[1] / "support"  # the helpers the workers import
 STEPS = 21
@@ -80,9 +80,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[list[dict]
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    command = torchrun_command(str(worker), str(out), str(SUPPORT), str(STEPS), *SCENARIOS)
-    result = run_torchrun(command, cwd=tmp_path, env=environment_without_ampguard(), timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    entry = [str(worker), str(out), str(SUPPORT), str(STEPS), *SCENARIOS]
+    result = run_ranks(entry, cwd=tmp_path, env=environment_without_ampguard(), timeout=300)
+    assert result.returncode == 0, result.output
     return {
         scenario: (
             [json.loads((out / f"rank{rank}-{scenario}.json").read_text()) for rank in range(2)],

@@ -1,6 +1,6 @@
 """Master weights under DDP: 2 ranks (gloo, CPU), float16 parameters, a GradScaler, an overflow on one rank.
 
-:data:`WORKER` runs under ``python -m torch.distributed.run --nproc-per-node 2``
+:data:`WORKER` runs on 2 ranks (started as torchrun would: torchrun_support.run_ranks)
 and trains the same student twice on the same batches: once loaded in float32,
 once in float16 (``.half()``), each wrapped in DistributedDataParallel, with
 AdamW, clipping after ``unscale_`` and a backward overflow on rank 1 only at
@@ -14,8 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks
 
 WORKER = r"""
 import json
@@ -85,12 +84,9 @@ dist.destroy_process_group()
 def test_float16_ddp_trains_like_float32_and_ranks_agree(tmp_path: Path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
-    command = torchrun_command(str(worker), str(tmp_path), log_dir=tmp_path / "logs")
     env = environment_without_ampguard(AMPGUARD_QUIET="1")
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=240, log_dir=tmp_path / "logs")
-    if result.returncode != 0:
-        logs = "".join(path.read_text()[-3000:] for path in sorted((tmp_path / "logs").glob("**/stderr.log")))
-        pytest.fail(f"torchrun exited {result.returncode}\n{result.stderr[-3000:]}\n{logs}")
+    result = run_ranks([str(worker), str(tmp_path)], cwd=tmp_path, env=env, timeout=240)
+    assert result.returncode == 0, result.output
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
     for record in ranks:
         half, full = record["float16"], record["float32"]

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from scaler_support import one_thread, recipe_step  # noqa: F401  (fixture)
-from torchrun_support import environment_without_ampguard, run_torchrun, torchrun_command
+from torchrun_support import environment_without_ampguard, run_ranks
 from underflow_support import AttentionNet, batches
 
 import ampguard
@@ -98,10 +98,10 @@ def test_ranks_agree_on_the_underflow_and_grow_the_scale_at_the_same_steps(tmp_p
     worker.write_text(WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    command = torchrun_command(str(worker), str(out), str(SUPPORT), str(STEPS), str(FACTOR))
+    entry = [str(worker), str(out), str(SUPPORT), str(STEPS), str(FACTOR)]
     env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="20")
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=300)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-6000:]
+    result = run_ranks(entry, cwd=tmp_path, env=env, timeout=300)
+    assert result.returncode == 0, result.output
     first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
 
     # One scale on both ranks at every step, grown for underflow (before: never grown under torch.distributed).
@@ -143,7 +143,7 @@ def _adapt(reinstall):
 # 2 gloo ranks under DDP; after the first update (which arms the sampler for the next step on both ranks) rank 0
 # alone evaluates, forward passes without grad: more than the sampler's call limit, which disarms it there. One job
 # runs each scenario (argv[4]: which ranks evaluate, "0" or "01", comma-separated) in turn, each with its own model,
-# optimizer and scaler, as a fresh run would: it saves a torchrun launch (two ranks importing torch) per scenario.
+# optimizer and scaler, as a fresh run would: it saves a job (two ranks importing torch) per scenario.
 ONE_RANK_EVALUATES = r"""
 import gc, json, os, sys
 sys.path.insert(0, sys.argv[2])
@@ -207,11 +207,10 @@ def evaluations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dic
     out = tmp_path / "out"
     out.mkdir()
     steps = 4
-    command = torchrun_command(str(worker), str(out), str(SUPPORT), str(steps), ",".join(SCENARIOS))
-    command = ["timeout", "120", *command]
+    entry = [str(worker), str(out), str(SUPPORT), str(steps), ",".join(SCENARIOS)]
     env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="1000")
-    result = run_torchrun(command, cwd=tmp_path, env=env, timeout=150)
-    assert result.returncode == 0, (result.stdout + result.stderr)[-4000:]
+    result = run_ranks(entry, cwd=tmp_path, env=env, timeout=120)  # a hang (collectives mispaired) fails with output
+    assert result.returncode == 0, result.output
     records = {
         (name, rank): json.loads((out / f"{name}-rank{rank}.json").read_text()) for name in SCENARIOS for rank in (0, 1)
     }
