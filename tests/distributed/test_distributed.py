@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
 import re
-import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -158,8 +157,46 @@ def main():
     dist.destroy_process_group()
 
 
+def sharded_class_check():
+    """FSDP's ShardedGradScaler class as this import order left it; after an uninstall; after installing again."""
+    import torch.distributed.fsdp.sharded_grad_scaler as sharded_module
+    from ampguard.scaler import SafeGradScaler, TorchGradScaler
+
+    def describe():
+        cls = sharded_module.ShardedGradScaler
+        stock = [c for c in cls.__mro__ if c.__module__ == sharded_module.__name__ and c.__qualname__ == "ShardedGradScaler"]
+        scaler = cls("cpu", init_scale=4096.0, backoff_factor=0.25, growth_interval=7)
+        return {
+            "is_safe": issubclass(cls, SafeGradScaler),
+            "name": cls.__name__,
+            "class_id": id(cls),
+            "stock_id": id(stock[0]) if stock else None,
+            "stock_bases_are_torch": bool(stock) and stock[0].__bases__ == (TorchGradScaler,),
+            "module_gradscaler_is_torch": sharded_module.GradScaler is TorchGradScaler,
+            "module_gradscaler_is_safe": sharded_module.GradScaler is torch.amp.GradScaler,
+            # the name this script bound before importing ampguard (sharded-first only)
+            "bound_early_is_current": IMPORTS != "sharded-first" or globals()["ShardedGradScaler"] is cls,
+            "instance_is_safe": isinstance(scaler, SafeGradScaler),
+            "instance_is_sharded": isinstance(scaler, stock[0]) if stock else False,
+            # the sharded constructor order (backoff before growth) reaches torch's fields
+            "settings": [scaler.get_scale(), scaler.get_backoff_factor(), scaler.get_growth_factor(), scaler.get_growth_interval()],
+            "process_group_attr": hasattr(scaler, "process_group"),
+            "defaults": [cls("cpu").get_scale(), cls("cpu").get_growth_interval()],
+        }
+
+    report = {"installed": describe()}
+    ampguard.uninstall()
+    report["uninstalled"] = describe()
+    ampguard.install()
+    report["reinstalled"] = describe()
+    with open(os.path.join(OUT, "sharded_class_check.json"), "w") as handle:
+        json.dump(report, handle)
+
+
 if __name__ == "__main__":
     main()
+    if MODE == "fsdp" and int(os.environ["RANK"]) == 0:  # once the job is done, in the process its imports made
+        sharded_class_check()
 '''
 
 
@@ -269,11 +306,30 @@ def test_ddp_overflow_on_one_rank_under_ampguard_run(tmp_path: Path, request: py
     ]
 
 
+@dataclass
+class FsdpJob:
+    """What one FSDP job left: each rank's record and stderr, and rank 0's check of the ShardedGradScaler class."""
+
+    imports: str
+    records: list[dict[str, Any]]
+    stderr: list[str]
+    sharded_class_check: dict[str, dict[str, Any]]
+
+
+@pytest.fixture(scope="module", params=["ampguard-first", "sharded-first"])
+def fsdp_job(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> FsdpJob:
+    """The FSDP job, its script importing FSDP's sharded_grad_scaler module and ampguard in the order of the id."""
+    tmp_path = tmp_path_factory.mktemp(f"fsdp-{request.param}")
+    records, stderr = _job(tmp_path, "fsdp", request.param)
+    check = json.loads((tmp_path / "out" / "sharded_class_check.json").read_text())
+    return FsdpJob(request.param, records, stderr, check)
+
+
 @pytest.mark.distributed
-@pytest.mark.parametrize("imports", ["ampguard-first", "sharded-first"])
-def test_fsdp_sharded_scaler_overflow_on_one_rank(tmp_path: Path, imports: str, request: pytest.FixtureRequest) -> None:
-    records, stderr = _job(tmp_path, "fsdp", imports)
-    _ci_line(request, f"torchrun-fsdp/{imports}", records[0]["stats"]["skipped"], records[0]["stats"]["steps"])
+def test_fsdp_sharded_scaler_overflow_on_one_rank(fsdp_job: FsdpJob, request: pytest.FixtureRequest) -> None:
+    records, stderr = fsdp_job.records, fsdp_job.stderr
+    skipped, steps = records[0]["stats"]["skipped"], records[0]["stats"]["steps"]
+    _ci_line(request, f"torchrun-fsdp/{fsdp_job.imports}", skipped, steps)
 
     # The backward overflow landed in rank 1's shard only: rank 0 skipped because
     # the ShardedGradScaler all-reduced found_inf, not because it saw an inf.
@@ -285,68 +341,13 @@ def test_fsdp_sharded_scaler_overflow_on_one_rank(tmp_path: Path, imports: str, 
     assert "torch.distributed.fsdp.sharded_grad_scaler.ShardedGradScaler" in mro
 
 
-SHARDED_CLASS_CHECK = r'''
-"""Import orders of FSDP's sharded_grad_scaler module and ampguard; install / uninstall round trips."""
-import json
-import sys
+@pytest.mark.distributed
+def test_sharded_scaler_import_orders_and_uninstall(fsdp_job: FsdpJob) -> None:
+    """FSDP's ShardedGradScaler is ampguard's while installed, whichever was imported first, and stock after uninstall.
 
-order = sys.argv[1]
-if order == "sharded-first":
-    import torch.distributed.fsdp.sharded_grad_scaler as sharded_module
-    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler as bound_early
-    import ampguard
-else:
-    import ampguard
-    import torch.distributed.fsdp.sharded_grad_scaler as sharded_module
-    bound_early = None
-
-import torch
-from ampguard.scaler import SafeGradScaler, TorchGradScaler
-
-
-def describe():
-    cls = sharded_module.ShardedGradScaler
-    stock = [c for c in cls.__mro__ if c.__module__ == sharded_module.__name__ and c.__qualname__ == "ShardedGradScaler"]
-    scaler = cls("cpu", init_scale=4096.0, backoff_factor=0.25, growth_interval=7)
-    return {
-        "is_safe": issubclass(cls, SafeGradScaler),
-        "name": cls.__name__,
-        "class_id": id(cls),
-        "stock_id": id(stock[0]) if stock else None,
-        "stock_bases_are_torch": bool(stock) and stock[0].__bases__ == (TorchGradScaler,),
-        "module_gradscaler_is_torch": sharded_module.GradScaler is TorchGradScaler,
-        "module_gradscaler_is_safe": sharded_module.GradScaler is torch.amp.GradScaler,
-        "bound_early_is_current": bound_early is None or globals()["bound_early"] is cls,
-        "instance_is_safe": isinstance(scaler, SafeGradScaler),
-        "instance_is_sharded": isinstance(scaler, stock[0]) if stock else False,
-        # the sharded constructor order (backoff before growth) reaches torch's fields
-        "settings": [scaler.get_scale(), scaler.get_backoff_factor(), scaler.get_growth_factor(), scaler.get_growth_interval()],
-        "process_group_attr": hasattr(scaler, "process_group"),
-        "defaults": [cls("cpu").get_scale(), cls("cpu").get_growth_interval()],
-    }
-
-
-report = {"installed": describe()}
-ampguard.uninstall()
-report["uninstalled"] = describe()
-ampguard.install()
-report["reinstalled"] = describe()
-print("REPORT " + json.dumps(report))
-'''
-
-
-@pytest.mark.parametrize("order", ["sharded-first", "ampguard-first"])
-def test_sharded_scaler_import_orders_and_uninstall(tmp_path: Path, order: str) -> None:
-    """FSDP's ShardedGradScaler is ampguard's while installed, whichever was imported first, and stock after uninstall."""
-    script = tmp_path / "check.py"
-    script.write_text(SHARDED_CLASS_CHECK)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    result = subprocess.run(
-        [sys.executable, str(script), order], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
-    )
-    assert result.returncode == 0, result.stderr
-    line = next(line for line in result.stdout.splitlines() if line.startswith("REPORT "))
-    report = json.loads(line[len("REPORT ") :])
+    Checked by rank 0 of the FSDP job once it is done: its imports, in the order of the test's id, are the
+    process's first."""
+    report = fsdp_job.sharded_class_check
     installed, uninstalled, reinstalled = report["installed"], report["uninstalled"], report["reinstalled"]
 
     for state in (installed, reinstalled):
