@@ -10,6 +10,7 @@ the exchange, so the ranks' collectives stay paired.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,21 +29,22 @@ TAIL = 20
 FACTOR = 1e-8
 TOLERANCE = 0.003  # the issue's: within 0.3% of float32's mean loss
 
+# One 2-rank job (DDP, each rank on batches of its own) runs each scenario in turn, each with its own model, optimizer
+# and scaler, ampguard installed again with the scenario's AMPGUARD_UNDERFLOW_EVERY, as a fresh job would: a job
+# (two ranks importing torch) fewer per scenario. A scenario: "<name>:<AMPGUARD_UNDERFLOW_EVERY>:<steps>:<loss
+# factor>:<the ranks that evaluate after the first update>".
 WORKER = r"""
-import json, os, sys
+import datetime, gc, json, os, sys
 sys.path.insert(0, sys.argv[2])
 import ampguard
 import torch
 import torch.distributed as dist
 from underflow_support import AttentionNet, batches
+from ampguard.underflow.measure import Sampler
 
-OUT, STEPS, FACTOR = sys.argv[1], int(sys.argv[3]), float(sys.argv[4])
-dist.init_process_group("gloo")
+OUT = sys.argv[1]
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=40))  # a mispaired collective fails, not hangs
 rank = dist.get_rank()
-torch.manual_seed(0)
-model = torch.nn.parallel.DistributedDataParallel(AttentionNet())
-optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / FACTOR)
-scaler = torch.amp.GradScaler("cpu")
 
 # ampguard's collectives, per step (DDP's reducer calls the process group itself, not dist.all_reduce)
 exchanges = []
@@ -57,24 +59,87 @@ def counting_all_reduce(tensor, *args, **kwargs):
 
 
 dist.all_reduce = counting_all_reduce
-scales, losses = [], []
-for tokens, labels in batches(STEPS, seed=1 + rank):  # each rank its own batches
-    exchanges.append([])
-    optimizer.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
-    losses.append(float(loss.detach()))
-    scaler.scale(loss * FACTOR).backward()
-    scaler.step(optimizer)
-    scaler.update()
-    scales.append(scaler.get_scale())
-record = {"scales": scales, "losses": losses, "exchanges": exchanges, "stats": scaler.stats.as_dict()}
-with open(os.path.join(OUT, f"rank{rank}.json"), "w") as handle:
-    json.dump(record, handle)
-dist.barrier()
-del model  # before the group: see examples/ddp_train.py (a rare gloo hang at exit on torch < 2.8)
+for scenario in sys.argv[3:]:
+    name, every, steps, factor, evaluating = scenario.split(":")
+    factor = float(factor)
+    os.environ["AMPGUARD_UNDERFLOW_EVERY"] = every
+    ampguard.uninstall()
+    ampguard.install()
+    torch.manual_seed(0)
+    model = torch.nn.parallel.DistributedDataParallel(AttentionNet())
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1 / factor)
+    scaler = torch.amp.GradScaler("cpu")
+    exchanges.clear()
+    scales, losses = [], []
+    for step, (tokens, labels) in enumerate(batches(int(steps), seed=1 + rank)):  # each rank its own batches
+        exchanges.append([])
+        optimizer.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
+        losses.append(float(loss.detach()))
+        scaler.scale(loss * factor).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if step == 0 and str(rank) in evaluating:  # an evaluation (rank 0's own, or every rank's)
+            with torch.no_grad():
+                for _ in range(Sampler.MAX_CALLS + 6):
+                    model.module(tokens)
+    record = {"scales": scales, "losses": losses, "exchanges": list(exchanges), "stats": scaler.stats.as_dict()}
+    with open(os.path.join(OUT, f"{name}-rank{rank}.json"), "w") as handle:
+        json.dump(record, handle)
+    dist.barrier()
+    del model, optimizer, scaler  # before the group: see examples/ddp_train.py (a rare gloo hang at exit on torch < 2.8)
+    gc.collect()
 dist.destroy_process_group()
 """
+# The ranks agree (every 20th step sampled, the loss multiplied by FACTOR); rank 0 evaluates alone; every rank does.
+SCENARIOS = {"agree": f"20:{STEPS}:{FACTOR}:", "0": "1000:4:1:0", "01": "1000:4:1:01"}
+Records = tuple[dict[str, Any], dict[str, Any]]  # rank 0's, rank 1's
+
+
+@dataclass
+class Job:
+    """The job's exit status and output, and the records of each scenario both ranks finished."""
+
+    returncode: int
+    output: str
+    records: dict[str, Records]
+
+    def __getitem__(self, scenario: str) -> Records:
+        """``scenario``'s records; the test fails when the job failed in it or after it, or never reached it (a
+        failure in a later scenario is that scenario's tests' alone)."""
+        names = list(SCENARIOS)
+        following = names[names.index(scenario) + 1 :]
+        failed_later = bool(following) and following[0] not in self.records
+        if scenario not in self.records or (self.returncode != 0 and not failed_later):
+            pytest.fail(f"the job exited {self.returncode} in or after scenario {scenario!r}\n{self.output}")
+        return self.records[scenario]
+
+
+@pytest.fixture(scope="module")
+def jobs(tmp_path_factory: pytest.TempPathFactory) -> Job:
+    """The job that runs every scenario."""
+    tmp_path = tmp_path_factory.mktemp("underflow-ddp")
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    entry = [str(worker), str(out), str(SUPPORT), *(f"{name}:{rest}" for name, rest in SCENARIOS.items())]
+    env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt")
+    result = run_ranks(entry, cwd=tmp_path, env=env, timeout=300)
+    records = {}
+    for name in SCENARIOS:
+        files = [out / f"{name}-rank{rank}.json" for rank in (0, 1)]
+        if all(file.exists() for file in files):
+            first, second = (json.loads(file.read_text()) for file in files)
+            records[name] = (first, second)
+    return Job(result.returncode, result.output, records)
+
+
+def _sizes(record: dict[str, Any]) -> list[list[int]]:
+    """Each step's all-reduces, as the number of values each exchanged."""
+    return [[len(local) for local, _ in step] for step in record["exchanges"]]
 
 
 def float32_global_losses() -> list[float]:
@@ -93,16 +158,8 @@ def float32_global_losses() -> list[float]:
 
 
 @pytest.mark.distributed
-def test_ranks_agree_on_the_underflow_and_grow_the_scale_at_the_same_steps(tmp_path: Path) -> None:
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    out = tmp_path / "out"
-    out.mkdir()
-    entry = [str(worker), str(out), str(SUPPORT), str(STEPS), str(FACTOR)]
-    env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="20")
-    result = run_ranks(entry, cwd=tmp_path, env=env, timeout=300)
-    assert result.returncode == 0, result.output
-    first, second = (json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2))
+def test_ranks_agree_on_the_underflow_and_grow_the_scale_at_the_same_steps(jobs: Job) -> None:
+    first, second = jobs["agree"]
 
     # One scale on both ranks at every step, grown for underflow (before: never grown under torch.distributed).
     assert first["scales"] == second["scales"]
@@ -141,104 +198,32 @@ def _adapt(reinstall):
 
 
 # 2 gloo ranks under DDP; after the first update (which arms the sampler for the next step on both ranks) rank 0
-# alone evaluates, forward passes without grad: more than the sampler's call limit, which disarms it there. One job
-# runs each scenario (argv[4]: which ranks evaluate, "0" or "01", comma-separated) in turn, each with its own model,
-# optimizer and scaler, as a fresh run would: it saves a job (two ranks importing torch) per scenario.
-ONE_RANK_EVALUATES = r"""
-import gc, json, os, sys
-sys.path.insert(0, sys.argv[2])
-import ampguard
-import torch
-import torch.distributed as dist
-from underflow_support import AttentionNet, batches
-from ampguard.underflow.measure import Sampler
-
-OUT, STEPS, SCENARIOS = sys.argv[1], int(sys.argv[3]), sys.argv[4].split(",")
-dist.init_process_group("gloo", timeout=__import__("datetime").timedelta(seconds=40))
-rank = dist.get_rank()
-exchanges = []
-real_all_reduce = dist.all_reduce
-
-
-def counting_all_reduce(tensor, *args, **kwargs):
-    exchanges[-1].append(tensor.numel())
-    return real_all_reduce(tensor, *args, **kwargs)
-
-
-dist.all_reduce = counting_all_reduce
-for evaluating in SCENARIOS:
-    torch.manual_seed(0)
-    model = torch.nn.parallel.DistributedDataParallel(AttentionNet())
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = torch.amp.GradScaler("cpu")
-    exchanges.clear()
-    scales = []
-    data = batches(STEPS, seed=1 + rank)
-    for step, (tokens, labels) in enumerate(data):
-        exchanges.append([])
-        optimizer.zero_grad(set_to_none=True)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = torch.nn.functional.cross_entropy(model(tokens).float(), labels)
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        scales.append(scaler.get_scale())
-        if step == 0 and str(rank) in evaluating:  # an evaluation (rank 0's own, or every rank's)
-            with torch.no_grad():
-                for _ in range(Sampler.MAX_CALLS + 6):
-                    model.module(tokens)
-    record = {"scales": scales, "exchanges": list(exchanges), "stats": scaler.stats.as_dict()}
-    with open(os.path.join(OUT, f"{evaluating}-rank{rank}.json"), "w") as handle:
-        json.dump(record, handle)
-    dist.barrier()
-    del model, optimizer, scaler
-    gc.collect()
-dist.destroy_process_group()
-"""
-SCENARIOS = ("0", "01")  # rank 0 evaluates alone; every rank evaluates
-
-
-@pytest.fixture(scope="module")
-def evaluations(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[dict[str, Any], dict[str, Any]]]:
-    """Each scenario's records of rank 0 and rank 1, from one job."""
-    tmp_path = tmp_path_factory.mktemp("evaluations")
-    worker = tmp_path / "worker.py"
-    worker.write_text(ONE_RANK_EVALUATES)
-    out = tmp_path / "out"
-    out.mkdir()
-    steps = 4
-    entry = [str(worker), str(out), str(SUPPORT), str(steps), ",".join(SCENARIOS)]
-    env = environment_without_ampguard(AMPGUARD_UNDERFLOW="adapt", AMPGUARD_UNDERFLOW_EVERY="1000")
-    result = run_ranks(entry, cwd=tmp_path, env=env, timeout=120)  # a hang (collectives mispaired) fails with output
-    assert result.returncode == 0, result.output
-    records = {
-        (name, rank): json.loads((out / f"{name}-rank{rank}.json").read_text()) for name in SCENARIOS for rank in (0, 1)
-    }
-    return {name: (records[name, 0], records[name, 1]) for name in SCENARIOS}
+# alone evaluates (scenario "0"), or both do ("01"), forward passes without grad: more than the sampler's call limit,
+# which disarms it there.
 
 
 @pytest.mark.distributed
-def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange(evaluations) -> None:
+def test_a_rank_whose_sampler_disarmed_itself_still_joins_the_underflow_exchange(jobs: Job) -> None:
     """Rank 0 evaluates alone while the sample is armed and its sampler disarms itself (more than Sampler.MAX_CALLS calls): both ranks still
     call agree_on_underflow at the same update (rank 0 with nothing counted), so the collectives stay paired.
     Before, rank 1 all-reduced the sample at step 1 and rank 0 (re-armed) at step 2: gloo paired rank 1's
     underflow all-reduce with DDP's gradient bucket of rank 0 and aborted the job ("Received data size doesn't
     match expected size. Is there a distributed collective mismatch")."""
-    first, second = evaluations["0"]
-    assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [], []]
+    first, second = jobs["0"]
+    assert _sizes(first) == _sizes(second) == [[], [6, 1], [], []]
     assert first["scales"] == second["scales"]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
     assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0  # rank 1's counts
 
 
 @pytest.mark.distributed
-def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(evaluations) -> None:
+def test_when_every_rank_disarmed_itself_the_next_step_is_sampled_instead(jobs: Job) -> None:
     """Every rank evaluates (more than Sampler.MAX_CALLS batches) while the sample is armed: the exchange finds nothing counted on any
     rank, which is not a sample: the next step is sampled instead, on both ranks. Before (with the exchange
     kept paired), an empty measurement replaced the last one in scaler.stats and the next sample waited a
     whole AMPGUARD_UNDERFLOW_EVERY."""
-    first, second = evaluations["01"]
-    assert first["exchanges"] == second["exchanges"] == [[], [6, 1], [6, 1], []]
+    first, second = jobs["01"]
+    assert _sizes(first) == _sizes(second) == [[], [6, 1], [6, 1], []]
     assert first["stats"]["underflow_samples"] == second["stats"]["underflow_samples"] == 1
     assert first["stats"]["underflow_values"] == second["stats"]["underflow_values"] > 0
 
