@@ -160,8 +160,13 @@ def _run_ranks_once(entry: list[str], *, cwd: Path, env: dict[str, str], timeout
         (logs / str(rank)).mkdir(parents=True)
         out, err = open(logs / str(rank) / "stdout.log", "wb"), open(logs / str(rank) / "stderr.log", "wb")  # noqa: SIM115
         files += [out, err]
+        # Each rank in a session of its own, as torchrun starts its workers: where the kernel groups processes
+        # by session for scheduling (autogroup), the 2 ranks do not share one group's time.
+        environment = _rank_environment(env, rank, port)
         command = [sys.executable, *entry]
-        ranks.append(subprocess.Popen(command, cwd=cwd, env=_rank_environment(env, rank, port), stdout=out, stderr=err))
+        ranks.append(
+            subprocess.Popen(command, cwd=cwd, env=environment, stdout=out, stderr=err, start_new_session=True)
+        )
     returncode, deadline = 0, time.monotonic() + timeout
     try:
         while returncode == 0 and None in [rank.poll() for rank in ranks]:  # (every rank polled)
