@@ -12,6 +12,7 @@ import types
 
 import pytest
 import torch
+from banner_support import banners_after_install
 
 import ampguard
 import ampguard.scaler
@@ -220,30 +221,40 @@ def test_rebind_skips_ampguard_modules():
         del sys.modules[mine.__name__], sys.modules[theirs.__name__]
 
 
-def test_root_logger_is_never_configured():
-    code = "import logging, ampguard; root = logging.getLogger(); print(len(root.handlers), root.level)"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": ""}, check=True)
-    assert out.stdout.split() == ["0", str(logging.WARNING)]
-
-
-def _banner(env: dict[str, str], code: str = "import ampguard; ampguard.uninstall(); ampguard.install()") -> str:
-    result = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": "", **env}, check=True
+@pytest.fixture(scope="module")
+def fresh_interpreter() -> subprocess.CompletedProcess[str]:
+    """A fresh interpreter (no AMPGUARD_* variable) that imports ampguard, installs it again, and prints the
+    root logger's handler count and level."""
+    code = (
+        "import logging, ampguard; ampguard.uninstall(); ampguard.install(); root = logging.getLogger(); "
+        "print(len(root.handlers), root.level)"
     )
-    return result.stderr
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env={"PATH": ""}, check=True)
 
 
-def test_banner_names_the_applied_patches_once_per_process():
-    stderr = _banner({})
+def test_root_logger_is_never_configured(fresh_interpreter):
+    assert fresh_interpreter.stdout.split() == ["0", str(logging.WARNING)]
+
+
+def test_banner_names_the_applied_patches_once_per_process(fresh_interpreter):
+    stderr = fresh_interpreter.stderr
     assert stderr.count("ampguard: ") == 1
     line = stderr.strip().splitlines()[-1]
     assert re.search(r"^ampguard: \S+ on torch [\d.]+: patched autocast, grad_scaler", line), line
 
 
-def test_banner_is_silenced_and_only_on_rank_zero():
-    assert _banner({"AMPGUARD_QUIET": "1"}) == ""
-    assert _banner({"RANK": "1", "LOCAL_RANK": "1"}) == ""
-    assert "patched" in _banner({"RANK": "0", "LOCAL_RANK": "0"})
+@pytest.mark.parametrize(
+    ("variables", "shown"),
+    [
+        ({"AMPGUARD_QUIET": "1"}, False),
+        ({"AMPGUARD_QUIET": "0", "RANK": "1", "LOCAL_RANK": "1"}, False),
+        ({"AMPGUARD_QUIET": "0", "RANK": "0", "LOCAL_RANK": "0"}, True),
+    ],
+)
+def test_banner_is_silenced_and_only_on_rank_zero(monkeypatch, variables, shown):
+    """The banner an install shows in a process that has shown none yet (banner_support)."""
+    banners = banners_after_install(monkeypatch, **variables)()
+    assert [("patched autocast" in banner) for banner in banners] == ([True] if shown else [])
 
 
 def test_a_handler_the_user_attached_is_respected():
