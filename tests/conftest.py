@@ -12,6 +12,7 @@ import gc
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 # The shared helpers (scaler_support, islands_support, ...) live in tests/support/ and are imported by name from
 # every folder of tests/ (the folders have no __init__.py: pytest puts each test file's own folder on sys.path).
@@ -114,3 +115,14 @@ def reinstall(monkeypatch: pytest.MonkeyPatch):
         return ampguard.install()
 
     return _reinstall
+
+
+@pytest.fixture(scope="session")
+def demo_under_ampguard(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The demo script (40 steps per scenario) under ``python -m ampguard run``, a stats line every 10 steps, its
+    records also in a stats file (``stats_file``): run once for the demo's tests and the report of its file."""
+    from demo_support import run_finetune
+
+    path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
+    run = run_finetune("-m", "ampguard", "run", AMPGUARD_STATS_EVERY="10", AMPGUARD_STATS_FILE=str(path))
+    return run | {"stats_file": path}

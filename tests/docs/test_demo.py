@@ -3,18 +3,14 @@
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
+from demo_support import EXAMPLES, run_finetune
 
 from ampguard.patch import torch_release
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 def _demo_module():
@@ -25,27 +21,11 @@ def _demo_module():
     return module
 
 
-def _run(*command: str, **env: str) -> dict:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    result = subprocess.run(
-        [sys.executable, *command, str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
-        capture_output=True,
-        text=True,
-        env={**base, **env},
-        check=True,
-    )
-    summary = json.loads(result.stdout.strip().splitlines()[-1])
-    return {r["scenario"]: r for r in summary["results"]} | {
-        "results": summary["results"],
-        "warnings": summary["future_warnings"],
-        "stderr": result.stderr,
-    }
-
-
 @pytest.fixture(scope="module")
-def runs() -> tuple[dict, dict]:
-    """The script run plain and under ``ampguard run`` (40 steps per scenario), once for this module's tests."""
-    return _run(), _run("-m", "ampguard", "run", AMPGUARD_STATS_EVERY="10")
+def runs(demo_under_ampguard) -> tuple[dict, dict]:
+    """The script run plain and under ``ampguard run`` (40 steps per scenario, a stats line every 10; the latter
+    shared with tests/stats/test_report.py, which reports on its stats file)."""
+    return run_finetune(), demo_under_ampguard
 
 
 def test_demo_script_fails_plain_and_trains_through_with_ampguard(runs):

@@ -10,15 +10,12 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 from test_stats_file import train
 
 from ampguard.cli import main
 from ampguard.stats.file import StatsFileHandler
-
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
 
 @pytest.fixture
@@ -145,18 +142,12 @@ def test_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
     assert code == 2 and err == f"ampguard report: error: {tmp_path / 'empty.jsonl'}: no records\n"
 
 
-def test_report_on_a_file_the_demo_wrote(tmp_path, capsys):
+def test_report_on_a_file_the_demo_wrote(demo_under_ampguard, capsys):
     """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the skips and the islands.
 
-    The demo runs in its own process (the stats file is opened at import); the report reads it in this one."""
-    path = tmp_path / "demo.jsonl"
-    base = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
-    subprocess.run(
-        [sys.executable, "-m", "ampguard", "run", str(EXAMPLES / "xtts_style_finetune.py"), "--steps", "40"],
-        env={**base, "AMPGUARD_STATS_FILE": str(path), "AMPGUARD_STATS_EVERY": "10"},
-        capture_output=True,
-        check=True,
-    )
+    The demo runs in its own process (the stats file is opened at import; tests/conftest.py runs it once for this
+    test and tests/docs/test_demo.py); the report reads it in this one."""
+    path = demo_under_ampguard["stats_file"]
     code, out, _ = report(capsys, str(path), "--json")
     assert code == 0
     [run] = json.loads(out)

@@ -12,11 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 from pathlib import Path
 
 import pytest
 
 from ampguard import messages
+from ampguard.cli import main
 from ampguard.stats.report import read
 from ampguard.underflow.listener import GROWN, REPORTED
 
@@ -66,10 +68,14 @@ def short_run(tmp_path_factory) -> Path:
     return path
 
 
-def test_a_run_shorter_than_the_stats_interval_is_reported_from_its_events(short_run):
-    done = _report(str(short_run), "--json")
-    assert done.returncode == 0, done.stderr
-    [run] = json.loads(done.stdout)
+def test_a_run_shorter_than_the_stats_interval_is_reported_from_its_events(short_run, capsys):
+    """The --json report in this process (the command's own process: the text report below)."""
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("default")
+        code = main(["report", str(short_run), "--json"])
+    out, err = capsys.readouterr()
+    assert code == 0 and err == "" and warned == [], err
+    [run] = json.loads(out)
     assert run["scalers"] == []
     assert run["fp32_islands"] == ["blocks.1.attn"]
     events = run["from_events"]
