@@ -562,16 +562,26 @@ def test_bench_markdown_without_its_markers_stops_before_measuring(tmp_path):
 # -- import time: what `import ampguard` must not import ------------------------------
 
 
-def test_import_ampguard_loads_no_heavy_optional_module():
-    """packaging.specifiers (about 10 ms) and rich (100+ ms) stay out of ``import ampguard`` off a terminal."""
+@pytest.fixture(scope="module")
+def off_a_terminal():
+    """``import sys, torch, ampguard`` in a fresh interpreter, no AMPGUARD_* variable, its stderr a pipe: it prints
+    which of packaging.specifiers and rich are imported; its stderr is the banner as a pipe gets it."""
+    import os
     import subprocess
     import sys
 
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD") and k != "COLUMNS"}
     probe = (
         "import sys, torch, ampguard; print(sorted(m for m in ('packaging.specifiers', 'rich') if m in sys.modules))"
     )
-    completed = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
-    assert completed.stdout.strip() == "[]"
+    return subprocess.run([sys.executable, "-c", probe], env=environment, capture_output=True, text=True, check=True)
+
+
+def test_import_ampguard_loads_no_heavy_optional_module(off_a_terminal):
+    """packaging.specifiers (about 10 ms) and rich (100+ ms) stay out of ``import ampguard`` off a terminal, the
+    banner logged."""
+    assert off_a_terminal.stdout.strip() == "[]"
+    assert " on torch " in off_a_terminal.stderr
 
 
 @pytest.mark.parametrize(
@@ -661,12 +671,10 @@ def _on_a_terminal(code: str, environment: dict[str, str], columns: int = 100) -
 
 
 @pytest.mark.skipif(not hasattr(__import__("os"), "openpty"), reason="needs a pseudo-terminal")
-def test_on_a_terminal_the_banner_is_laid_out_like_rich_without_importing_it():
+def test_on_a_terminal_the_banner_is_laid_out_like_rich_without_importing_it(off_a_terminal):
     """The banner is the import's own record: rich's layout and the banner's text, rich not imported (~30-100 ms)."""
     import os
     import re
-    import subprocess
-    import sys
 
     environment = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD") and k != "COLUMNS"}
     stdout, terminal = _on_a_terminal("import sys, torch, ampguard; print('rich' in sys.modules)", environment)
@@ -675,7 +683,5 @@ def test_on_a_terminal_the_banner_is_laid_out_like_rich_without_importing_it():
     assert re.fullmatch(r"\[\d\d:\d\d:\d\d\] INFO     ampguard: \S.*", lines[0])
     assert all(len(line) == 100 for line in lines)  # padded to the terminal's width, as rich pads
     assert all(line.startswith(" " * 20) and line[20] != " " for line in lines[1:])  # wrapped under the message
-    plain = subprocess.run(
-        [sys.executable, "-c", "import torch, ampguard"], env=environment, capture_output=True, text=True, check=True
-    ).stderr.strip()
+    plain = off_a_terminal.stderr.strip()  # the same environment's banner through a pipe
     assert " ".join(line[20:].strip() for line in lines) == plain  # the banner's text, word for word
