@@ -95,13 +95,14 @@ def test_a_run_shorter_than_the_stats_interval_is_reported_from_its_events(short
     assert "no stats lines (fewer steps than AMPGUARD_STATS_EVERY, 500 by default, or it is 0)" in text
 
 
-def test_png_of_a_file_without_stats_lines_says_there_is_nothing_to_chart(short_run, tmp_path):
+def test_png_of_a_file_without_stats_lines_says_there_is_nothing_to_chart(short_run, tmp_path, capsys):
     png = tmp_path / "run.png"
-    done = _report(str(short_run), "--png", str(png))
-    assert done.returncode == 1
+    code = main(["report", str(short_run), "--png", str(png)])
+    out, err = capsys.readouterr()
+    assert code == 1
     assert not png.exists()
-    assert "chart written" not in done.stdout and "fp32 islands: blocks.1.attn" in done.stdout
-    assert done.stderr.splitlines() == [
+    assert "chart written" not in out and "fp32 islands: blocks.1.attn" in out
+    assert err.splitlines() == [
         f"ampguard report: nothing to chart: {short_run} has no stats lines (the run was shorter than "
         "AMPGUARD_STATS_EVERY, 500 steps by default, or it was 0); no PNG written"
     ]
