@@ -118,11 +118,11 @@ def reinstall(monkeypatch: pytest.MonkeyPatch):
 
 
 @pytest.fixture(scope="session")
-def demo_under_ampguard(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """The demo script (40 steps per scenario) under ``python -m ampguard run``, a stats line every 10 steps, its
-    records also in a stats file (``stats_file``): run once for the demo's tests and the report of its file."""
-    from demo_support import run_finetune
+def demo_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """``AMPGUARD_STATS_FILE=demo.jsonl AMPGUARD_STATS_EVERY=10 python examples/demo.py`` (as docs/stats-file.md
+    suggests; its ampguard run writes the stats file, ``stats_file``), run once for the demo's tests and the report
+    of its file (tests/support/demo_support.py)."""
+    from demo_support import run_demo
 
     path = tmp_path_factory.mktemp("demo") / "demo.jsonl"
-    run = run_finetune("-m", "ampguard", "run", AMPGUARD_STATS_EVERY="10", AMPGUARD_STATS_FILE=str(path))
-    return run | {"stats_file": path}
+    return run_demo(AMPGUARD_STATS_FILE=str(path), AMPGUARD_STATS_EVERY="10") | {"stats_file": path}

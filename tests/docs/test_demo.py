@@ -2,30 +2,21 @@
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import subprocess
-import sys
 
 import pytest
-from demo_support import EXAMPLES, run_finetune
+from demo_support import demo_module
 
 from ampguard.patch import torch_release
 
-
-def _demo_module():
-    spec = importlib.util.spec_from_file_location("ampguard_demo", EXAMPLES / "demo.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+STEPS = 60  # the demo's optimizer steps per scenario
 
 
 @pytest.fixture(scope="module")
-def runs(demo_under_ampguard) -> tuple[dict, dict]:
-    """The script run plain and under ``ampguard run`` (40 steps per scenario, a stats line every 10; the latter
-    shared with tests/stats/test_report.py, which reports on its stats file)."""
-    return run_finetune(), demo_under_ampguard
+def runs(demo_run) -> tuple[dict, dict]:
+    """The script run plain and under ``ampguard run`` by the demo (tests/conftest.py: a stats line every 10 steps):
+    each run's results, and its stdout and stderr as the demo printed them (``output``)."""
+    return demo_run["plain"], demo_run["guarded"]
 
 
 def test_demo_script_fails_plain_and_trains_through_with_ampguard(runs):
@@ -38,43 +29,44 @@ def test_demo_script_fails_plain_and_trains_through_with_ampguard(runs):
     # them and keeps its scale (a non-finite loss says nothing about the loss scale).
     assert plain["storm"]["skipped_steps"] >= 24 and plain["storm"]["final_scale"] < 0.01
     assert guarded["storm"]["skipped_steps"] == 24 and guarded["storm"]["final_scale"] == 1024.0
-    assert "forward overflow" in guarded["stderr"] and "the batch itself held inf/NaN" in guarded["stderr"]
-    assert "loss scale collapsed" not in guarded["stderr"]
+    assert "forward overflow" in guarded["output"] and "the batch itself held inf/NaN" in guarded["output"]
+    assert "loss scale collapsed" not in guarded["output"]
 
-    assert plain["hot_block"]["skipped_steps"] == 40 and plain["hot_block"]["final_scale"] < 1e-6  # every step
+    assert plain["hot_block"]["skipped_steps"] == STEPS and plain["hot_block"]["final_scale"] < 1e-6  # every step
     assert guarded["hot_block"]["skipped_steps"] <= 4 and guarded["hot_block"]["final_scale"] >= 1024.0
-    assert "fp32 island: blocks.0.linear1 (Linear)" in guarded["stderr"]
+    assert "fp32 island: blocks.0.linear1 (Linear)" in guarded["output"]
     assert guarded["hot_block"]["fp32_islands"][0] == "blocks.0.linear1" and plain["hot_block"]["fp32_islands"] == []
 
     assert plain["no_grad"]["outcome"].startswith("crashed: AssertionError: No inf checks were recorded")
     assert guarded["no_grad"]["outcome"] == "finished"
-    assert "got no gradient" in guarded["stderr"]
+    assert "got no gradient" in guarded["output"]
 
-    assert "stats step=10 " in guarded["stderr"]
+    assert "stats step=10 " in guarded["output"]
     assert guarded["warnings"] == []
     if torch_release() >= torch_release("2.4"):
         assert plain["warnings"]  # torch.cpu.amp.autocast is deprecated from 2.4
 
 
-def test_demo_driver_prints_the_side_by_side_summary():
-    result = subprocess.run([sys.executable, str(EXAMPLES / "demo.py")], capture_output=True, text=True, check=True)
-    summary = result.stdout.split("===== summary")[1]
+def test_demo_driver_prints_the_side_by_side_summary(demo_run):
+    assert demo_run["code"] == 0
+    stdout = demo_run["stdout"]
+    summary = stdout.split("===== summary")[1]
     assert "crashed (AssertionError)" in summary
     assert "with ampguard" in summary and "FutureWarnings" in summary
     # The closing text says what the table's numbers say: ampguard's skips in hot_block, in both.
     row = next(line for line in summary.splitlines() if line.startswith("hot_block "))
     skipped = re.findall(r"(\d+) skipped", row)[-1]
     assert re.search(rf"^hot_block: .*\n.*\n    ampguard: skipped {skipped} of ", summary, flags=re.M)
-    assert "--- scenario hot_block (60 steps) ---" in result.stdout
-    stats = [line for line in result.stdout.splitlines() if "stats step=" in line]
+    assert f"--- scenario hot_block ({STEPS} steps) ---" in stdout
+    stats = [line for line in stdout.splitlines() if "stats step=" in line]
     assert stats and all("| now: consecutive_skipped=" in line for line in stats)  # shortened, never that part
 
 
-def _sections(stderr: str) -> dict[str, list[str]]:
+def _sections(output: str) -> dict[str, list[str]]:
     """The stats lines under each ``--- scenario NAME ---`` header."""
     sections: dict[str, list[str]] = {}
     current = None
-    for line in stderr.splitlines():
+    for line in output.splitlines():
         header = re.match(r"^--- scenario (\w+) \(\d+ steps\) ---$", line)
         if header:
             current = sections.setdefault(header.group(1), [])
@@ -86,7 +78,7 @@ def _sections(stderr: str) -> dict[str, list[str]]:
 
 def test_each_scenarios_stats_lines_follow_its_header_and_match_its_numbers(runs):
     _, guarded = runs
-    sections = _sections(guarded["stderr"])
+    sections = _sections(guarded["output"])
     assert list(sections) == ["calibration", "storm", "no_grad", "hot_block"]
     for name, lines in sections.items():
         result = guarded[name]
@@ -104,7 +96,7 @@ def test_each_scenarios_stats_lines_follow_its_header_and_match_its_numbers(runs
 
 def test_closing_text_is_written_from_the_runs_results(runs):
     plain, guarded = runs
-    text = _demo_module().closing(plain["results"], guarded["results"])
+    text = demo_module().closing(plain["results"], guarded["results"])
     blocks = dict(re.findall(r"^(\w+): .*\n((?:    .*\n?)+)", text, flags=re.M))
     assert list(blocks) == ["calibration", "storm", "no_grad", "hot_block"]
     for name, block in blocks.items():

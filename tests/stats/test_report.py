@@ -142,12 +142,12 @@ def test_a_missing_or_empty_file_is_an_error(tmp_path, capsys):
     assert code == 2 and err == f"ampguard report: error: {tmp_path / 'empty.jsonl'}: no records\n"
 
 
-def test_report_on_a_file_the_demo_wrote(demo_under_ampguard, capsys):
+def test_report_on_a_file_the_demo_wrote(demo_run, capsys):
     """The demo's ampguard run with AMPGUARD_STATS_FILE: four scenarios, four scalers, the skips and the islands.
 
-    The demo runs in its own process (the stats file is opened at import; tests/conftest.py runs it once for this
-    test and tests/docs/test_demo.py); the report reads it in this one."""
-    path = demo_under_ampguard["stats_file"]
+    The demo runs in its own process (the stats file is opened at import; tests/conftest.py runs the demo once for
+    this test and tests/docs/test_demo.py); the report reads it in this one."""
+    path = demo_run["stats_file"]
     code, out, _ = report(capsys, str(path), "--json")
     assert code == 0
     [run] = json.loads(out)
