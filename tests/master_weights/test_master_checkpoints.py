@@ -1,11 +1,12 @@
 """Checkpoints with master weights: exact resume in a new process, loadable by plain torch and from plain torch.
 
-:data:`WORKER` is run as a separate Python process for each part (``full``,
-``first``, ``resume``, ``plain_load``): 80 uninterrupted steps must equal 40
-steps, a checkpoint saved with ``torch.save`` and loaded in a new process with
-``weights_only=True``, and 40 more steps, bit for bit (parameters and optimizer
-state). The training loop has the usual recipe (scale, unscale_, clip, step,
-update) and an injected overflow on each side of the checkpoint.
+tests/master_weights/master_checkpoint_worker.py trains: 80 uninterrupted steps (``full``) must equal 40 steps
+(``first``), a checkpoint saved with ``torch.save`` and loaded in a new process with ``weights_only=True``, and 40
+more steps (``resume``), bit for bit (parameters and optimizer state); a new process of plain torch loads the
+checkpoint (``plain_load``). ``full`` and ``first`` run in the test's process, under ampguard's default
+installation, as in the new processes; only what must be new (the resume, plain torch) starts one. The training
+loop has the usual recipe (scale, unscale_, clip, step, update) and an injected overflow on each side of the
+checkpoint.
 """
 
 from __future__ import annotations
@@ -16,85 +17,35 @@ import subprocess
 import sys
 from pathlib import Path
 
+import master_checkpoint_worker
 import torch
 
 import ampguard
 from ampguard import master_weights
 
-WORKER = r"""
-import sys
-
-MODE, CHECKPOINT, OUT = sys.argv[1], sys.argv[2], sys.argv[3]
-if MODE != "plain_load":
-    import ampguard  # noqa: F401
-import torch
-import torch.nn.functional as F
-
-torch.set_num_threads(1)
-FAULTS = {13, 57}
-
-
-def build():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4)).half()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    scaler = torch.amp.GradScaler("cpu", init_scale=4096.0, growth_interval=10)
-    return model, optimizer, scaler
-
-
-def train(model, optimizer, scaler, start, stop):
-    for step in range(start, stop):
-        data = torch.Generator().manual_seed(step)
-        x, y = torch.randn(8, 16, generator=data), torch.randn(8, 4, generator=data)
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            out = model(x)
-        scaler.scale(F.mse_loss(out.float(), y)).backward()
-        if step in FAULTS:
-            model[0].weight.grad[0, 0] = float("inf")
-        scaler.unscale_(optimizer)
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        scaler.step(optimizer)
-        scaler.update()
-
-
-model, optimizer, scaler = build()
-if MODE == "full":
-    train(model, optimizer, scaler, 0, 80)
-elif MODE == "first":
-    train(model, optimizer, scaler, 0, 40)
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict()}, CHECKPOINT)
-    sys.exit(0)
-else:
-    checkpoint = torch.load(CHECKPOINT, weights_only=True)
-    # the optimizer first, the model after it: the order must not matter
-    optimizer.load_state_dict(checkpoint["optimizer"])
-    model.load_state_dict(checkpoint["model"])
-    scaler.load_state_dict(checkpoint["scaler"])
-    if MODE == "resume":
-        train(model, optimizer, scaler, 40, 80)
-    else:  # plain torch: the state loads (cast to the parameters' float16, as torch does)
-        state = optimizer.state_dict()["state"]
-        assert set(state) == {0, 1, 2, 3} and state[0]["exp_avg"].dtype == torch.float16, state[0]
-        assert scaler.get_scale() == checkpoint["scaler"]["scale"]
-torch.save({"params": [p.detach() for p in model.parameters()], "optimizer": optimizer.state_dict()}, OUT)
-"""
+WORKER = Path(master_checkpoint_worker.__file__)
 
 
 def _run(tmp_path: Path, mode: str) -> Path:
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
+    """The worker's ``mode`` in a new Python process (ampguard's default installation, or plain torch)."""
     out = tmp_path / f"{mode}.pt"
     env = {k: v for k, v in os.environ.items() if not k.startswith("AMPGUARD")}
     env.update(AMPGUARD_QUIET="1", OMP_NUM_THREADS="1")
     result = subprocess.run(
-        [sys.executable, str(script), mode, str(tmp_path / "checkpoint.pt"), str(out)],
+        [sys.executable, str(WORKER), mode, str(tmp_path / "checkpoint.pt"), str(out)],
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
+    return out
+
+
+def _run_here(tmp_path: Path, mode: str) -> Path:
+    """The worker's ``mode`` in this process, under ampguard's default installation as in :func:`_run`."""
+    out = tmp_path / f"{mode}.pt"
+    master_checkpoint_worker.main(mode, str(tmp_path / "checkpoint.pt"), str(out))
     return out
 
 
@@ -108,9 +59,11 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def test_resume_in_a_new_process_is_bit_exact_and_loads_in_plain_torch(tmp_path):
-    full = torch.load(_run(tmp_path, "full"), weights_only=True)
-    _run(tmp_path, "first")
+def test_resume_in_a_new_process_is_bit_exact_and_loads_in_plain_torch(tmp_path, monkeypatch, reinstall):
+    monkeypatch.delenv("AMPGUARD_UNDERFLOW")  # the default policy, as in the new processes (tests/conftest.py)
+    reinstall()
+    full = torch.load(_run_here(tmp_path, "full"), weights_only=True)
+    _run_here(tmp_path, "first")
     checkpoint = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
     saved = checkpoint["optimizer"]
     assert set(saved[master_weights.STATE_KEY]) == {0, 1, 2, 3}
