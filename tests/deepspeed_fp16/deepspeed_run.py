@@ -11,6 +11,8 @@ uninterrupted run), "backward": "engine" (default: ``engine.backward(loss)``) | 
 seed, same data) and prints one JSON line: ``died`` (the exception that ended it, or null), the skipped steps as the
 engine counts them and ampguard's counts, the final loss scale, whether every parameter is finite, the parameters,
 ampguard's log records and the stats-file records written during the run, the fp32 islands, the initial parameters.
+Before the runs, one line ``import order: <json>``: what importing deepspeed after ampguard made of it
+(:func:`import_order`).
 
 ampguard is installed again before each run with the run's environment, or uninstalled for a plain run: one process
 trains both, so both see the same DeepSpeed, and uninstall is exercised each time. DeepSpeed's CPU accelerator
@@ -38,14 +40,18 @@ import torch
 
 import ampguard
 import ampguard.deepspeed_fp16.tracking as tracking
+from ampguard.deepspeed_fp16 import hooks
 from ampguard.fp32_islands.patch import applied_healing
 from ampguard.syncs import HostReadCounter
 
 # isort: split
 # deepspeed is imported after ampguard: the patch reaches it through the post-import hook
 # (tests/deepspeed_fp16/test_deepspeed_fp16_patch.py imports it before).
-import deepspeed
-from deepspeed.accelerator import get_accelerator
+IMPORTED_BEFORE_AMPGUARD = "deepspeed" in sys.modules  # (import_order: the imports below come after it)
+import deepspeed  # noqa: E402
+from deepspeed.accelerator import get_accelerator  # noqa: E402
+from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler  # noqa: E402
+from deepspeed.runtime.precision_config import DeepSpeedFP16Config  # noqa: E402
 
 get_accelerator().is_fp16_supported = lambda: True  # the CPU runs DeepSpeed's float16 paths (this test's only)
 for _name in ("DeepSpeed", "deepspeed"):
@@ -203,7 +209,21 @@ def train(run: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+def import_order() -> dict[str, Any]:
+    """Whether deepspeed was imported before ampguard here, and what ampguard's post-import hook made of it: the
+    module of ``DynamicLossScaler.update_scale`` (ampguard's hooks' where patched) and the default config's
+    initial loss scale (ampguard's 1024 where patched, DeepSpeed's 65536 where not). Read before any run (each
+    uninstalls and installs ampguard again)."""
+    return {
+        "imported_before_ampguard": IMPORTED_BEFORE_AMPGUARD,
+        "update_scale": DynamicLossScaler.update_scale.__module__,
+        "hooks": hooks.__name__,
+        "init_scale": DeepSpeedFP16Config(enabled=True).dynamic_loss_scale_args()["init_scale"],
+    }
+
+
 def main() -> None:
+    print(f"import order: {json.dumps(import_order())}", flush=True)
     deepspeed.init_distributed(dist_backend="gloo")
     for run in json.loads(sys.argv[1]):
         print(json.dumps(train(run)), flush=True)

@@ -15,6 +15,7 @@ subprocess for all: DeepSpeed's distributed state is per process):
   becomes an fp32 island after 2 and trains (ZeRO 0-3);
 - a direct backward: ``loss.backward()`` fails as in plain DeepSpeed; ``engine.scale(loss).backward()`` finds
   forward overflows as ``engine.backward(loss)`` does;
+- deepspeed imported after ampguard (as the script does): patched by the post-import hook;
 - ``engine.save_checkpoint`` / ``engine.load_checkpoint`` mid-run: ampguard's counts (and islands) go on from the
   checkpoint as in an uninterrupted run, with its weights; a checkpoint of plain DeepSpeed loads under ampguard and
   one saved under ampguard loads in plain DeepSpeed, each giving the weights plain DeepSpeed's own gives.
@@ -167,7 +168,18 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[Any, ...], d
         else:
             results[run["stage"], run["overflow"], run["ampguard"], "raise" if run.get("env") else "warn"] = line
     results["stderr"] = done.stderr
+    [order] = [line for line in done.stdout.splitlines() if line.startswith("import order: ")]
+    results["import order"] = json.loads(order.removeprefix("import order: "))
     return results
+
+
+def test_deepspeed_imported_after_ampguard_is_patched_by_the_import_hook(results):
+    """deepspeed_run.py imports ampguard, then deepspeed (a new process): the post-import hook patched it, before
+    any run installed ampguard again (tests/deepspeed_fp16/test_deepspeed_fp16_patch.py: imported before)."""
+    order = results["import order"]
+    assert order["imported_before_ampguard"] is False
+    assert order["update_scale"] == order["hooks"] == "ampguard.deepspeed_fp16.hooks"
+    assert order["init_scale"] == 1024
 
 
 @pytest.mark.parametrize("stage", STAGES)
