@@ -113,8 +113,9 @@ SAVED_AT = 12
 def _checkpoint_runs() -> list[dict[str, Any]]:
     """Named runs from scale 1024: each saver trains 24 steps and saves after step 12, each loader resumes from
     there. ampguard -> ampguard at ZeRO 0-3, the block overflowing in the forward pass on every 5th call (an
-    island made; the saver is also the every-5th-call run of the counts' tests); plain -> ampguard and ampguard -> plain at ZeRO 0, 2 and 3 (ZeRO 1 saves and loads with ZeRO 2's
-    class), its gradients overflowing on every 5th call (which both back off from alike)."""
+    island made; each saver is also the every-5th-call run of the counts' tests); plain -> ampguard and ampguard ->
+    plain at ZeRO 0, 2 and 3 (ZeRO 1 saves and loads with ZeRO 2's class), its gradients overflowing on every 5th
+    call (which both back off from alike)."""
     runs: list[dict[str, Any]] = []
     for stage in STAGES:
         common = {"stage": stage, "steps": STEPS, "initial_scale_power": 10}
@@ -271,6 +272,7 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     expected = [f"{STEPS} of {STEPS}"] * 8 + [f"2 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"]
     # the checkpoint runs: each ampguard saver's (the every-5th-call runs) and each resumed one's 4 of 24 (one line
     # per engine: the counts follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12
+    # steps
     expected += [f"4 of {STEPS}"] * 11 + ["2 of 12"] * 3
     expected += [f"2 of {STEPS}"]  # engine.scale(loss).backward() with the island (bare loss.backward(): no step)
     expected += ["2 of 8"] * 2  # the static scale's islanded runs, ZeRO 0 and 2

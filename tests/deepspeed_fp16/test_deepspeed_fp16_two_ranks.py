@@ -2,8 +2,8 @@
 
 One process group for every case: two processes of tests/deepspeed_fp16/deepspeed_run.py (``RANK`` 0 and 1) train
 the same list of runs, each a fresh engine, plain DeepSpeed and under ampguard in turn, 12 steps of a tiny model
-(a healthy run 6; the whole file takes about 30 s on 2 shared cores). Each rank sees the same batches; DeepSpeed averages the
-gradients between the ranks, and agrees on overflow. Checked, each against plain DeepSpeed in the same processes:
+(a healthy run 6; the whole file takes about 30 s on 2 shared cores). Each rank sees the same batches; DeepSpeed
+averages the gradients between the ranks, and agrees on overflow. Checked, each against plain DeepSpeed in the same processes:
 
 - the block overflowing float16 inside it: plain DeepSpeed skips nearly every step; under ampguard both ranks agree
   that the loss was inf/NaN (one all-reduce, on skipped steps only), make the block an island at step 2, keep the

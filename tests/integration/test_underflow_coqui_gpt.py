@@ -22,7 +22,8 @@ pytestmark = pytest.mark.integration
 STEPS = 48
 # Relative margin on the held-out loss. Here float32, report and adapt end within 0.002% of one another (2.55566,
 # 2.55563, 2.55563 on the development machine; 0.012% after 96 steps); 0.2% is room for another CPU's rounding, and
-# still 100x below what lost gradients cost where they matter (+23.6% for the 2-block net at loss x 1e-8, docs/underflow.md).
+# still 100x below what lost gradients cost where they matter (+23.6% for the 2-block net at loss x 1e-8,
+# docs/underflow.md).
 # Rounding alone moves these runs apart as they train on: after 320 steps they spread over 0.5% (same page).
 LOSS_MARGIN = 2e-3
 
