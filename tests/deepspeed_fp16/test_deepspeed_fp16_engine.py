@@ -42,6 +42,8 @@ pytestmark = pytest.mark.skipif(
 STEPS = 24
 # A healthy run is compared with plain DeepSpeed step for step: 8 steps (one stats line, at step 8) show it
 HEALTHY_STEPS = 8
+# The block overflowing float16 inside it becomes an island at step 2: 12 steps train through it
+INSIDE_STEPS = 12
 STAGES = (0, 1, 2, 3)
 SCRIPT = Path(__file__).with_name("deepspeed_run.py")
 ADAMW = {"lr": 1e-3, "torch_adam": True}
@@ -65,7 +67,8 @@ def _runs() -> list[dict[str, Any]]:
             if overflow == "never":  # clipped (DeepSpeed's gradient_clipping), host reads counted
                 run.update(config={"gradient_clipping": 0.05}, count_reads=True, steps=HEALTHY_STEPS)
             if overflow == "inside":  # no weight decay: a parameter moves only where its gradient reaches it
-                run.update(config={"optimizer": {"type": "AdamW", "params": {**ADAMW, "weight_decay": 0.0}}})
+                config = {"optimizer": {"type": "AdamW", "params": {**ADAMW, "weight_decay": 0.0}}}
+                run.update(config=config, steps=INSIDE_STEPS)
             runs.append(run)
     runs.append(
         {"stage": 2, "overflow": "backward", "steps": STEPS, "ampguard": True, "env": {"AMPGUARD_ON_STALL": "raise"}}
@@ -96,13 +99,15 @@ def _static_scale_runs() -> list[dict[str, Any]]:
 
 def _direct_backward_runs() -> list[dict[str, Any]]:
     """``loss.backward()`` at ZeRO 0 and 2, and ``engine.scale(loss).backward()`` at ZeRO 3, the block overflowing
-    inside, plain and under ampguard (named ``"<how> <stage> <plain|ampguard>"``)."""
+    inside, plain and under ampguard (named ``"<how> <stage> <plain|ampguard>"``): plain DeepSpeed for
+    :data:`STEPS` (it dies on the way), under ampguard as long as the runs it is compared with."""
     runs = []
     for how, stage in (("tensor", 0), ("tensor", 2), ("scale", 3)):
         for amp in (False, True):
             name = f"{how} {stage} {'ampguard' if amp else 'plain'}"
             config = {"optimizer": {"type": "AdamW", "params": {**ADAMW, "weight_decay": 0.0}}}
-            run = {"stage": stage, "overflow": "inside", "steps": STEPS, "ampguard": amp, "config": config}
+            steps = INSIDE_STEPS if amp else STEPS
+            run = {"stage": stage, "overflow": "inside", "steps": steps, "ampguard": amp, "config": config}
             runs.append({**run, "name": name, "backward": how})
     return runs
 
@@ -269,12 +274,14 @@ def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
     counts = sorted(tally.split(": ", 1)[1].split(" steps skipped")[0] for tally in tallies)
     # every step of the 8 always-overflowing runs (forward, gradients), the raise run's 20, the accumulating run's
     # 4 of its 12 optimizer steps, the islanded runs' 2; healthy runs: none
-    expected = [f"{STEPS} of {STEPS}"] * 8 + [f"2 of {STEPS}"] * 4 + ["20 of 20", "4 of 12"]
+    expected = [f"{STEPS} of {STEPS}"] * 8 + [f"2 of {INSIDE_STEPS}"] * 4 + ["20 of 20", "4 of 12"]
     # the checkpoint runs: each ampguard saver's (the every-5th-call runs) and each resumed one's 4 of 24 (one line
     # per engine: the counts follow ZeRO 1-3's new scaler), a plain checkpoint resumed under ampguard counts its 12
     # steps
     expected += [f"4 of {STEPS}"] * 11 + ["2 of 12"] * 3
-    expected += [f"2 of {STEPS}"]  # engine.scale(loss).backward() with the island (bare loss.backward(): no step)
+    expected += [
+        f"2 of {INSIDE_STEPS}"
+    ]  # engine.scale(loss).backward() with the island (bare loss.backward(): no step)
     expected += ["2 of 8"] * 2  # the static scale's islanded runs, ZeRO 0 and 2
     assert counts == sorted(expected)
 
@@ -286,12 +293,12 @@ def test_a_block_overflowing_float16_inside_becomes_an_fp32_island_after_two_ste
     block at the second, which then computes in float32 from its float16 parameters (ZeRO 3: copied after
     DeepSpeed gathers them) and trains."""
     plain, guarded = results[stage, "inside", False, "warn"], results[stage, "inside", True, "warn"]
-    assert plain["engine_skipped"] >= STEPS // 2 and guarded["died"] is None and guarded["finite"]
+    assert plain["engine_skipped"] >= INSIDE_STEPS // 2 and guarded["died"] is None and guarded["finite"]
     counts = guarded["ampguard"]
     assert counts["skipped"] == counts["nonfinite_loss"] == guarded["engine_skipped"] == 2  # forward overflows
     assert guarded["islands"] == ["2"]
     # the two forward overflows left DeepSpeed's scale where a healthy run has it: at its start (its growth
-    # window, 1000 steps, is not reached in 24)
+    # window, 1000 steps, is not reached in 12)
     assert guarded["scale"] == counts["min_scale_seen"] == counts["max_scale_seen"] == 1024
     assert plain["scale"] < guarded["scale"]
     made = [line for line in guarded["log"] if line.startswith("WARNING: fp32 island: 2 (Loud)")]
