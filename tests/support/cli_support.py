@@ -7,6 +7,7 @@ variable, the once-per-process banner, the status the shell sees) keeps a test t
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import sys
@@ -15,6 +16,8 @@ from collections.abc import Callable, Mapping
 import pytest
 
 import ampguard
+import ampguard.config.names as names
+import ampguard.log as log
 import ampguard.registry as registry
 from ampguard import cli
 from ampguard.errors import ConfigError
@@ -37,15 +40,20 @@ def ampguard_cli(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[
         monkeypatch.setattr(sys, "path", list(sys.path))
         for flag in ("banner_held", "banner_shown"):
             monkeypatch.setattr(registry._registry, flag, getattr(registry._registry, flag))
+        # What the command's process writes to stderr includes ampguard's log lines (the import's warnings among
+        # them): its handler writes to this test's captured stderr, and the once-per-process warnings fire again.
+        monkeypatch.setattr(names, "_warned", set())
+        if isinstance(log._default_handler, logging.StreamHandler):
+            monkeypatch.setattr(log._default_handler, "stream", sys.stderr)
         # What importing the package does under ``python -m ampguard`` (ampguard/__init__.py): the banner held for
         # the command to show, and a bad variable's ConfigError left to the command (nothing installed).
         ampguard.uninstall()
         registry.hold_banner()
+        capsys.readouterr()
         try:
             ampguard.install()
         except ConfigError:
             pass
-        capsys.readouterr()
         try:
             status = cli.main(list(args))
         except SystemExit as exit:  # argparse's --help, --version and usage errors: python's status for each
