@@ -160,6 +160,15 @@ EXIT_CASES = [
     ("uncaught", "def train():\n    raise ValueError('boom')\n\ntrain()\n", 1, "ValueError: boom"),
     ("syntax-error", "x = (\n", 1, "SyntaxError"),
     ("clean", "print('done')\n", 0, None),
+    # what an atexit handler finds as the process ends: the script's argv and __main__, as under python
+    (
+        "atexit",
+        "import atexit, sys\n"
+        "atexit.register(lambda: print(sys.argv, sys.modules['__main__'].__dict__ is globals()))\n"
+        "sys.exit(4)\n",
+        4,
+        None,
+    ),
 ]
 
 TRAIN = textwrap.dedent("""
@@ -203,8 +212,10 @@ for name, (cwd, args) in json.loads(sys.argv[1]).items():
             os.dup2(handle, fd)
             os.close(handle)
         sys.argv = ["-m", *args]
-        # ampguard.__main__ as python -m runs it; its SystemExit (or the script's) ends this child as it ends python.
-        runpy.run_module("ampguard", run_name="__main__", alter_sys=True)
+        # ampguard.__main__ as python -m runs it (what python calls for -m: in sys.modules["__main__"], which it does
+        # not put back, nor sys.argv, so that atexit sees what python's would); its SystemExit (or the script's)
+        # ends this child as it ends python.
+        runpy._run_module_as_main("ampguard")
         raise SystemExit("ampguard.__main__ returned")
     status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
     with open(out) as stdout, open(err) as stderr:
