@@ -264,6 +264,8 @@ def test_healthy_steps_read_the_host_as_often_as_plain_deepspeed(results, stage)
     plain, guarded = results[stage, "never", False, "warn"], results[stage, "never", True, "warn"]
     assert plain["host_reads"]["aten::_local_scalar_dense"] >= HEALTHY_STEPS - 2  # DeepSpeed's overflow check
     assert guarded["host_reads"] == plain["host_reads"]
+    # (the premise: a stats line's step is among those counted, so a read ampguard made there would show)
+    assert [record["steps"] for record in guarded["stats_file"] if record["event"] == "stats"] == [HEALTHY_STEPS]
 
 
 def test_the_exit_summary_tallies_every_deepspeed_scale_that_skipped(results):
