@@ -33,6 +33,7 @@ from torch import Tensor
 
 import ampguard.master_weights.checkpoints as checkpoints
 import ampguard.master_weights.gradient_copies as gradient_copies
+import ampguard.master_weights.handles as handles
 import ampguard.master_weights.step as step
 import ampguard.scaler.listeners as listeners
 import ampguard.torch_privates as torch_privates
@@ -100,7 +101,7 @@ class MasterWeightsPatch(Patch):
         if masters is not None:
             masters.retire_all()
         for handle in self._handles:
-            handle.remove()
+            handles.remove_hook(masters, handle)
         self._handles = []
         super().revert()
         step.unwrap_steps()

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
+import ampguard.master_weights.handles as handles
 import ampguard.master_weights.storage as storage
 from ampguard.log import event_logger
 from ampguard.log import label as label  # re-exported: the name the package and its modules use
@@ -66,6 +67,7 @@ class MasterWeights:
         # Above 1, an inner step runs: its hooks leave the masters as they are (the outer step's pre-hook put them in
         # place, and the outer step may have edited their gradients).
         self.step_depth: dict[int, int] = {}
+        self.removals_after_step: list[Any] = []  # hook handles an uninstall removed during a step (handles.py)
 
     def retire_all(self) -> None:
         """Put every optimizer that has masters back as torch would have it (the patch is reverted)."""
@@ -434,7 +436,7 @@ def retire(masters: MasterWeights, optimizer: Any, record: Masters) -> None:
     for key in (_POST_HOOK, PRE_HOOK):
         handle = optimizer.__dict__.pop(key, None)
         if handle is not None:
-            handle.remove()
+            handles.remove_hook(masters, handle)
 
 
 def fail(masters: MasterWeights, optimizer: Any, record: Masters | None, error: Exception) -> None:

@@ -29,6 +29,7 @@ from torch import Tensor
 
 import ampguard.master_weights.closure as closure
 import ampguard.master_weights.gradient_copies as gradient_copies
+import ampguard.master_weights.handles as handles
 from ampguard.log import event_logger
 from ampguard.master_weights.records import (
     ATTRIBUTE,
@@ -219,6 +220,8 @@ def put_back_on_error(step: Callable[..., Any], owner: MastersOwner) -> Callable
         finally:
             if depth[key] == 1:
                 del depth[key]
+                if masters.removals_after_step and not depth:  # hooks an uninstall removed during the step
+                    handles.steps_ended(masters)
             else:
                 depth[key] -= 1
 

@@ -19,6 +19,7 @@ import pickle
 import pytest
 import torch
 import torch.nn.functional as F
+import torch.optim.optimizer as optimizer_module
 from master_events_support import Run, assert_like, batch, model_lists, model_of, sgd
 from master_support import OwnStateDictSGD
 from scaler_support import (  # noqa: F401
@@ -375,24 +376,57 @@ def test_a_copy_of_two_optimizers_sharing_a_parameter_keeps_both_updates(how):
 # as the float32 run does, not with gradients still multiplied by the scale.
 
 
-def _update_after_unscale(dtype: torch.dtype, uninstall: bool) -> float:
+def _update_after_unscale(dtype: torch.dtype, uninstall: str | None) -> list[torch.Tensor]:
+    """The parameters after one step of the float16 or float32 model, unscaled first, with ``ampguard.uninstall()``
+    called ``uninstall``: "before step" (between ``unscale_`` and ``step``), or from inside the step, by a step hook of
+    the user's: "optimizer pre-hook" (before the masters' own, the last), "global pre-hook", "post-hook"."""
     model = model_of(dtype)
     optimizer = sgd(model.parameters())
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    start = [p.detach().float().clone() for p in model.parameters()]
     x, y = batch(0, dtype)
     scaler.scale(F.mse_loss(model(x).float(), y)).backward()
     scaler.unscale_(optimizer)
-    if uninstall:
+    hooks = {
+        "optimizer pre-hook": optimizer.register_step_pre_hook,
+        "global pre-hook": optimizer_module.register_optimizer_step_pre_hook,
+        "post-hook": optimizer.register_step_post_hook,
+    }
+    handle = hooks[uninstall](lambda *args: ampguard.uninstall()) if uninstall in hooks else None
+    if uninstall == "before step":
         ampguard.uninstall()
     try:
         scaler.step(optimizer)
     finally:
+        if handle is not None:
+            handle.remove()
         ampguard.install()
-    return max((p.float() - s).abs().max().item() for p, s in zip(model.parameters(), start))
+    return [p.detach().float().clone() for p in model.parameters()]
 
 
 def test_uninstall_between_unscale_and_step_steps_with_the_unscaled_gradients():
-    half = _update_after_unscale(torch.float16, uninstall=True)
-    full = _update_after_unscale(torch.float32, uninstall=False)
-    assert half == pytest.approx(full, rel=0.05), f"largest update {half:.4g} in float16, {full:.4g} in float32"
+    start = [p.detach().float() for p in model_of(torch.float32).parameters()]
+    half = _update_after_unscale(torch.float16, uninstall="before step")
+    full = _update_after_unscale(torch.float32, uninstall=None)
+    largest = [max((p - s).abs().max().item() for p, s in zip(run, start)) for run in (half, full)]
+    assert largest[0] == pytest.approx(largest[1], rel=0.05), f"largest update {largest} in float16, float32"
+
+
+@pytest.mark.parametrize("hook", ["optimizer pre-hook", "global pre-hook"])
+def test_uninstall_from_a_step_pre_hook_steps_as_uninstalled_before_the_step(hook):
+    """torch iterates the step hooks as it steps: the masters' hooks leave once the step has ended, never from under
+    that iteration ("OrderedDict mutated during iteration" raised into the user's step before)."""
+    global_hooks = optimizer_module._global_optimizer_pre_hooks, optimizer_module._global_optimizer_post_hooks
+    ampguard.uninstall()
+    stock = [len(hooks) for hooks in global_hooks]
+    ampguard.install()
+    inside = _update_after_unscale(torch.float16, uninstall=hook)
+    before = _update_after_unscale(torch.float16, uninstall="before step")
+    assert all(torch.equal(a, b) for a, b in zip(inside, before))
+    ampguard.uninstall()
+    assert [len(hooks) for hooks in global_hooks] == stock  # none of ampguard's left behind
+
+
+def test_uninstall_from_a_step_post_hook_keeps_the_step_the_masters_took():
+    after = _update_after_unscale(torch.float16, uninstall="post-hook")
+    plain = _update_after_unscale(torch.float16, uninstall=None)
+    assert all(torch.equal(a, b) for a, b in zip(after, plain))
