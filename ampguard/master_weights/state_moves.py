@@ -11,10 +11,16 @@ from torch import Tensor
 
 def cast_state(saved: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     """A parameter's optimizer state as torch would hold it for a ``dtype`` parameter (``step`` stays as it is)."""
-    return {
-        key: value.to(dtype) if key != "step" and torch.is_tensor(value) and value.is_floating_point() else value
-        for key, value in saved.items()
-    }
+    return {key: value if key == "step" else _cast(value, dtype) for key, value in saved.items()}
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """``value`` in ``dtype``; lists and tuples of tensors too (LBFGS keeps ``old_dirs``, ``old_stps``, ``ro``, ``al``)."""
+    if torch.is_tensor(value):
+        return value.to(dtype) if value.is_floating_point() else value
+    if type(value) in (list, tuple):
+        return type(value)(_cast(item, dtype) for item in value)
+    return value
 
 
 def earlier_masters(optimizer: Any, earlier: dict[int, tuple[weakref.ref[Tensor], Tensor]]) -> dict[int, Tensor]:

@@ -144,3 +144,31 @@ def test_a_failure_inside_a_closure_step_falls_back_to_torch_with_one_warning(op
     assert all(a is b for a, b in zip(params, run.model.parameters(), strict=True))
     assert set(run.optimizer.state) <= set(params)  # the state is the parameters' again, as torch has it
     assert run.end_loss != run.start_loss  # stepped, as torch steps float16 weights
+
+
+def test_lbfgs_history_lists_go_back_to_the_parameters_dtype_at_uninstall():
+    """LBFGS keeps its curvature history in lists (``old_dirs``, ``old_stps``, ``ro``): they leave the masters with
+    the rest of its state. A float32 entry left among float16 ones raised 'expected both vectors to have same
+    dtype' at the first step after ``uninstall()``."""
+    import ampguard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4)).half()
+    optimizer = torch.optim.LBFGS(model.parameters(), lr=0.1, max_iter=3)
+    x, y = torch.randn(32, 8).half(), torch.randn(32, 4)
+
+    def closure() -> torch.Tensor:
+        optimizer.zero_grad()
+        loss = F.mse_loss(model(x).float(), y)
+        loss.backward()
+        return loss
+
+    optimizer.step(closure)
+    ampguard.uninstall()
+    try:
+        optimizer.step(closure)  # raised before
+        state = optimizer.state[optimizer._params[0]]
+    finally:
+        ampguard.install()
+    history = [t for key in ("old_dirs", "old_stps", "ro") for t in state[key]]
+    assert history and {t.dtype for t in history} == {torch.float16}
